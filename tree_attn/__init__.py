@@ -18,13 +18,19 @@ from .errors import (
     TreeAttnError,
 )
 from .kernels.dispatch import decode_attention
+from .reduce.collectives import tree_decode
 from .reduce.merge import merge_partials
+from .reduce.plan import ReductionPlan
+from .reduce.ring import ring_decode
 
 __version__ = "0.1.0"
 
 __all__ = [
     "decode_attention",
     "merge_partials",
+    "tree_decode",
+    "ring_decode",
+    "ReductionPlan",
     "TreeAttnError",
     "ShapeError",
     "ConfigError",

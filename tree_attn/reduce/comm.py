@@ -1,0 +1,99 @@
+"""Thin wrappers over torch.distributed that count what each rank sends.
+
+Counting rules (per rank, per call):
+- point-to-point send: one message of ``numel * element_size`` bytes;
+- all_reduce of n bytes over p ranks: ``2 (p-1)/p * n`` bytes in ``2 (p-1)`` messages, what the
+  ring algorithm moves (the convention of NCCL's "bus bandwidth"); other algorithms move about as
+  much;
+- all_gather of n bytes per rank: ``(p-1) * n`` bytes in ``p-1`` messages (ring).
+These are the bytes on the wire for the algorithm named, not measured NIC counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+
+
+@dataclass
+class CommStats:
+    """Messages and bytes this rank has sent, and the collectives it joined."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+
+    def reset(self) -> None:
+        self.messages = self.bytes_sent = self.collectives = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (identity for the default group)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def require_initialized() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
+            "(or launch through `tree-attn run` / torchrun)"
+        )
+
+
+def all_reduce(t: torch.Tensor, op, group, stats: CommStats | None) -> None:
+    p = dist.get_world_size(group)
+    if stats is not None and p > 1:
+        stats.collectives += 1
+        stats.messages += 2 * (p - 1)
+        stats.bytes_sent += (2 * (p - 1) * _nbytes(t)) // p
+    try:
+        dist.all_reduce(t, op=op, group=group)
+    except RuntimeError as exc:  # gloo/NCCL report a dead or stuck peer as RuntimeError
+        raise DistributedError(f"all_reduce failed: {exc}") from exc
+
+
+def all_gather(t: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
+    """Gather ``t`` from every rank: returns ``[p, *t.shape]``."""
+    p = dist.get_world_size(group)
+    out = torch.empty((p, *t.shape), dtype=t.dtype, device=t.device)
+    if stats is not None and p > 1:
+        stats.collectives += 1
+        stats.messages += p - 1
+        stats.bytes_sent += (p - 1) * _nbytes(t)
+    parts = list(out.unbind(0))
+    try:
+        dist.all_gather(parts, t.contiguous(), group=group)
+    except RuntimeError as exc:
+        raise DistributedError(f"all_gather failed: {exc}") from exc
+    return out
+
+
+def isend(t: torch.Tensor, dst: int, group, stats: CommStats | None):
+    """Start sending ``t`` to group rank ``dst``; returns the request."""
+    if stats is not None:
+        stats.messages += 1
+        stats.bytes_sent += _nbytes(t)
+    return dist.isend(t, dst=global_rank(group, dst), group=group)
+
+
+def irecv(t: torch.Tensor, src: int, group):
+    """Start receiving into ``t`` from group rank ``src``; returns the request."""
+    return dist.irecv(t, src=global_rank(group, src), group=group)
+
+
+def wait_all(requests, what: str) -> None:
+    try:
+        for r in requests:
+            r.wait()
+    except RuntimeError as exc:
+        raise DistributedError(f"{what} failed (a peer rank may have died or timed out): {exc}") from exc

@@ -1,0 +1,82 @@
+"""``ring_decode``: the Ring Attention baseline for decoding, as the paper compares against.
+
+KV blocks travel around the ring: in each of ``p - 1`` steps every rank forwards the block it holds
+to its successor while computing attention on it, and receives its predecessor's block; each
+arriving block's state is merged into the running state. Sends and receives overlap the compute.
+Per decode step each rank sends ``p - 1`` whole KV shards: volume linear in the sequence length,
+against the tree's ``O(B * Hq * D)`` messages independent of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.dispatch import decode_attention
+from ..kernels.shapes import check_decode_inputs
+from . import comm
+from .collectives import exchange_shapes
+from .comm import CommStats
+from .merge import merge_two
+
+
+def ring_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    group=None,
+    impl: str = "auto",
+    config=None,
+    stats: CommStats | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring Attention decoding; same contract as :func:`tree_decode`.
+
+    Args:
+        q: ``[B, Hq, D]``, the same on every rank; k, v: this rank's shard ``[B, N_r, Hkv, D]``.
+        seq_lens: optional int ``[B]`` valid keys of this rank's shard per row.
+
+    Returns:
+        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 over all ranks' keys.
+    """
+    comm.require_initialized()
+    shape = check_decode_inputs(q, k, v, seq_lens)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    # Block sizes differ per rank; every rank learns them (and checks the shapes agree) up front.
+    lengths = exchange_shapes(q, shape, group, stats)
+    b = shape.batch
+    if seq_lens is None:
+        seq_lens = torch.full((b,), shape.kv_len, dtype=torch.int32, device=q.device)
+    cur_k, cur_v, cur_len = k.contiguous(), v.contiguous(), seq_lens.to(torch.int32).contiguous()
+    out = lse = None
+    succ, pred = (rank + 1) % world, (rank - 1) % world
+    for step in range(world):
+        reqs = []
+        if step < world - 1:
+            src = (rank - step - 1) % world  # whose block arrives in this step
+            n_src = lengths[src]
+            nxt_k = torch.empty((b, n_src, shape.kv_heads, shape.head_dim), dtype=k.dtype, device=k.device)
+            nxt_v = torch.empty_like(nxt_k)
+            nxt_len = torch.empty((b,), dtype=torch.int32, device=q.device)
+            # Block being forwarded this step came from rank (rank - step); an empty one is not sent
+            # (both ends know its length), only its per-row lengths are.
+            fwd_len = lengths[(rank - step) % world]
+            reqs.append(comm.isend(cur_len, succ, group, stats))
+            reqs.append(comm.irecv(nxt_len, pred, group))
+            if fwd_len > 0:
+                reqs += [comm.isend(cur_k, succ, group, stats), comm.isend(cur_v, succ, group, stats)]
+            if n_src > 0:
+                reqs += [comm.irecv(nxt_k, pred, group), comm.irecv(nxt_v, pred, group)]
+        # Compute on the block in hand while it travels on.
+        o_blk, lse_blk = decode_attention(q, cur_k, cur_v, seq_lens=cur_len, scale=scale, impl=impl, config=config)
+        if out is None:
+            out, lse = o_blk.float(), lse_blk
+        else:
+            out, lse = merge_two(out, lse, o_blk, lse_blk)
+        if reqs:
+            comm.wait_all(reqs, f"ring step {step}: exchange with ranks {pred} and {succ}")
+            cur_k, cur_v, cur_len = nxt_k, nxt_v, nxt_len
+    return out.to(q.dtype), lse.contiguous()
