@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -105,7 +106,9 @@ def _child(
         )
         env = RankEnv(rank, world_size, backend, f"cuda:{rank}" if device_kind == "cuda" else "cpu", rank)
         value = fn(env, *args)
-        results.put(("ok", rank, value))
+        # Plain pickle, not torch's shared-memory reductions: those hand over file descriptors
+        # that vanish once this process exits, before the parent may have read them.
+        results.put(("ok", rank, pickle.dumps(value)))
     except TreeAttnError as exc:
         results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
@@ -193,7 +196,7 @@ def _collect(procs, results, world_size: int, deadline: float) -> list[Any]:
         if msg is not None:
             if msg[0] != "ok":
                 _raise_rank_error(msg)
-            values[msg[1]] = msg[2]
+            values[msg[1]] = pickle.loads(msg[2])
             continue
         dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
         if dead:
@@ -207,7 +210,7 @@ def _collect(procs, results, world_size: int, deadline: float) -> list[Any]:
                 ) from None
             if msg[0] != "ok":
                 _raise_rank_error(msg)
-            values[msg[1]] = msg[2]
+            values[msg[1]] = pickle.loads(msg[2])
             continue
         if time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(values))
