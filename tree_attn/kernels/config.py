@@ -1,0 +1,217 @@
+"""Explicit launch configurations of the Triton split-KV decode kernel, and the default heuristic.
+
+Configs are plain data, chosen before launch: there is no ``@triton.autotune`` anywhere, because in
+a multi-GPU decode every rank must run the same config (ranks that each benchmark at run time can
+pick different winners, and timing noise then turns into run-to-run differences in rounding).
+``tune`` searches :func:`tree_attn.kernels.perf_model.candidate_configs` once and writes the winner
+into a profile; without one, :func:`default_config` picks a config from the shape and the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .perf_model import DeviceSpec
+    from .shapes import DecodeShape
+
+# tl.dot needs every block dimension >= 16; above 512 keys per tile the K and V tiles of one
+# program no longer fit the shared memory of any current GPU once pipelined.
+MIN_BLOCK_N = 16
+MAX_BLOCK_N = 512
+# Triton accepts 1..32 warps per program; more than 16 never helps a [16, BLOCK_N] x [BLOCK_N, D] dot.
+MAX_NUM_WARPS = 16
+MAX_NUM_STAGES = 8
+# Stage two keeps one [splits] vector of lse per (row, head) and loops over the partials, so any
+# count works; past a few hundred splits the partial outputs cost more bandwidth than they save.
+MAX_NUM_SPLITS = 1024
+# AMD's waves_per_eu hint: 0 lets the compiler choose; a CDNA3 SIMD holds at most 8 waves.
+MAX_WAVES_PER_EU = 8
+
+# Heuristic knobs (see default_num_splits): aim for this many programs per SM/CU so that the
+# memory system sees enough loads in flight, and never make a split shorter than this many tiles
+# (a split pays a fixed prologue, a q load and a partial-state write).
+TARGET_PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 4
+HEURISTIC_MAX_SPLITS = 128
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, *, pow2: bool = False, optional: bool = False) -> None:
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"DecodeConfig.{name} must be an integer; got None")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"DecodeConfig.{name} must be an integer; got {value!r} ({type(value).__name__})")
+    if not lo <= value <= hi:
+        raise ConfigError(f"DecodeConfig.{name} must lie in {lo}..{hi}; got {value}")
+    if pow2 and not _is_pow2(value):
+        raise ConfigError(f"DecodeConfig.{name} must be a power of two; got {value}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One launch configuration of the split-KV decode kernel.
+
+    Attributes:
+        block_n: keys per tile of the inner loop (power of two, 16..512).
+        num_warps: warps per program of stage one (power of two, 1..16).
+        num_stages: software-pipelining depth of the tile loop (1..8; 1 = no pipelining).
+        num_splits: KV splits per (batch row, KV head), 1..1024; ``None`` = heuristic at launch.
+        waves_per_eu: AMD occupancy hint (0..8, 0 = compiler's choice); must be ``None`` elsewhere.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None
+    waves_per_eu: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_n", self.block_n, MIN_BLOCK_N, MAX_BLOCK_N, pow2=True)
+        _check_int("num_warps", self.num_warps, 1, MAX_NUM_WARPS, pow2=True)
+        _check_int("num_stages", self.num_stages, 1, MAX_NUM_STAGES)
+        _check_int("num_splits", self.num_splits, 1, MAX_NUM_SPLITS, optional=True)
+        _check_int("waves_per_eu", self.waves_per_eu, 0, MAX_WAVES_PER_EU, optional=True)
+
+    def to_dict(self) -> dict[str, int | None]:
+        """Plain dict in field order (stable for YAML/JSON)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DecodeConfig":
+        """Build from a mapping such as a profile's ``kernel:`` section; unknown keys are rejected.
+
+        Missing keys take the dataclass defaults.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a DecodeConfig must be a mapping; got {type(data).__name__}: {data!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"unknown DecodeConfig key(s) {', '.join(unknown)}; allowed: {', '.join(f.name for f in fields(cls))}"
+            )
+        return cls(**dict(data))
+
+    def with_splits(self, num_splits: int) -> "DecodeConfig":
+        """A copy with ``num_splits`` set."""
+        return replace(self, num_splits=num_splits)
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. ``bn64 w4 s2 splits=16``."""
+        s = f"bn{self.block_n} w{self.num_warps} s{self.num_stages} splits={self.num_splits or 'auto'}"
+        if self.waves_per_eu is not None:
+            s += f" wpe{self.waves_per_eu}"
+        return s
+
+
+def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
+    """Keys per split: ``ceil(N / splits)`` rounded up to whole tiles (at least one tile).
+
+    Every split but the last covers exactly this many positions; splits past the end are empty.
+    """
+    per = -(-max(kv_len, 1) // num_splits)
+    return max(block_n, -(-per // block_n) * block_n)
+
+
+def default_num_splits(
+    batch: int, kv_heads: int, kv_len: int, block_n: int, sm_count: int, *, group_blocks: int = 1
+) -> int:
+    """Number of KV splits for a launch when the config does not fix one.
+
+    Decode attention is bound by memory bandwidth, and one program per (row, KV head) leaves most
+    of a large GPU idle at small batch (batch 1 x 8 KV heads = 8 programs on a 132-SM H100). So:
+    enough programs to give every SM about ``TARGET_PROGRAMS_PER_SM`` of them (several resident
+    programs per SM keep enough loads in flight to cover HBM latency), no split shorter than
+    ``MIN_TILES_PER_SPLIT`` tiles, at most ``HEURISTIC_MAX_SPLITS``. Among the counts that reach
+    the target, the one whose last wave is fullest is chosen (wave quantisation: 130 programs on
+    128 slots take two waves for the time of ~1.02).
+    """
+    base = max(1, batch * kv_heads * group_blocks)
+    tiles = max(1, math.ceil(kv_len / block_n))
+    max_by_len = max(1, tiles // MIN_TILES_PER_SPLIT)
+    cap = max(1, min(HEURISTIC_MAX_SPLITS, max_by_len))
+    slots = max(1, sm_count * TARGET_PROGRAMS_PER_SM)
+    want = math.ceil(slots / base)
+    if want <= 1:
+        return 1
+    if want >= cap:
+        return cap
+    # Try counts from `want` up to 1.5x, keep the best wave efficiency (programs / rounded-up waves).
+    best, best_eff = want, -1.0
+    for s in range(want, min(cap, want + want // 2) + 1):
+        programs = base * s
+        eff = programs / (math.ceil(programs / slots) * slots)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
+    """The config used when none is given, with ``num_splits`` resolved.
+
+    Tile and warp choices follow common Flash-Decoding practice for bandwidth-bound decode: 64 keys
+    per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small),
+    4 warps, 2 stages on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this
+    light) and ``waves_per_eu=2``.
+    """
+    d = shape.head_dim
+    block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
+    amd = device_spec.vendor == "amd"
+    group_blocks = group_blocks_for(shape.group)
+    splits = default_num_splits(
+        shape.batch, shape.kv_heads, shape.kv_len, block_n, device_spec.sm_count, group_blocks=group_blocks
+    )
+    return DecodeConfig(
+        block_n=block_n,
+        num_warps=4,
+        num_stages=1 if amd else 2,
+        num_splits=splits,
+        waves_per_eu=2 if amd else None,
+    )
+
+
+# A program handles all query heads of one KV head, padded to a tl.dot-friendly row count; past
+# 64 query heads per KV head (MQA with many heads) the group is cut into blocks of 64 so the
+# [group, D] accumulator stays in registers.
+MIN_GROUP_BLOCK = 16
+MAX_GROUP_BLOCK = 64
+
+
+def group_block(group: int) -> int:
+    """Rows of the padded query-head group per program: next power of two, 16..64."""
+    g = 1 << max(0, (max(group, 1) - 1).bit_length())
+    return max(MIN_GROUP_BLOCK, min(MAX_GROUP_BLOCK, g))
+
+
+def group_blocks_for(group: int) -> int:
+    """Programs per (row, KV head, split) needed to cover ``group`` query heads."""
+    return max(1, math.ceil(max(group, 1) / group_block(group)))
+
+
+def resolve_config(config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
+    """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no config."""
+    if config is None:
+        return default_config(shape, dtype, device_spec)
+    if not isinstance(config, DecodeConfig):
+        raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
+    if config.num_splits is None:
+        splits = default_num_splits(
+            shape.batch,
+            shape.kv_heads,
+            shape.kv_len,
+            config.block_n,
+            device_spec.sm_count,
+            group_blocks=group_blocks_for(shape.group),
+        )
+        return config.with_splits(splits)
+    return config

@@ -1,0 +1,28 @@
+"""Cached facts about the device a launch runs on (querying device properties costs microseconds,
+and the launcher asks on every decode step)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .perf_model import CPU_INTERPRETER, DeviceSpec
+
+
+def is_rocm() -> bool:
+    """True on a ROCm build of torch (AMD GPUs appear as device type "cuda" there)."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_for_index(index: int) -> DeviceSpec:
+    return DeviceSpec.from_torch_device(index)
+
+
+def device_spec_for(device: torch.device) -> DeviceSpec:
+    """The :class:`DeviceSpec` of ``device``; :data:`CPU_INTERPRETER` for CPU tensors."""
+    if device.type != "cuda":
+        return CPU_INTERPRETER
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _spec_for_index(index)

@@ -1,0 +1,170 @@
+"""Host side of the Triton split-KV decode kernel: validation, config, buffers, grids, launches.
+
+Imported lazily by ``dispatch.decode_attention`` (and by tests/benchmarks), so that triton is only
+needed when the Triton path actually runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ..errors import ConfigError
+from .config import DecodeConfig, group_block, group_blocks_for, resolve_config, split_len
+from .device_info import device_spec_for, is_rocm
+from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
+from .shapes import check_decode_inputs
+
+# Stage two is a small reduction ([S, D] fp32 per program); 4 warps cover D=256 in one pass.
+STAGE2_NUM_WARPS = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (max(1, x) - 1).bit_length())
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: DecodeConfig | None = None,
+    device_spec: DeviceSpec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode attention with the Triton kernel.
+
+    Args:
+        q: ``[B, Hq, D]`` fp16/bf16/fp32, any strides.
+        k, v: ``[B, N, Hkv, D]`` (same dtype, any strides, e.g. slices of a larger cache), ``Hq % Hkv == 0``.
+        seq_lens: optional integer ``[B]`` on q's device, valid keys per row (0..N; clamped to that range).
+        scale: softmax scale, default ``D ** -0.5``.
+        config: a :class:`DecodeConfig`; ``None`` = :func:`config.default_config`, and a config
+            with ``num_splits=None`` gets the split heuristic.
+        device_spec: override the device facts the heuristic uses (default: read from q's device).
+
+    Returns:
+        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log); rows without
+        keys give out 0 and lse -inf.
+    """
+    shape = check_decode_inputs(q, k, v, seq_lens)
+    b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
+    if scale is None:
+        scale = d**-0.5
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ConfigError(f"scale must be a finite number; got {scale}")
+    spec = device_spec if device_spec is not None else device_spec_for(q.device)
+    cfg = resolve_config(config, shape, k.dtype, spec)
+    rocm = q.device.type == "cuda" and is_rocm()
+    if cfg.waves_per_eu is not None and not rocm and not _interpreting():
+        raise ConfigError(
+            f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; set it to None on this device ({q.device})"
+        )
+
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if n == 0:
+        # No keys anywhere: the empty state, without a launch (a zero-length K has no storage to point at).
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if d == 0:
+        raise ConfigError("head dim D must be at least 1")
+
+    num_splits = cfg.num_splits
+    assert num_splits is not None  # resolve_config fills it
+    s_len = split_len(n, num_splits, cfg.block_n)
+    block_g = group_block(shape.group)
+    g_blocks = group_blocks_for(shape.group)
+    block_d = max(16, _next_pow2(d))
+
+    interpret = _interpreting() and q.device.type != "cuda"
+    # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in dtype
+    # (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic is wrong).
+    upcast = interpret or k.dtype == torch.float32 or q.dtype != k.dtype
+
+    if seq_lens is not None:
+        lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+        has_lens = True
+    else:
+        lens = lse  # never read (HAS_SEQ_LENS=False); any tensor serves as the pointer
+        has_lens = False
+
+    if num_splits == 1:
+        # One split: stage one writes the final out (in q's dtype) and lse directly.
+        o_part, lse_part = out, lse
+        o_strides = (out.stride(0), out.stride(1), 0)
+        l_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+        o_strides = o_part.stride()[:3]
+        l_strides = lse_part.stride()
+
+    from . import triton_decode  # lazy: triton is imported only when the kernel runs
+
+    launch_opts: dict = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if rocm and cfg.waves_per_eu is not None:
+        launch_opts["waves_per_eu"] = cfg.waves_per_eu
+
+    grid1 = (b * hkv * g_blocks, num_splits)
+    with _device_guard(q.device):
+        triton_decode.split_kv_stage1_kernel[grid1](
+            q, k, v, lens, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o_strides[0], o_strides[1], o_strides[2],
+            l_strides[0], l_strides[1], l_strides[2],
+            hkv, g_blocks, n, s_len, scale * triton_decode.LOG2E,
+            GROUP=shape.group,
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_G=block_g,
+            BLOCK_N=cfg.block_n,
+            STRIDE_KD=k.stride(3),
+            STRIDE_VD=v.stride(3),
+            HAS_SEQ_LENS=has_lens,
+            UPCAST=upcast,
+            DOT_PRECISION="ieee",
+            **launch_opts,
+        )
+        if num_splits > 1:
+            triton_decode.split_kv_stage2_kernel[(b * hq,)](
+                o_part, lse_part, out, lse,
+                o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                out.stride(0), out.stride(1),
+                lse.stride(0), lse.stride(1),
+                hq, num_splits,
+                HEAD_DIM=d,
+                BLOCK_D=block_d,
+                SPLIT_TILE=STAGE2_SPLIT_TILE,
+                num_warps=STAGE2_NUM_WARPS,
+            )
+    return out, lse
+
+
+class _NullGuard:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device_guard(device: torch.device):
+    # Triton launches on the current CUDA device and stream: make it q's device.
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return _NullGuard()
