@@ -42,8 +42,11 @@ class ReductionTree:
         return max(self.depth)
 
     @classmethod
-    def from_parents(cls, parents: tuple[int, ...] | list[int]) -> ReductionTree:
-        """Build from a parent array, checking that it is a single tree spanning every rank."""
+    def from_parents(cls, parents, order=None) -> ReductionTree:
+        """Build from a parent array, checking that it is a single tree spanning every rank.
+
+        ``order`` (a permutation of the ranks) sets the order of each node's children; default by rank.
+        """
         parents = tuple(int(p) for p in parents)
         n = len(parents)
         if n == 0:
@@ -55,9 +58,9 @@ class ReductionTree:
             if p != -1 and not (0 <= p < n) or p == r:
                 raise ConfigError(f"parents[{r}]={p} is not a valid parent among {n} ranks")
         children: list[list[int]] = [[] for _ in range(n)]
-        for r, p in enumerate(parents):
-            if p >= 0:
-                children[p].append(r)
+        for r in order if order is not None else range(n):
+            if parents[r] >= 0:
+                children[parents[r]].append(r)
         depth = [-1] * n
         depth[roots[0]] = 0
         stack = [roots[0]]
@@ -84,7 +87,7 @@ def kary_tree(rank_order: tuple[int, ...] | list[int], fanout: int) -> Reduction
     parents = [-1] * len(order)
     for pos in range(1, len(order)):
         parents[order[pos]] = order[(pos - 1) // fanout]
-    return ReductionTree.from_parents(parents)
+    return ReductionTree.from_parents(parents, order)
 
 
 @dataclass(frozen=True)
