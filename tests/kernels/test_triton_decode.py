@@ -1,0 +1,174 @@
+"""The Triton split-KV kernel against the torch reference and float64, on small awkward shapes.
+
+Runs on the GPU if there is one, else in Triton's CPU interpreter (see conftest.py); the shapes are
+kept tiny because the interpreter executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_tolerances import TOLERANCES, assert_decode_close, tol_for
+from tree_attn.kernels.config import DecodeConfig
+from tree_attn.kernels.dispatch import decode_attention
+from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
+from tree_attn.kernels.triton_launch import decode_attention_triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_inputs(b, hq, hkv, d, n, dtype, device, *, seed=0, q_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * q_scale).to(dtype).to(device)
+    k = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(device)
+    v = torch.randn(b, n, hkv, d, generator=g).to(dtype).to(device)
+    return q, k, v
+
+
+def check_against_references(q, k, v, seq_lens=None, config=None, what=""):
+    out, lse = decode_attention_triton(q, k, v, seq_lens=seq_lens, config=config)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    tol = tol_for(q.dtype, k.dtype)
+    o64, l64 = decode_attention_float64(q, k, v, seq_lens=seq_lens)
+    assert_decode_close(out, lse, o64, l64, tol, what=f"{what} vs float64")
+    ot, lt = decode_attention_torch(q, k, v, seq_lens=seq_lens)
+    assert_decode_close(out, lse, ot, lt, tol, what=f"{what} vs torch reference")
+    return out, lse
+
+
+# (B, Hq, Hkv, D, N, seq_lens or None, config or None): each line names what it exercises.
+CASES = {
+    "gqa4_d64_n_not_multiple_of_block": (2, 8, 2, 64, 100, None, DecodeConfig(block_n=32, num_splits=3)),
+    "gqa1_d80_single_split_direct_write": (1, 2, 2, 80, 37, None, DecodeConfig(block_n=16, num_splits=1)),
+    "gqa8_d128_fewer_keys_than_splits": (1, 8, 1, 128, 5, None, DecodeConfig(block_n=16, num_splits=4)),
+    "one_key": (2, 4, 2, 64, 1, None, DecodeConfig(block_n=16, num_splits=2)),
+    "seq_lens_with_zeros": (3, 4, 1, 64, 50, [50, 0, 17], DecodeConfig(block_n=16, num_splits=3)),
+    "all_rows_empty": (2, 4, 2, 64, 20, [0, 0], DecodeConfig(block_n=16, num_splits=2)),
+    "default_config_d96": (2, 4, 1, 96, 70, [70, 33], None),
+    "heuristic_splits_bn64": (2, 8, 2, 128, 200, None, DecodeConfig(block_n=64, num_splits=None)),
+    "bn16_many_splits_stage2_loops": (1, 4, 1, 64, 300, None, DecodeConfig(block_n=16, num_splits=19)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_references(case, dtype, device):
+    b, hq, hkv, d, n, lens, config = CASES[case]
+    q, k, v = make_inputs(b, hq, hkv, d, n, dtype, device, seed=list(CASES).index(case))
+    seq_lens = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=device)
+    check_against_references(q, k, v, seq_lens, config, what=f"{case}/{dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).replace("torch.", ""))
+def test_zero_length_cache(dtype, device):
+    q, k, v = make_inputs(2, 4, 2, 64, 0, dtype, device)
+    out, lse = decode_attention(q, k, v, impl="triton", config=DecodeConfig(block_n=16, num_splits=2))
+    assert out.dtype == dtype and torch.all(out == 0)
+    assert lse.dtype == torch.float32 and torch.all(lse == float("-inf"))
+
+
+def test_empty_batch(device):
+    q, k, v = make_inputs(0, 4, 2, 64, 10, torch.float32, device)
+    out, lse = decode_attention_triton(q, k, v)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_split_count_does_not_change_result(splits, device):
+    """Different splittings of the same keys merge to the same state (fp32: tight)."""
+    q, k, v = make_inputs(2, 4, 1, 64, 90, torch.float32, device, seed=3)
+    out, lse = decode_attention_triton(q, k, v, config=DecodeConfig(block_n=16, num_splits=splits))
+    ref_out, ref_lse = decode_attention_float64(q, k, v)
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what=f"splits={splits}")
+
+
+def test_noncontiguous_strides(device):
+    """k/v slices of a bigger cache, a head-major cache permuted to [B, N, Hkv, D], a strided q,
+    and a last-dim stride of 2 (STRIDE_KD != 1)."""
+    b, hq, hkv, d, n = 2, 8, 2, 64, 45
+    g = torch.Generator().manual_seed(11)
+    q_big = torch.randn(b, hq, 2 * d, generator=g).to(device)
+    q = q_big[:, :, d:]  # stride_qh = 2D
+    k_cache = torch.randn(b, 64, hkv, d, generator=g).to(device)
+    k = k_cache[:, 3 : 3 + n]  # slice along N: offset base, stride_kb = 64*Hkv*D
+    v_head_major = torch.randn(b, hkv, n, d, generator=g).to(device)
+    v = v_head_major.permute(0, 2, 1, 3)  # stride_vn = D, stride_vh = N*D
+    assert not k.is_contiguous() and not v.is_contiguous() and not q.is_contiguous()
+    check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=3), what="strided")
+    k2_store = torch.randn(b, n, hkv, 2 * d, generator=g).to(device)
+    k2 = k2_store[..., ::2]  # last-dim stride 2
+    check_against_references(q, k2, v, config=DecodeConfig(block_n=32, num_splits=2), what="d-stride 2")
+
+
+def test_mixed_dtypes_q_fp32_kv_bf16(device):
+    q, _, _ = make_inputs(1, 4, 1, 64, 33, torch.float32, device, seed=5)
+    _, k, v = make_inputs(1, 4, 1, 64, 33, torch.bfloat16, device, seed=6)
+    check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=2), what="mixed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_peaked_scores_no_overflow(dtype, device):
+    """Scores of magnitude ~100 (a near one-hot softmax): the online max shift must keep exp finite."""
+    q, k, v = make_inputs(1, 4, 2, 64, 80, dtype, device, seed=8, q_scale=12.0)
+    out, lse = check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=3), what="peaked")
+    assert torch.isfinite(lse).all()
+
+
+def test_garbage_past_seq_len_is_never_read(device):
+    """Positions past a row's length may hold NaN/inf (unwritten cache): they must not leak."""
+    b, hq, hkv, d, n = 2, 4, 1, 64, 40
+    q, k, v = make_inputs(b, hq, hkv, d, n, torch.float32, device, seed=9)
+    lens = torch.tensor([25, 0], dtype=torch.int32, device=device)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, 25:] = float("nan")
+    v_bad[0, 25:] = float("inf")
+    k_bad[1] = float("nan")
+    v_bad[1] = float("nan")
+    out, lse = decode_attention_triton(q, k_bad, v_bad, seq_lens=lens, config=DecodeConfig(block_n=16, num_splits=2))
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="garbage past seq_len")
+
+
+def test_seq_lens_any_int_dtype_and_custom_scale(device):
+    q, k, v = make_inputs(2, 4, 2, 64, 30, torch.float32, device, seed=12)
+    lens = torch.tensor([30, 7], dtype=torch.int64, device=device)
+    out, lse = decode_attention_triton(q, k, v, seq_lens=lens, scale=0.3, config=DecodeConfig(block_n=16, num_splits=2))
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, scale=0.3)
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="int64 seq_lens, scale 0.3")
+
+
+def test_amd_option_rejected_off_rocm(monkeypatch):
+    """waves_per_eu is an AMD option: asking for it on other hardware is a config error, not ignored."""
+    from tree_attn.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = make_inputs(1, 4, 1, 64, 8, torch.float32, "cpu")
+    if torch.cuda.is_available() and torch.version.hip is not None:
+        pytest.skip("on ROCm waves_per_eu is valid")
+    with pytest.raises(ConfigError, match="waves_per_eu"):
+        decode_attention_triton(q, k, v, config=DecodeConfig(block_n=16, num_splits=1, waves_per_eu=2))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([16, 48, 64]),
+    n=st.integers(0, 70),
+    block_n=st.sampled_from([16, 32]),
+    splits=st.integers(1, 6),
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+)
+def test_random_shapes(b, hkv, group, d, n, block_n, splits, dtype, data, device):
+    lens = data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b))
+    q, k, v = make_inputs(b, hkv * group, hkv, d, n, dtype, device, seed=n * 7 + d)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    check_against_references(
+        q, k, v, seq_lens, DecodeConfig(block_n=block_n, num_splits=splits), what=f"random b{b} g{group} d{d} n{n}"
+    )
