@@ -1,0 +1,71 @@
+"""``tree-attn run`` end to end at a small size, and its handling of bad input."""
+
+import json
+
+import pytest
+
+from tree_attn.cli.app import main
+
+
+def test_run_json_small(capsys):
+    code = main(["run", "--world-size", "3", "--seq-len", "1000", "--heads", "8", "--kv-heads", "2",
+                 "--head-dim", "32", "--steps", "3", "--warmup", "1", "--strategy", "tree,allreduce,ring", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert set(rows) == {"tree", "allreduce", "ring"}
+    for r in rows.values():
+        for key in ("step_ms_median", "step_ms_p95", "bytes_sent_per_step", "peak_mem_bytes", "max_abs_err"):
+            assert key in r
+        assert r["max_abs_err"] < 1e-4
+        assert r["step_ms_p95"] >= r["step_ms_median"] > 0
+        assert r["peak_mem_bytes"] > 0
+    # The tree broadcasts the root's bits; ring ranks merge blocks in different orders.
+    assert rows["tree"]["ranks_agree"]
+    # Per-step volumes: the tree's messages are one packed state [B, Hq, D + 1] float32 per edge;
+    # ring forwards two whole KV shards (p - 1 = 2 steps) plus per-row lengths.
+    state_bytes = 1 * 8 * (32 + 1) * 4
+    assert rows["tree"]["bytes_sent_per_step"] == 2 * state_bytes  # the root sends down to 2 children
+    kv_shard = 334 * 2 * 32 * 4  # the largest shard (1000 = 334 + 333 + 333 tokens), fp32 [1, n, 2, 32]
+    assert rows["ring"]["bytes_sent_per_step"] >= 2 * 2 * 333 * 2 * 32 * 4
+    assert rows["ring"]["bytes_sent_per_step"] <= 2 * 2 * kv_shard + 2 * 4 + 3 * 6 * 8
+    assert report["config"]["shard_sizes"] == [334, 333, 333]
+    assert report["speedup_vs_ring"] > 0
+    assert "spawning 3 CPU ranks" in captured.err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--heads", "6", "--kv-heads", "4"], "must be a multiple of KV heads"),
+        (["--strategy", "butterfly"], "unknown strategy 'butterfly'"),
+        (["--fanout", "1", "--strategy", "tree"], "fanout must be an integer >= 2"),
+        (["--world-size", "2", "--fanout", "9", "--strategy", "tree"], "larger than the world size"),
+        (["--device", "cuda"], "no GPU is visible"),
+        (["--dtype", "fp8"], "dtype must be one of"),
+        (["--backend", "mpi"], "backend must be one of"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_1(capsys, args, message):
+    code = main(["run", "--seq-len", "64", "--steps", "1", *args])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_debug_shows_traceback(capsys):
+    code = main(["--debug", "run", "--heads", "6", "--kv-heads", "4"])
+    assert code == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_help_explains():
+    from typer.testing import CliRunner
+
+    from tree_attn.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "--help"])
+    assert result.exit_code == 0
+    assert "Ring" in result.output and "--fanout" in result.output
