@@ -1,0 +1,188 @@
+"""Compare a machine's topology with an expected one (``tree-attn check``), and JUnit output.
+
+Each check is one category (device count, names, link classes, NVLink counts, peer-to-peer,
+bandwidth); its differences are listed in plain words. A fact one side does not know (a dump
+without names, a probe that could not read P2P) is not a difference: it is reported as not
+checked.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Any
+
+from .io import atomic_write_text
+from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology
+
+
+@dataclass
+class CheckResult:
+    """One check: ``status`` is ``passed``, ``failed`` or ``skipped``; ``differences`` the plain
+    words for each difference; ``detail`` a one-line summary."""
+
+    name: str
+    status: str
+    detail: str
+    differences: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "differences": list(self.differences)}
+
+
+@dataclass
+class CheckReport:
+    expected_fingerprint: str
+    actual_fingerprint: str
+    results: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "failed" for r in self.results)
+
+    @property
+    def differences(self) -> list[str]:
+        return [d for r in self.results for d in r.differences]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "expected_fingerprint": self.expected_fingerprint,
+            "actual_fingerprint": self.actual_fingerprint,
+            "checks": [r.to_dict() for r in self.results],
+            "differences": self.differences,
+        }
+
+
+def _describe(l: Link) -> str:
+    if l.kind is LinkKind.NVLINK:
+        return l.label
+    if l.kind is LinkKind.XGMI:
+        return "xGMI"
+    if l.kind.is_pcie:
+        return f"PCIe {l.label}"
+    return l.label
+
+
+def _result(name: str, diffs: list[str], checked: int, skipped_why: str | None = None) -> CheckResult:
+    if diffs:
+        return CheckResult(name, "failed", f"{len(diffs)} difference(s)", diffs)
+    if checked == 0:
+        return CheckResult(name, "skipped", skipped_why or "nothing to compare")
+    return CheckResult(name, "passed", f"{checked} compared, all as expected")
+
+
+def compare_topologies(
+    expected: Topology,
+    actual: Topology,
+    *,
+    min_bandwidth_ratio: float | None = None,
+) -> CheckReport:
+    """Compare ``actual`` with ``expected``. With ``min_bandwidth_ratio`` R, each pair whose
+    bandwidth was measured in ``actual`` must reach R x the expected bandwidth."""
+    results: list[CheckResult] = []
+    ne, na = len(expected), len(actual)
+    if ne != na:
+        what = "missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne else "more than expected"
+        results.append(CheckResult("device count", "failed", f"expected {ne}, found {na}",
+                                   [f"expected {ne} GPUs, found {na}: {abs(ne - na)} {what}"]))
+    else:
+        results.append(CheckResult("device count", "passed", f"{na} devices, as expected"))
+    n = min(ne, na)
+
+    diffs, checked = [], 0
+    for i in range(n):
+        e, a = expected.devices[i].name, actual.devices[i].name
+        if UNKNOWN in (e, a):
+            continue
+        checked += 1
+        if e != a:
+            diffs.append(f"GPU{i}: expected {e}, found {a}")
+    results.append(_result("device names", diffs, checked, "names unknown on one side (a dump without names)"))
+
+    if ne != na:
+        # Indices shift when a GPU is missing: pair-by-pair comparisons would mislead.
+        for name in ("link classes", "nvlink counts", "peer-to-peer"):
+            results.append(CheckResult(name, "skipped", "device counts differ; pairs cannot be matched"))
+        return CheckReport(expected.fingerprint, actual.fingerprint, results)
+
+    pairs = [(expected.link(a, b), actual.link(a, b)) for a in range(n) for b in range(a + 1, n)]
+
+    diffs, checked = [], 0
+    for e, a in pairs:
+        if LinkKind.UNKNOWN in (e.kind, a.kind):
+            continue
+        checked += 1
+        if e.kind is not a.kind:
+            why = ""
+            if e.kind is LinkKind.NVLINK:
+                why = " (no NVLink between them: a bridge, an NVSwitch path or all their links are down)"
+            elif e.kind.rank < a.kind.rank:
+                why = " (a slower path than expected: a GPU may sit in another slot or socket)"
+            diffs.append(f"GPU{e.a}-GPU{e.b}: expected {_describe(e)}, found {_describe(a)}{why}")
+    results.append(_result("link classes", diffs, checked, "link classes unknown on one side"))
+
+    diffs, checked = [], 0
+    for e, a in pairs:
+        if e.kind is LinkKind.NVLINK and a.kind is LinkKind.NVLINK and e.nvlinks and a.nvlinks:
+            checked += 1
+            if a.nvlinks < e.nvlinks:
+                k = e.nvlinks - a.nvlinks
+                diffs.append(f"GPU{e.a}-GPU{e.b}: expected NV{e.nvlinks}, found NV{a.nvlinks} "
+                             f"({'an NVLink is' if k == 1 else f'{k} NVLinks are'} down)")
+            elif a.nvlinks > e.nvlinks:
+                diffs.append(f"GPU{e.a}-GPU{e.b}: expected NV{e.nvlinks}, found NV{a.nvlinks} (more links than expected)")
+    results.append(_result("nvlink counts", diffs, checked, "no NVLink pairs on both sides"))
+
+    diffs, checked = [], 0
+    for e, a in pairs:
+        if P2PStatus.UNKNOWN in (e.p2p, a.p2p):
+            continue
+        checked += 1
+        if e.p2p is not a.p2p:
+            if a.p2p is P2PStatus.UNSUPPORTED:
+                diffs.append(f"GPU{e.a}-GPU{e.b}: expected peer-to-peer, found it unavailable"
+                             f"{f' ({a.p2p_reason})' if a.p2p_reason else ''}: traffic will go through host memory")
+            else:
+                diffs.append(f"GPU{e.a}-GPU{e.b}: expected no peer-to-peer, found it available")
+    results.append(_result("peer-to-peer", diffs, checked, "peer-to-peer status unknown on one side"))
+
+    if min_bandwidth_ratio is not None:
+        diffs, checked = [], 0
+        for e, a in pairs:
+            if e.bandwidth_gbps is None or a.bandwidth_gbps is None or a.bandwidth_source != "measured":
+                continue
+            checked += 1
+            floor = min_bandwidth_ratio * e.bandwidth_gbps
+            if a.bandwidth_gbps < floor:
+                diffs.append(f"GPU{e.a}-GPU{e.b}: measured {a.bandwidth_gbps:.1f} GB/s, below "
+                             f"{min_bandwidth_ratio:g} x the expected {e.bandwidth_gbps:.1f} GB/s ({e.bandwidth_source})")
+        results.append(_result("bandwidth", diffs, checked, "no measured bandwidth to compare (run with --measure)"))
+    return CheckReport(expected.fingerprint, actual.fingerprint, results)
+
+
+def junit_xml(report: CheckReport, *, suite: str = "tree-attn check") -> str:
+    """JUnit XML text: one testsuite, one testcase per check, failures with their messages."""
+    failures = sum(r.status == "failed" for r in report.results)
+    skipped = sum(r.status == "skipped" for r in report.results)
+    root = ET.Element("testsuites", name=suite, tests=str(len(report.results)), failures=str(failures))
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(report.results)),
+                       failures=str(failures), errors="0", skipped=str(skipped))
+    props = ET.SubElement(ts, "properties")
+    ET.SubElement(props, "property", name="expected_fingerprint", value=report.expected_fingerprint)
+    ET.SubElement(props, "property", name="actual_fingerprint", value=report.actual_fingerprint)
+    for r in report.results:
+        tc = ET.SubElement(ts, "testcase", classname="tree_attn.check", name=r.name, time="0")
+        if r.status == "failed":
+            f = ET.SubElement(tc, "failure", message=r.differences[0] if len(r.differences) == 1 else r.detail,
+                              type="TopologyMismatch")
+            f.text = "\n".join(r.differences)
+        elif r.status == "skipped":
+            ET.SubElement(tc, "skipped", message=r.detail)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def write_junit(report: CheckReport, path: str) -> None:
+    """Write :func:`junit_xml` to ``path`` atomically."""
+    atomic_write_text(path, junit_xml(report))

@@ -1,0 +1,42 @@
+"""The host fallback: N CPU ranks on this machine, talking through gloo.
+
+Used when no GPU or no vendor library is available, so that the rest of the tool (plans, the
+decode loop, tests) still runs. Ranks on one host exchange messages through host memory (gloo
+over loopback TCP); there is no device peer-to-peer, and all pairs are alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import TopologyError
+from .model import Device, Link, LinkKind, P2PStatus, Topology
+
+
+def default_cpu_ranks() -> int:
+    """A sensible number of CPU ranks: the usable CPUs, at least 1, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
+    """A topology of ``n`` CPU ranks (default :func:`default_cpu_ranks`).
+
+    Every pair is a ``sys`` link (through host memory) with peer-to-peer not applicable; the
+    hierarchy is one level, one group. Bandwidths are unknown until measured.
+    """
+    if n is None:
+        n = default_cpu_ranks()
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TopologyError(f"cpu ranks: expected an integer >= 1, got {n!r}")
+    devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]
+    links = [
+        Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED, p2p_reason="CPU ranks: messages go through host memory (gloo)")
+        for a in range(n)
+        for b in range(a + 1, n)
+    ]
+    notes = [note] if note else []
+    return Topology(devices=devices, links=links, source="host", notes=notes)
