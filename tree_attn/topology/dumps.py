@@ -363,13 +363,17 @@ def _amd_links(labels: list[str], tables: dict[str, dict], devices: list[Device]
             lt = cell("LINK TYPE")
             if lt is not None:
                 ln, v = lt
+                ln2, v2 = cell("LINK TYPE", lb, a)
+                for line, val, x, y in ((ln, v, la, lb), (ln2, v2, lb, la)):
+                    if val.upper() not in ("XGMI", "PCIE", "PCIEXPRESS", "N/A", "UNKNOWN"):
+                        raise _err(line, f"unknown link type {val!r} between {x} and {y}; expected XGMI or PCIE")
+                if v2.upper() != v.upper():
+                    raise _err(ln2, f"link type {lb}-{la} is {v2!r} but {la}-{lb} is {v!r} (line {ln.no}): not symmetric")
                 v = v.upper()
                 if v == "XGMI":
                     kind = LinkKind.XGMI
                 elif v in ("PCIE", "PCIEXPRESS"):
                     kind = _amd_pcie_kind(devices[a], devices[b])
-                elif v not in ("N/A", "UNKNOWN"):
-                    raise _err(ln, f"unknown link type {v!r} between {la} and {lb}; expected XGMI or PCIE")
             p2p, reason = (P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI else (P2PStatus.UNKNOWN, None)
             acc = cell("ACCESS")
             if acc is not None:
@@ -527,10 +531,11 @@ def detect_format(text: str) -> str:
             "unrecognised topology dump: expected the output of `nvidia-smi topo -m`, `nvidia-smi topo -p2p rw`, "
             "`nvidia-smi -L`, `amd-smi topology`, `amd-smi xgmi`, `rocm-smi --showtopo` or `rocm-smi --showproductname`"
         ) from None
-    if h + 1 < len(lines):
-        cells = set(lines[h + 1].tokens()[1:])
-        if cells and cells <= set(_P2P_CELLS) | {"X"} and cells & set(_P2P_CELLS):
-            return "nvidia-smi-topo-p2p"
+    # A p2p matrix holds status codes (OK, GNS, ...) where topo -m holds classes (NV#, SYS, ...);
+    # its legend, when present, defines "OK = Status Ok".
+    cells = {c for ln in lines[h + 1:] if _GPU_RE.match((ln.tokens() or [""])[0]) for c in ln.tokens()[1:]}
+    if cells & set(_P2P_CELLS) or re.search(r"^\s*OK\s+=\s+Status Ok", body, re.M):
+        return "nvidia-smi-topo-p2p"
     return "nvidia-smi-topo-m"
 
 
