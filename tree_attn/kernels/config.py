@@ -32,10 +32,13 @@ MAX_NUM_SPLITS = 1024
 # AMD's waves_per_eu hint: 0 lets the compiler choose; a CDNA3 SIMD holds at most 8 waves.
 MAX_WAVES_PER_EU = 8
 
-# Heuristic knobs (see default_num_splits): aim for this many programs per SM/CU so that the
-# memory system sees enough loads in flight, and never make a split shorter than this many tiles
-# (a split pays a fixed prologue, a q load and a partial-state write).
-TARGET_PROGRAMS_PER_SM = 4
+# Heuristic knobs (see default_num_splits): without splitting, batch x KV heads programs that
+# already cover this fraction of the SMs are left alone (the rule FlashAttention-2's split heuristic
+# uses); otherwise aim for this many programs per SM so that enough SMs stream at once, never make
+# a split shorter than this many tiles (a split pays a prologue, a q load and a partial-state
+# write), and cap the count.
+FULL_MACHINE_FRACTION = 0.8
+TARGET_PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 HEURISTIC_MAX_SPLITS = 128
 
@@ -128,29 +131,28 @@ def default_num_splits(
 ) -> int:
     """Number of KV splits for a launch when the config does not fix one.
 
-    Decode attention is bound by memory bandwidth, and one program per (row, KV head) leaves most
-    of a large GPU idle at small batch (batch 1 x 8 KV heads = 8 programs on a 132-SM H100). So:
-    enough programs to give every SM about ``TARGET_PROGRAMS_PER_SM`` of them (several resident
-    programs per SM keep enough loads in flight to cover HBM latency), no split shorter than
-    ``MIN_TILES_PER_SPLIT`` tiles, at most ``HEURISTIC_MAX_SPLITS``. Among the counts that reach
-    the target, the one whose last wave is fullest is chosen (wave quantisation: 130 programs on
-    128 slots take two waves for the time of ~1.02).
+    Decode attention is bound by memory bandwidth, and one SM streams only a slice of it: with one
+    program per (row, KV head), batch 1 x 8 KV heads keeps 8 of an H100's 132 SMs busy. So:
+    if ``batch x kv_heads`` programs already cover ``FULL_MACHINE_FRACTION`` of the SMs, 1 split
+    (no partials, no second kernel). Else enough splits for ``TARGET_PROGRAMS_PER_SM`` programs per
+    SM, no split shorter than ``MIN_TILES_PER_SPLIT`` tiles, at most ``HEURISTIC_MAX_SPLITS``; among
+    the counts from that target up to 1.5x it, the one whose last wave over the SMs is fullest
+    (wave quantisation: 133 equal programs on 132 SMs take two rounds).
     """
     base = max(1, batch * kv_heads * group_blocks)
+    if base >= FULL_MACHINE_FRACTION * sm_count:
+        return 1
     tiles = max(1, math.ceil(kv_len / block_n))
-    max_by_len = max(1, tiles // MIN_TILES_PER_SPLIT)
-    cap = max(1, min(HEURISTIC_MAX_SPLITS, max_by_len))
-    slots = max(1, sm_count * TARGET_PROGRAMS_PER_SM)
-    want = math.ceil(slots / base)
+    cap = max(1, min(HEURISTIC_MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+    want = math.ceil(TARGET_PROGRAMS_PER_SM * sm_count / base)
     if want <= 1:
         return 1
     if want >= cap:
         return cap
-    # Try counts from `want` up to 1.5x, keep the best wave efficiency (programs / rounded-up waves).
     best, best_eff = want, -1.0
     for s in range(want, min(cap, want + want // 2) + 1):
         programs = base * s
-        eff = programs / (math.ceil(programs / slots) * slots)
+        eff = programs / (math.ceil(programs / sm_count) * sm_count)
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best

@@ -59,6 +59,9 @@ class DeviceSpec:
         mem_latency_ns: loaded DRAM latency, from microbenchmarks (rough).
         tensor_tflops: dense bf16 tensor-core peak with fp32 accumulation (datasheet).
         launch_gap_us: GPU time between back-to-back kernels plus a small kernel's fixed cost.
+        per_sm_bandwidth_gbps: DRAM bandwidth one SM/CU can pull on its own (rough; ``None`` =
+            twice its fair share, i.e. half the SMs saturate DRAM). This is why a batch-1 decode
+            with one program per KV head (8 SMs busy) reaches a small fraction of the card's bandwidth.
     """
 
     name: str
@@ -74,6 +77,7 @@ class DeviceSpec:
     mem_latency_ns: float = 650.0
     tensor_tflops: float = 300.0
     launch_gap_us: float = 2.5
+    per_sm_bandwidth_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -98,6 +102,16 @@ class DeviceSpec:
             self.launch_gap_us >= 0
         ):
             raise ConfigError(f"DeviceSpec.launch_gap_us must be >= 0; got {self.launch_gap_us!r}")
+        v = self.per_sm_bandwidth_gbps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0) or math.isinf(v)):
+            raise ConfigError(f"DeviceSpec.per_sm_bandwidth_gbps must be a positive number or None; got {v!r}")
+
+    @property
+    def sm_bandwidth_gbps(self) -> float:
+        """What one SM/CU can stream from DRAM by itself (see ``per_sm_bandwidth_gbps``)."""
+        if self.per_sm_bandwidth_gbps is not None:
+            return float(self.per_sm_bandwidth_gbps)
+        return 2.0 * self.mem_bandwidth_gbps / self.sm_count
 
     @property
     def achievable_bandwidth_gbps(self) -> float:
@@ -169,47 +183,49 @@ KiB = 1024
 
 # Datasheet numbers (bandwidth, SMs, L2, shared memory, dense bf16 tensor peak). DRAM latencies are
 # rounded figures from microbenchmark papers (Hopper/Ampere ~500-700 ns loaded, GDDR6X similar,
-# MI300X ~800+ ns); launch gaps are typical back-to-back gaps seen in profiles. All "rough".
+# MI300X ~800+ ns); launch gaps are typical back-to-back gaps seen in profiles; per-SM bandwidths
+# are order-of-magnitude figures (one SM's load path and outstanding-miss limits let it stream a
+# few tens of GB/s, so roughly half the SMs must be busy to saturate HBM). All "rough".
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     "h100-sxm": DeviceSpec(
         name="NVIDIA H100 SXM5 80GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3350.0,
         l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5,
+        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=55.0,
     ),
     "h100-pcie": DeviceSpec(
         name="NVIDIA H100 PCIe 80GB", vendor="nvidia", sm_count=114, mem_bandwidth_gbps=2000.0,
         l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=756.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5,
+        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
     ),
     "h100-nvl": DeviceSpec(
         name="NVIDIA H100 NVL 94GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3900.0,
         l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=835.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5,
+        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0,
     ),
     "h200": DeviceSpec(
         name="NVIDIA H200 SXM 141GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=4800.0,
         l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5,
+        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0,
     ),
     "rtx4090": DeviceSpec(
         name="NVIDIA GeForce RTX 4090", vendor="nvidia", sm_count=128, mem_bandwidth_gbps=1008.0,
         l2_bytes=72 * MiB, smem_per_sm_bytes=100 * KiB, max_warps_per_sm=48, tensor_tflops=165.0,
-        mem_latency_ns=550.0, launch_gap_us=2.5,
+        mem_latency_ns=550.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
     ),
     "a100-sxm-80gb": DeviceSpec(
         name="NVIDIA A100-SXM4-80GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=2039.0,
         l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5,
+        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
     ),
     "a100-40gb": DeviceSpec(
         name="NVIDIA A100-SXM4-40GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=1555.0,
         l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5,
+        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=35.0,
     ),
     "mi300x": DeviceSpec(
         name="AMD Instinct MI300X", vendor="amd", sm_count=304, mem_bandwidth_gbps=5300.0,
         l2_bytes=32 * MiB, smem_per_sm_bytes=64 * KiB, max_warps_per_sm=32, warp_size=64,
-        regs_per_sm=4 * 512 * 64, tensor_tflops=1307.0, mem_latency_ns=850.0, launch_gap_us=4.0,
+        regs_per_sm=4 * 512 * 64, tensor_tflops=1307.0, mem_latency_ns=850.0, launch_gap_us=4.0, per_sm_bandwidth_gbps=35.0,
     ),
 }
 
@@ -340,21 +356,30 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
     bytes_per_prog = stage1_bytes / programs
 
     peak = spec.achievable_bandwidth_gbps * 1e3  # bytes per microsecond
-    # Little's law: what the resident programs keep in flight, each with up to num_stages K/V tiles.
-    inflight_per_prog = 2 * config.block_n * d * elem * max(1, config.num_stages)
+    # Little's law: what the resident programs keep in flight. A pipeline of S stages has S-1 future
+    # K/V tiles loading while one is consumed; without pipelining the K and V loads of a tile are
+    # issued one after the other around the dot, about half a tile pair in flight on average.
+    depth = 0.5 if config.num_stages <= 1 else config.num_stages - 1
+    inflight_per_prog = 2 * config.block_n * d * elem * depth
     latency_us = spec.mem_latency_ns * 1e-3
 
-    def bandwidth(concurrent: int) -> float:
-        return min(peak, concurrent * inflight_per_prog / latency_us)
+    sm_bw = spec.sm_bandwidth_gbps * 1e3
 
-    if waves <= 1.0:
-        bw = bandwidth(programs)
-        t_mem = stage1_bytes / bw
-    else:
-        # Full waves each take slots*bytes_per_prog at full concurrency; the last wave, however
-        # empty, costs a whole wave (equal-length splits finish together).
-        bw = bandwidth(slots)
-        t_mem = full_waves * slots * bytes_per_prog / bw
+    def bandwidth(concurrent: int) -> float:
+        busy_sms = min(concurrent, spec.sm_count)
+        return min(peak, concurrent * inflight_per_prog / latency_us, busy_sms * sm_bw)
+
+    # Memory time in rounds: full waves of `slots` programs stream at the bandwidth that many
+    # programs sustain; the leftover programs of the last round stream at what *they* sustain (a
+    # few programs alone on the machine are capped by the per-SM bandwidth: the tail effect).
+    rounds_full = programs // slots
+    leftover = programs - rounds_full * slots
+    t_mem = 0.0
+    if rounds_full:
+        t_mem += rounds_full * slots * bytes_per_prog / bandwidth(slots)
+    if leftover:
+        t_mem += leftover * bytes_per_prog / bandwidth(leftover)
+    bw = stage1_bytes / t_mem
 
     # Compute: two [g, block_n, d] dots per tile on the SM's share of the tensor peak, plus the
     # exp/max/sum of the online softmax (~4 cycles per score element per warp-instruction batch).
