@@ -69,3 +69,17 @@ def test_help_explains():
     result = CliRunner().invoke(app, ["run", "--help"])
     assert result.exit_code == 0
     assert "Ring" in result.output and "--fanout" in result.output
+
+
+def test_run_under_torchrun_joins_the_job():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", "run",
+           "--seq-len", "500", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps", "2", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)  # only rank 0 prints
+    assert report["config"]["world_size"] == 2
+    assert {r["strategy"] for r in report["results"]} == {"tree", "ring"}
+    assert all(r["max_abs_err"] < 1e-4 for r in report["results"])
