@@ -1,0 +1,76 @@
+"""``tree-attn check``: compare this machine (or a dump) with an expected topology, for CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import err_console, notice, out_console, print_json
+
+# Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
+# a healthy link reaches well over half its nominal rate in a large device-to-device copy.
+DEFAULT_MIN_RATIO = 0.5
+
+_MARK = {"passed": "[green]ok  [/green]", "failed": "[bold red]FAIL[/bold red]", "skipped": "[dim]skip[/dim]"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check", help="Compare the GPU fabric with an expected topology; exit 1 on any difference.")(check_command)
+
+
+def check_command(
+    expect: Path = typer.Option(..., "--expect", help="Expected topology: a YAML from `tree-attn probe --output`, "
+                                "a profile YAML with a topology section, or a recorded dump."),
+    from_: Optional[list[Path]] = typer.Option(None, "--from", help="Check recorded dump(s) instead of this machine."),
+    measure: bool = typer.Option(False, "--measure", help="Measure bandwidths and check them against the expected ones."),
+    min_bandwidth_ratio: Optional[float] = typer.Option(
+        None, "--min-bandwidth-ratio", help=f"Measured bandwidth must reach R x expected (default {DEFAULT_MIN_RATIO} with --measure)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write a JUnit XML report (one testcase per check)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
+    backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host."),
+    cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement."),
+) -> None:
+    from ..errors import ConfigError, TopologyError
+    from ..topology import compare_topologies, load_dumps, load_expected, probe_topology, write_junit
+
+    if min_bandwidth_ratio is not None and not 0 < min_bandwidth_ratio <= 10:
+        raise ConfigError(f"--min-bandwidth-ratio: expected a number in (0, 10], got {min_bandwidth_ratio}")
+    expected = load_expected(expect)
+    if from_:
+        if measure:
+            raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
+        actual = load_dumps(from_)
+    else:
+        actual = probe_topology(backend, cpu_ranks=cpu_ranks if cpu_ranks is not None else
+                                (len(expected) if expected.source == "host" else None))
+        for n in actual.notes:
+            notice(n)
+    ratio = min_bandwidth_ratio
+    if measure:
+        from ..topology.measure import measure_topology
+
+        err_console.print(f"measuring {len(actual)} device(s)...")
+        actual = measure_topology(actual, iterations=iterations)
+        ratio = ratio if ratio is not None else DEFAULT_MIN_RATIO
+    report = compare_topologies(expected, actual, min_bandwidth_ratio=ratio)
+    if junit is not None:
+        write_junit(report, str(junit))
+        notice(f"wrote JUnit report {junit}")
+    if json_out:
+        print_json(report.to_dict())
+    else:
+        out_console.print(f"checking {actual.source} ({len(actual)} devices, fingerprint {actual.fingerprint}) "
+                          f"against {expect} ({len(expected)} devices, fingerprint {expected.fingerprint})")
+        for r in report.results:
+            out_console.print(f"  {_MARK[r.status]} {r.name}: {r.detail}", highlight=False)
+            for d in r.differences:
+                out_console.print(f"         {d}", markup=False, highlight=False)
+        if report.ok:
+            out_console.print("[green]the fabric is as expected[/green]")
+        else:
+            out_console.print(f"[bold red]{len(report.differences)} difference(s) from the expected topology[/bold red]")
+    if not report.ok:
+        raise typer.Exit(code=1)
