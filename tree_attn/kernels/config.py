@@ -117,6 +117,13 @@ class DecodeConfig:
         return s
 
 
+def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory (LDS) one stage-one program needs, roughly: a K and a V tile per pipeline
+    stage (tl.dot reads its operands from shared memory) plus the padded query tile."""
+    d = 1 << max(4, (max(1, head_dim) - 1).bit_length())
+    return max(1, num_stages) * 2 * block_n * d * elem_bytes + MIN_GROUP_BLOCK * d * elem_bytes
+
+
 def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
     """Keys per split: ``ceil(N / splits)`` rounded up to whole tiles (at least one tile).
 
@@ -166,9 +173,22 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     4 warps, 2 stages on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this
     light) and ``waves_per_eu=2``.
     """
+    from .perf_model import dtype_bytes  # local: perf_model imports this module
+
     d = shape.head_dim
+    elem = dtype_bytes(dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
     amd = device_spec.vendor == "amd"
+    num_stages = 1 if amd else 2
+    # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
+    # RTX 4090, say): fewer stages first, then smaller tiles.
+    while stage1_smem_bytes(block_n, num_stages, d, elem) > device_spec.smem_per_sm_bytes:
+        if num_stages > 1:
+            num_stages -= 1
+        elif block_n > MIN_BLOCK_N:
+            block_n //= 2
+        else:
+            break
     group_blocks = group_blocks_for(shape.group)
     splits = default_num_splits(
         shape.batch, shape.kv_heads, shape.kv_len, block_n, device_spec.sm_count, group_blocks=group_blocks
@@ -176,7 +196,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     return DecodeConfig(
         block_n=block_n,
         num_warps=4,
-        num_stages=1 if amd else 2,
+        num_stages=num_stages,
         num_splits=splits,
         waves_per_eu=2 if amd else None,
     )

@@ -30,6 +30,7 @@ from .config import (
     group_block,
     group_blocks_for,
     split_len,
+    stage1_smem_bytes,
 )
 from .shapes import DecodeShape
 
@@ -279,9 +280,7 @@ def _pow2_ceil(x: int) -> int:
 
 def tile_smem_bytes(config: DecodeConfig, head_dim: int, elem: int) -> int:
     """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage plus q."""
-    d = _pow2_ceil(head_dim)
-    stages = max(1, config.num_stages)
-    return stages * 2 * config.block_n * d * elem + 64 * d * elem
+    return stage1_smem_bytes(config.block_n, config.num_stages, head_dim, elem)
 
 
 def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int, spec: DeviceSpec) -> int:

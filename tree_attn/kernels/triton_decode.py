@@ -114,7 +114,9 @@ def split_kv_stage1_kernel(
         k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
+        else:
+            qk = tl.dot(q, tl.trans(k))  # fp16/bf16 tensor-core dot, fp32 accumulation
         s = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

@@ -118,40 +118,48 @@ def decode_attention_triton(
         launch_opts["waves_per_eu"] = cfg.waves_per_eu
 
     grid1 = (b * hkv * g_blocks, num_splits)
-    with _device_guard(q.device):
-        triton_decode.split_kv_stage1_kernel[grid1](
-            q, k, v, lens, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            o_strides[0], o_strides[1], o_strides[2],
-            l_strides[0], l_strides[1], l_strides[2],
-            hkv, g_blocks, n, s_len, scale * triton_decode.LOG2E,
-            GROUP=shape.group,
-            HEAD_DIM=d,
-            BLOCK_D=block_d,
-            BLOCK_G=block_g,
-            BLOCK_N=cfg.block_n,
-            STRIDE_KD=k.stride(3),
-            STRIDE_VD=v.stride(3),
-            HAS_SEQ_LENS=has_lens,
-            UPCAST=upcast,
-            DOT_PRECISION="ieee",
-            **launch_opts,
-        )
-        if num_splits > 1:
-            triton_decode.split_kv_stage2_kernel[(b * hq,)](
-                o_part, lse_part, out, lse,
-                o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-                out.stride(0), out.stride(1),
-                lse.stride(0), lse.stride(1),
-                hq, num_splits,
+    try:
+        with _device_guard(q.device):
+            triton_decode.split_kv_stage1_kernel[grid1](
+                q, k, v, lens, o_part, lse_part,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                o_strides[0], o_strides[1], o_strides[2],
+                l_strides[0], l_strides[1], l_strides[2],
+                hkv, g_blocks, n, s_len, scale * triton_decode.LOG2E,
+                GROUP=shape.group,
                 HEAD_DIM=d,
                 BLOCK_D=block_d,
-                SPLIT_TILE=STAGE2_SPLIT_TILE,
-                num_warps=STAGE2_NUM_WARPS,
+                BLOCK_G=block_g,
+                BLOCK_N=cfg.block_n,
+                STRIDE_KD=k.stride(3),
+                STRIDE_VD=v.stride(3),
+                HAS_SEQ_LENS=has_lens,
+                UPCAST=upcast,
+                DOT_PRECISION="ieee",
+                **launch_opts,
             )
+            if num_splits > 1:
+                triton_decode.split_kv_stage2_kernel[(b * hq,)](
+                    o_part, lse_part, out, lse,
+                    o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                    lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                    out.stride(0), out.stride(1),
+                    lse.stride(0), lse.stride(1),
+                    hq, num_splits,
+                    HEAD_DIM=d,
+                    BLOCK_D=block_d,
+                    SPLIT_TILE=STAGE2_SPLIT_TILE,
+                    num_warps=STAGE2_NUM_WARPS,
+                )
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
+        if type(exc).__name__ == "OutOfResources":
+            raise ConfigError(
+                f"config {cfg.describe()} needs more shared memory or registers than {q.device} has "
+                f"for D={d}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
+            ) from exc
+        raise
     return out, lse
 
 

@@ -1,0 +1,110 @@
+"""The compiled Triton kernel on a real GPU at realistic sizes (Llama-3.1-8B attention: 32 query
+heads, 8 KV heads, head dim 128, bf16). Skipped without a CUDA or ROCm GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_tolerances import TOLERANCES, assert_decode_close, tol_for
+from tree_attn.kernels.config import DecodeConfig
+from tree_attn.kernels.dispatch import decode_attention
+from tree_attn.kernels.perf_model import DeviceSpec, candidate_configs, rank_candidates
+from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
+from tree_attn.kernels.shapes import DecodeShape
+from tree_attn.kernels.triton_launch import decode_attention_triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
+]
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _free_bytes() -> int:
+    free, _ = torch.cuda.mem_get_info()
+    return free
+
+
+def _llama_inputs(b, n, dtype=torch.bfloat16, seed=0):
+    need = 2 * b * n * HKV * D * torch.tensor([], dtype=dtype).element_size()
+    if need * 1.6 > _free_bytes():  # K, V, plus the reference's float32 chunks and slack
+        pytest.skip(f"needs ~{need * 1.6 / 2**30:.1f} GiB of GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, n, HKV, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, n, HKV, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("b,n", [(1, 4096), (1, 65536 + 37), (1, 262144), (4, 131072 - 5), (8, 262144)])
+def test_llama_shape_default_config_matches_reference(b, n):
+    q, k, v = _llama_inputs(b, n)
+    lens = torch.randint(0, n + 1, (b,), device="cuda")
+    lens[0] = n
+    out, lse = decode_attention(q, k, v, seq_lens=lens)  # impl="auto" -> Triton on GPU tensors
+    ref_out, ref_lse = decode_attention_torch(q, k, v, seq_lens=lens)
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=f"b{b} n{n}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_float64_ground_truth_moderate_size(dtype, d):
+    g = torch.Generator(device="cuda").manual_seed(d)
+    b, hq, hkv, n = 3, 16, 4, 8191
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, n, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, n, hkv, d, device="cuda", dtype=dtype, generator=g)
+    lens = torch.tensor([n, 0, 1000], device="cuda")
+    row_bytes = d * q.element_size()
+    # A deeper pipeline with 8 warps, sized to fit even a 100 KiB-shared-memory card.
+    deep = DecodeConfig(
+        block_n=32 if row_bytes <= 256 else 16, num_warps=8, num_stages=3 if row_bytes <= 256 else 2, num_splits=1
+    )
+    for cfg in (None, DecodeConfig(block_n=32, num_splits=7), deep):
+        out, lse = decode_attention_triton(q, k, v, seq_lens=lens, config=cfg)
+        o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
+        assert_decode_close(out, lse, o64, l64, tol_for(dtype), what=f"{dtype} d{d} {cfg}")
+
+
+def test_config_too_big_for_the_device_is_a_config_error():
+    from tree_attn.errors import ConfigError
+
+    q, k, v = _llama_inputs(1, 4096)
+    with pytest.raises(ConfigError, match="shared memory"):
+        decode_attention_triton(q, k, v, config=DecodeConfig(block_n=256, num_stages=8, num_splits=4))
+
+
+def test_top_ranked_candidates_compile_and_agree():
+    """The configs tune would time first all compile on this GPU and give the same answer."""
+    b, n = 2, 65536
+    q, k, v = _llama_inputs(b, n, seed=3)
+    shape = DecodeShape(b, HQ, HKV, D, n)
+    spec = DeviceSpec.from_torch_device(q.device)
+    ranked = rank_candidates(candidate_configs(shape, q.dtype, spec), shape, q.dtype, spec, top_k=12)
+    ref_out, ref_lse = decode_attention_torch(q, k, v)
+    for r in ranked:
+        out, lse = decode_attention_triton(q, k, v, config=r.config)
+        assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=r.config.describe())
+
+
+def test_int64_offsets_multi_gigabyte_cache():
+    """Row offsets past 2^31 elements: batch 2 x 2M keys x 8 heads x 128 = 2^32 elements per tensor."""
+    b, n = 2, 1 << 21
+    q, k, v = _llama_inputs(b, n, seed=4)
+    out, lse = decode_attention_triton(q, k, v, config=DecodeConfig(block_n=64, num_splits=64))
+    # Check the second row (whose offsets overflow int32) against the reference on that row alone.
+    ref_out, ref_lse = decode_attention_torch(q[1:], k[1:], v[1:])
+    assert_decode_close(out[1:], lse[1:], ref_out, ref_lse, TOLERANCES[torch.bfloat16], what="row 1 of 2M keys")
+
+
+def test_noncontiguous_cache_slices_on_gpu():
+    cache_k = torch.randn(2, 10000, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.randn(2, HKV, 10000, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = cache_k[:, 17:9000]
+    v = cache_v.permute(0, 2, 1, 3)[:, 17:9000]
+    out, lse = decode_attention_triton(q, k, v)
+    ref_out, ref_lse = decode_attention_torch(q, k, v)
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what="strided cache")
