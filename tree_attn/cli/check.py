@@ -63,11 +63,11 @@ def check_command(
         print_json(report.to_dict())
     else:
         out_console.print(f"checking {actual.source} ({len(actual)} devices, fingerprint {actual.fingerprint}) "
-                          f"against {expect} ({len(expected)} devices, fingerprint {expected.fingerprint})")
+                          f"against {expect} ({len(expected)} devices, fingerprint {expected.fingerprint})", soft_wrap=True)
         for r in report.results:
-            out_console.print(f"  {_MARK[r.status]} {r.name}: {r.detail}", highlight=False)
+            out_console.print(f"  {_MARK[r.status]} {r.name}: {r.detail}", highlight=False, soft_wrap=True)
             for d in r.differences:
-                out_console.print(f"         {d}", markup=False, highlight=False)
+                out_console.print(f"         {d}", markup=False, highlight=False, soft_wrap=True)
         if report.ok:
             out_console.print("[green]the fabric is as expected[/green]")
         else:

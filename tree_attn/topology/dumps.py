@@ -554,10 +554,29 @@ def load_dump(path: str | os.PathLike) -> Topology:
             text = f.read()
     except OSError as exc:
         raise TopologyError(f"cannot read topology dump {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    saved = _saved_topology(text, os.fspath(path))
+    if saved is not None:
+        return saved
     try:
         return parse_dump(text)
     except TopologyError as exc:
         raise TopologyError(f"{os.fspath(path)}: {exc}") from None
+
+
+def _saved_topology(text: str, where: str) -> Topology | None:
+    """A topology saved by ``tree-attn probe --output`` (or a YAML with a ``topology`` section),
+    accepted wherever a dump is, so that a machine probed elsewhere can be checked or combined."""
+    if not re.search(r"^(schema_version|topology):", text, re.M):
+        return None
+    import yaml
+
+    from .io import topology_from_obj
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{where}: not valid YAML: {exc}") from None
+    return topology_from_obj(data, where=where)
 
 
 def load_dumps(paths: Iterable[str | os.PathLike]) -> Topology:

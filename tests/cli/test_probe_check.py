@@ -1,0 +1,170 @@
+"""`tree-attn probe` and `tree-attn check` end to end (dumps, fakes, YAML, JSON, JUnit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tree_attn.cli.app import main
+from tree_attn.topology import load_dump, load_topology, probe_nvml, save_topology
+from tests.topology import fakes
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+H100 = FIX / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
+RTX = FIX / "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt"
+
+
+def test_probe_json_from_dump(capsys):
+    assert main(["probe", "--from", str(H100), "--json"]) == 0
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert d["schema_version"] == 1 and len(d["fingerprint"]) == 16
+    assert [x["index"] for x in d["devices"]] == list(range(8)) and all("name" in x for x in d["devices"])
+    l01 = d["links"][0]
+    assert (l01["a"], l01["b"], l01["kind"], l01["nvlinks"], l01["p2p"], l01["bandwidth_gbps"]) == (0, 1, "nvlink", 18, "ok", 450.0)
+    assert d["hierarchy"] == [{"kind": "nvlink", "groups": [list(range(8))]}]
+    assert "NIC0" in out.err  # notices on stderr, stdout is pure JSON
+
+
+def test_probe_report_and_warnings(capsys):
+    assert main(["probe", "--from", str(RTX)]) == 0
+    out = capsys.readouterr()
+    assert "GPU7" in out.out and "SYS" in out.out and "hierarchy" in out.out and "sys: [0-7]" in out.out
+    assert "cross the CPU socket" in out.err
+
+
+def test_probe_warns_when_p2p_is_refused(tmp_path, capsys):
+    p2p = tmp_path / "p2p.txt"
+    p2p.write_text(" \tGPU0\tGPU1\n GPU0\tX\tGNS\n GPU1\tGNS\tX\n")
+    assert main(["probe", "--from", str(p2p)]) == 0
+    err = capsys.readouterr().err
+    assert "GPUs 0-1 cannot use peer-to-peer" in err and "host" in err
+
+
+def test_probe_output_yaml_round_trips(tmp_path, capsys):
+    out = tmp_path / "sub" / "topo.yaml"
+    assert main(["probe", "--from", str(H100), "--output", str(out)]) == 0
+    t = load_topology(out)
+    assert t.fingerprint == load_dump(H100).fingerprint
+    assert yaml.safe_load(out.read_text())["fingerprint"] == t.fingerprint
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]  # atomic write left no temp file
+
+
+def test_probe_host_fallback(capsys):
+    assert main(["probe", "--backend", "host", "--cpu-ranks", "3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["source"] == "host" and len(d["devices"]) == 3
+    assert d["hierarchy"] == [{"kind": "sys", "groups": [[0, 1, 2]]}]
+
+
+def test_probe_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\tGPU0\tGPU1\nGPU0\t X \tNV2\nGPU1\tBOGUS\t X \n")
+    assert main(["probe", "--from", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "line 3" in err and "BOGUS" in err
+    assert main(["probe", "--from", str(H100), "--measure"]) == 1
+
+
+# -- check -----------------------------------------------------------------------------------------
+
+def _altered(topo, **pair_changes):
+    links = []
+    for l in topo.links:
+        ch = pair_changes.get(f"{l.a}-{l.b}")
+        links.append(dataclasses.replace(l, **ch) if ch else dataclasses.replace(l))
+    return topo.replace(links=links)
+
+
+@pytest.fixture
+def h100_expected(tmp_path):
+    p = tmp_path / "expected.yaml"
+    save_topology(probe_nvml(fakes.h100_nvswitch_pynvml()), p)
+    return p
+
+
+def _write(tmp_path, topo, name="actual.yaml"):
+    p = tmp_path / name
+    save_topology(topo, p)
+    return p
+
+
+def test_check_identical_passes(tmp_path, h100_expected, capsys):
+    junit = tmp_path / "report.xml"
+    # a saved topology checked against a dump of the same machine model (names unknown: not compared)
+    assert main(["check", "--expect", str(h100_expected), "--from", str(H100), "--junit", str(junit)]) == 0
+    out = capsys.readouterr().out
+    assert "as expected" in out
+    root = ET.parse(junit).getroot()
+    suite = root.find("testsuite")
+    assert suite.get("failures") == "0" and len(suite.findall("testcase")) >= 5
+
+
+def test_check_lost_nvlink_fails_with_plain_words(tmp_path, h100_expected, capsys):
+    actual = _write(tmp_path, probe_nvml(fakes.h100_nvswitch_pynvml(down={5: 1})))
+    junit = tmp_path / "r.xml"
+    code = main(["check", "--expect", str(h100_expected), "--from", str(actual), "--junit", str(junit)])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "GPU3-GPU5: expected NV18, found NV17 (an NVLink is down)" in out
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "1"
+    failed = [tc for tc in suite.findall("testcase") if tc.find("failure") is not None]
+    assert [tc.get("name") for tc in failed] == ["nvlink counts"]
+    assert "GPU0-GPU5" in failed[0].find("failure").text
+
+
+def test_check_missing_gpu(tmp_path, h100_expected, capsys):
+    seven = tmp_path / "seven.txt"
+    lines = H100.read_text().splitlines()
+    # drop GPU7's column and row from the dump: a 7-GPU machine
+    keep = []
+    for ln in lines[1:]:
+        if ln.startswith("GPU7") or not ln.strip():
+            continue
+        cells = ln.split("\t")
+        if len(cells) > 8:
+            del cells[8 if not ln.startswith("GPU0\tGPU1") else 7]
+        keep.append("\t".join(cells))
+        if ln.startswith("NIC0"):
+            break
+    seven.write_text("\n".join(keep) + "\n")
+    assert len(load_dump(seven)) == 7
+    assert main(["check", "--expect", str(h100_expected), "--from", str(seven), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["ok"] is False
+    assert any("expected 8 GPUs, found 7" in x for x in d["differences"])
+
+
+def test_check_p2p_gone_and_class_changed(tmp_path, h100_expected, capsys):
+    base = probe_nvml(fakes.h100_nvswitch_pynvml())
+    actual = _write(tmp_path, _altered(base, **{"0-1": {"p2p": "unsupported", "p2p_reason": "DR: disabled by regkey"},
+                                               "2-6": {"kind": "sys", "nvlinks": None}}))
+    assert main(["check", "--expect", str(h100_expected), "--from", str(actual)]) == 1
+    out = capsys.readouterr().out
+    assert "GPU0-GPU1: expected peer-to-peer, found it unavailable (DR: disabled by regkey)" in out
+    assert "GPU2-GPU6: expected NV18, found PCIe SYS" in out
+
+
+def test_check_against_profile_section_and_dump(tmp_path, capsys):
+    prof = tmp_path / "profile.yaml"
+    prof.write_text(yaml.safe_dump({"topology": load_dump(RTX).to_dict()}))
+    assert main(["check", "--expect", str(prof), "--from", str(RTX)]) == 0
+    assert main(["check", "--expect", str(RTX), "--from", str(RTX), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["check", "--expect", str(H100), "--from", str(RTX)]) == 1
+    assert "expected NV18, found PCIe SYS" in capsys.readouterr().out
+
+
+def test_check_bad_expected_file_is_one_line_error(tmp_path, capsys):
+    p = tmp_path / "e.yaml"
+    d = load_dump(H100).to_dict()
+    d["colour"] = "blue"
+    p.write_text(yaml.safe_dump(d))
+    assert main(["check", "--expect", str(p), "--from", str(H100)]) == 1
+    assert "unknown key(s) colour" in capsys.readouterr().err
