@@ -143,3 +143,93 @@ def time_kernel_configs(shape, dtype: torch.dtype, configs_ranked, device: str, 
     del kvs
     torch.cuda.empty_cache()
     return out
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """What ``tune`` searches. Shapes default to Llama-3.1-8B attention."""
+
+    world_size: int
+    device_kind: str  # "cpu" | "cuda"
+    backend: str
+    batch: int = 1
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    quick: bool = False
+    timeout_s: float = 120.0
+
+    @property
+    def plan_iterations(self) -> tuple[int, int]:
+        """(timed, warm-up) iterations per candidate plan."""
+        return (20, 3) if self.quick else (200, 20)
+
+    @property
+    def shard_buckets(self) -> list[int]:
+        """Shard lengths (tokens per rank) whose kernel configs are tuned, upper bounds of buckets."""
+        return [16384, 65536] if self.quick else [4096, 16384, 65536, 262144, 1048576]
+
+    @property
+    def kernel_survivors(self) -> int:
+        """Configs timed per bucket after the napkin model's pruning."""
+        return 3 if self.quick else 8
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    """Kernel tuning of one shape bucket: the timed candidates (model's order) and the winner."""
+
+    dtype: str
+    head_dim: int
+    group: int
+    max_shard_len: int
+    timings: list[KernelTiming]
+    chosen: KernelTiming
+
+
+def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
+    """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
+    from .launch import launch_ranks
+
+    iters, warm = options.plan_iterations
+    results = launch_ranks(
+        time_plans_rank,
+        options.world_size,
+        args=(candidates, options.batch, options.q_heads, options.head_dim, iters, warm),
+        backend=options.backend,
+        device_kind=options.device_kind,
+        timeout_s=options.timeout_s,
+    )
+    chosen = {r.chosen for r in results}
+    assert len(chosen) == 1, "every rank received rank 0's choice"
+    return results[0]
+
+
+def tune_kernels(options: TuneOptions, progress=None) -> list[BucketResult]:
+    """On GPU 0: for each shard bucket, rank the config space with the napkin model, keep the
+    best few, time them, keep the fastest. Empty on CPU ranks (they use the torch path)."""
+    if options.device_kind != "cuda":
+        return []
+    from ..kernels.perf_model import DeviceSpec, candidate_configs, rank_candidates
+    from ..kernels.shapes import DecodeShape
+    from .decode_run import DTYPES
+
+    dtype = DTYPES[options.dtype]
+    spec = DeviceSpec.from_torch_device("cuda:0")
+    out = []
+    iters, warm = (10, 3) if options.quick else (50, 10)
+    for n in options.shard_buckets:
+        shape = DecodeShape(options.batch, options.q_heads, options.kv_heads, options.head_dim, n)
+        need = 2 * n * options.batch * options.kv_heads * options.head_dim * dtype.itemsize
+        if need > 0.5 * torch.cuda.mem_get_info(0)[0]:
+            if progress:
+                progress(f"kernel bucket {n} tokens: skipped (KV of {need / 2**30:.1f} GiB does not fit comfortably)")
+            continue
+        ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec, top_k=options.kernel_survivors)
+        timings = time_kernel_configs(shape, dtype, ranked, "cuda:0", iters, warm)
+        best = min(timings, key=lambda t: t.median_us)
+        if progress:
+            progress(f"kernel bucket {n} tokens: best {best.config.describe()} {best.median_us:.1f} us, {best.gbps:.0f} GB/s")
+        out.append(BucketResult(options.dtype, options.head_dim, options.q_heads // options.kv_heads, n, timings, best))
+    return out
