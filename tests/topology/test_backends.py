@@ -184,3 +184,14 @@ def test_no_gpu_is_unavailable():
     nv = fakes.make_pynvml([], ancestor=lambda a, b: 0, p2p=lambda a, b, i: 0)
     t = probe_topology(nvml_module=nv, amdsmi_module=types.ModuleType("amdsmi"), cpu_ranks=2)
     assert t.source == "host" and "NVML sees no GPU" in t.notes[0]
+
+
+def test_gpu_that_cannot_be_opened_is_a_clear_error():
+    nv = fakes.h100_nvswitch_pynvml()
+
+    def lost(i):
+        raise nv.NVMLError_GpuIsLost()
+
+    nv.nvmlDeviceGetHandleByIndex = lost
+    with pytest.raises(TopologyError, match="NVML cannot open GPU 0"):
+        probe_nvml(nv)

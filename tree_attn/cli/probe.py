@@ -104,8 +104,10 @@ def render_topology(topo) -> None:
         lo = min(bws, key=lambda l: l.bandwidth_gbps)
         hi = max(bws, key=lambda l: l.bandwidth_gbps)
         src = "/".join(sorted({l.bandwidth_source for l in bws}))
-        out_console.print(f"\nbandwidth ({src}, one direction): {lo.bandwidth_gbps:.1f} GB/s (GPU{lo.a}-GPU{lo.b}) "
-                          f"to {hi.bandwidth_gbps:.1f} GB/s (GPU{hi.a}-GPU{hi.b})")
+        text = f"\nbandwidth ({src}, one direction): {lo.bandwidth_gbps:.1f} GB/s ({prefix}{lo.a}-{prefix}{lo.b})"
+        if hi is not lo and hi.bandwidth_gbps != lo.bandwidth_gbps:
+            text += f" to {hi.bandwidth_gbps:.1f} GB/s ({prefix}{hi.a}-{prefix}{hi.b})"
+        out_console.print(text)
     if topo.measurement and topo.measurement.allreduce_latency_us is not None:
         m = topo.measurement
         out_console.print(f"all-reduce of {m.allreduce_bytes} B (decode message): {m.allreduce_latency_us:.1f} us "

@@ -150,7 +150,14 @@ def _probe(api: _Nvml) -> Topology:
     n = api.call("nvmlDeviceGetCount")
     if not n:
         raise BackendUnavailable("NVML sees no GPU")
-    handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+    handles = []
+    for i in range(n):
+        try:
+            handles.append(nv.nvmlDeviceGetHandleByIndex(i))
+        except Exception as exc:  # noqa: BLE001 - NVMLError_GpuIsLost, NoPermission, ...
+            if api.err is None or not isinstance(exc, api.err):
+                raise
+            raise TopologyError(f"NVML cannot open GPU {i}: {exc}; check `nvidia-smi` and the permissions of /dev/nvidia*") from None
     devices = [_device(api, i, h) for i, h in enumerate(handles)]
     bus_to_index = {d.pci_bus_id: d.index for d in devices if d.pci_bus_id}
 
