@@ -172,3 +172,26 @@ def test_random_shapes(b, hkv, group, d, n, block_n, splits, dtype, data, device
     check_against_references(
         q, k, v, seq_lens, DecodeConfig(block_n=block_n, num_splits=splits), what=f"random b{b} g{group} d{d} n{n}"
     )
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter: NaN * 0 inside where
+def test_stage_two_is_the_merge_algebra(device):
+    """Stage two alone against reduce.merge.merge_partials, with empty states (-inf), faulty ones
+    (+inf, NaN) carrying garbage outputs, an all-empty row, and more splits than one loop tile."""
+    from tree_attn.kernels.triton_launch import merge_splits_triton
+    from tree_attn.reduce.merge import merge_partials
+
+    g = torch.Generator().manual_seed(21)
+    b, h, s, d = 2, 3, 37, 80
+    o_part = torch.randn(b, h, s, d, generator=g)
+    lse_part = torch.randn(b, h, s, generator=g) * 5
+    lse_part[0, 0, ::3] = float("-inf")
+    lse_part[0, 1, 4] = float("inf")
+    lse_part[0, 1, 5] = float("nan")
+    o_part[0, 0, ::3] = float("nan")  # garbage in empty states must be ignored
+    o_part[0, 1, 4:6] = float("inf")
+    lse_part[1, 2, :] = float("-inf")  # all empty
+    out, lse = merge_splits_triton(o_part.to(device), lse_part.to(device))
+    ref_out, ref_lse = merge_partials(o_part.permute(2, 0, 1, 3), lse_part.permute(2, 0, 1))
+    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="stage two")
+    assert torch.all(out.cpu()[1, 2] == 0) and lse.cpu()[1, 2] == float("-inf")

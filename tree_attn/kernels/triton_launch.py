@@ -163,6 +163,51 @@ def decode_attention_triton(
     return out, lse
 
 
+def merge_splits_triton(
+    o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage two on its own: merge ``S`` partial states per (row, head) with the Triton kernel.
+
+    Args:
+        o_part: ``[B, H, S, D]`` partial outputs (any float dtype is read as stored; D stride 1 is
+            required, other strides are free).
+        lse_part: ``[B, H, S]`` natural-log LSEs; -inf, +inf or NaN mark an empty state.
+        out_dtype: dtype of the merged out (default: o_part's).
+
+    Returns:
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``reduce.merge.merge_partials`` computes
+        them (empty rows: out 0, lse -inf).
+    """
+    if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:
+        raise ConfigError(
+            f"merge_splits_triton wants o_part [B, H, S, D] and lse_part [B, H, S]; got {tuple(o_part.shape)} and {tuple(lse_part.shape)}"
+        )
+    if o_part.stride(3) != 1:
+        o_part = o_part.contiguous()
+    lse_part = lse_part.float()
+    b, h, s, d = o_part.shape
+    out = torch.zeros(b, h, d, dtype=out_dtype or o_part.dtype, device=o_part.device)
+    lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=o_part.device)
+    if b * h == 0 or s == 0 or d == 0:
+        return out, lse
+    from . import triton_decode
+
+    with _device_guard(o_part.device):
+        triton_decode.split_kv_stage2_kernel[(b * h,)](
+            o_part, lse_part, out, lse,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1),
+            h, s,
+            HEAD_DIM=d,
+            BLOCK_D=max(16, _next_pow2(d)),
+            SPLIT_TILE=STAGE2_SPLIT_TILE,
+            num_warps=STAGE2_NUM_WARPS,
+        )
+    return out, lse
+
+
 class _NullGuard:
     def __enter__(self):
         return self
