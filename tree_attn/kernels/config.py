@@ -182,7 +182,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem) > device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem) > 0.85 * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

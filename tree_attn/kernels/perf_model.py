@@ -39,6 +39,8 @@ BANDWIDTH_SOURCES = ("datasheet", "measured", "assumed")
 
 # Stage two folds this many splits per loop iteration (must match triton_launch.SPLIT_TILE).
 STAGE2_SPLIT_TILE = 16
+# Fraction of an SM's shared memory a candidate's K/V pipeline may claim (see candidate_configs).
+SMEM_HEADROOM = 0.85
 
 
 @dataclass(frozen=True)
@@ -455,7 +457,7 @@ def _split_options(shape: DecodeShape, block_n: int, spec: DeviceSpec) -> list[i
 def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -> list[DecodeConfig]:
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
-    {32, 64, 128} (those whose pipelined K/V tiles fit the SM's shared memory), 2/4/8 warps,
+    {32, 64, 128} (those whose pipelined K/V tiles fit in 85% of the SM's shared memory), 2/4/8 warps,
     1-4 pipeline stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
     elem = dtype_bytes(dtype)
@@ -467,7 +469,8 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
         split_opts = _split_options(shape, block_n, device_spec)
         for num_stages in stage_opts:
             probe = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
-            if tile_smem_bytes(probe, shape.head_dim, elem) > device_spec.smem_per_sm_bytes:
+            # 15% headroom: Triton also stages layout conversions and the P tile in shared memory.
+            if tile_smem_bytes(probe, shape.head_dim, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
                 continue
             for num_warps in (2, 4, 8):
                 for wpe in wpe_opts:
