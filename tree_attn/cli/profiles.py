@@ -1,0 +1,147 @@
+"""``tree-attn profiles``: list the built-in and saved profiles, or show one.
+
+``tree-attn profiles`` (or ``profiles list``) lists; ``tree-attn profiles show NAME|PATH`` prints one
+profile: its machine, kernel config per shape bucket and reduction candidates, each value with how
+it was chosen. Nothing here probes the machine or imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import out_console, print_json, warn
+
+CHOSEN_STYLE = {"measured": "green", "model": "yellow", "default": "dim"}
+
+profiles_app = typer.Typer(
+    name="profiles",
+    help="List the built-in and saved profiles (`profiles show NAME|PATH` prints one).",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    add_completion=False,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(profiles_app, name="profiles")
+
+
+_JSON_OPT = typer.Option(False, "--json", help="Print JSON instead of a table.")
+_DIR_OPT = typer.Option(None, "--dir", help="Folder of saved profiles (default: $TREE_ATTN_PROFILE_DIR or the user's cache).")
+
+
+@profiles_app.callback()
+def profiles_root(
+    ctx: typer.Context,
+    json_out: bool = _JSON_OPT,
+    directory: Optional[Path] = _DIR_OPT,
+) -> None:
+    """List the profiles when no subcommand is given."""
+    if ctx.invoked_subcommand is None:
+        list_command(json_out=json_out, directory=directory)
+
+
+@profiles_app.command("list", help="List the built-in profiles and those saved by `tree-attn tune`.")
+def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OPT) -> None:
+    from ..profiles.builtin import builtin_entries
+    from ..profiles.store import default_profile_dir, list_saved_profiles
+
+    folder = directory if directory is not None else default_profile_dir()
+    entries = builtin_entries() + list_saved_profiles(folder)
+    if json_out:
+        print_json({"profile_dir": str(folder), "profiles": [e.to_dict() for e in entries]})
+        return
+    table = Table(title="tree-attn profiles", title_justify="left")
+    for col in ("name", "kind", "origin", "devices", "fingerprint", "plan", "created", "path"):
+        table.add_column(col, overflow="fold")
+    for e in entries:
+        p = e.profile
+        if p is None:
+            table.add_row(e.name, e.kind, "[red]invalid[/red]", "", "", "", "", e.path)
+            continue
+        m = p.machine
+        plan = f"{p.plan.label} [{CHOSEN_STYLE.get(p.reduction.chosen_by, '')}]({p.reduction.chosen_by})[/]"
+        table.add_row(
+            p.name, e.kind, p.origin, f"{m.world_size}x {m.device_name} ({m.device_kind})",
+            m.fingerprint[:8], plan, p.created, e.path,
+        )
+    out_console.print(table)
+    saved = [e for e in entries if e.kind == "saved"]
+    if not saved:
+        out_console.print(f"no saved profiles in {folder} (write one with `tree-attn tune`)")
+    for e in entries:
+        if e.error:
+            warn(e.error)
+
+
+@profiles_app.command("show", help="Print one profile: a file path, a built-in name, or a saved profile's name or fingerprint.")
+def show_command(
+    ref: str = typer.Argument(..., metavar="NAME|PATH", help="Profile file, built-in name, or saved profile name/fingerprint."),
+    json_out: bool = _JSON_OPT,
+    directory: Optional[Path] = _DIR_OPT,
+) -> None:
+    from ..profiles.builtin import open_profile
+
+    prof = open_profile(ref, directory)
+    if json_out:
+        print_json(prof.to_dict())
+        return
+    render_profile(prof)
+
+
+def _chosen(how: str) -> str:
+    return f"[{CHOSEN_STYLE.get(how, '')}]{how}[/]"
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def render_profile(prof) -> None:
+    """The human report of one profile on stdout."""
+    m, v = prof.machine, prof.versions
+    out_console.print(f"[bold]{prof.name}[/bold]  origin {prof.origin}, created {prof.created}, schema {prof.schema_version}")
+    if prof.description:
+        out_console.print(prof.description)
+    out_console.print(
+        f"machine: {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint}, source {m.source}"
+    )
+    if m.hierarchy:
+        out_console.print("hierarchy: " + " / ".join(m.hierarchy))
+    if m.link_classes:
+        out_console.print("links: " + ", ".join(f"{k} {n}" for k, n in m.link_classes.items())
+                          + ("; p2p: " + ", ".join(f"{k} {n}" for k, n in m.p2p.items()) if m.p2p else ""))
+    out_console.print("versions: " + ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS))
+
+    if prof.kernel.buckets:
+        t = Table(title=f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})", title_justify="left")
+        for col in ("dtype", "D", "group", "shard <=", "config", "chosen by", "time us", "GB/s", "model us", "tried"):
+            t.add_column(col, justify="right" if col not in ("dtype", "config", "chosen by") else "left")
+        for b in prof.kernel.buckets:
+            t.add_row(
+                b.dtype, str(b.head_dim), str(b.group), f"{b.max_shard_len:,}", b.config.describe(), _chosen(b.chosen_by),
+                _us(b.time_us), _us(b.gbps), _us(b.predicted_us), "-" if b.candidates_tried is None else str(b.candidates_tried),
+            )
+        out_console.print(t)
+    else:
+        out_console.print("kernel configs: none (the launch heuristic decides every shape)")
+
+    red = prof.reduction
+    out_console.print(
+        f"reduction plan: [bold]{red.plan.label}[/bold] chosen by {_chosen(red.chosen_by)}"
+        + (f", message {red.message_bytes:,} bytes" if red.message_bytes else "")
+    )
+    if red.candidates:
+        t = Table(title="reduction candidates", title_justify="left")
+        for col in ("", "plan", "by", "median us", "p95 us", "model us"):
+            t.add_column(col, justify="right" if col.endswith("us") else "left")
+        for c in red.candidates:
+            t.add_row("[bold green]*[/]" if c.selected else "", c.label, _chosen(c.chosen_by),
+                      _us(c.median_us), _us(c.p95_us), _us(c.predicted_us))
+        out_console.print(t)
+    for n in prof.notes:
+        out_console.print(f"note: {n}", markup=False)
