@@ -498,7 +498,7 @@ class Reduction:
             if winner.plan != self.plan:
                 raise FieldError(
                     f"{join(where, 'candidates')}[{selected[0]}].plan",
-                    f"the selected candidate ({winner.label}) differs from {join(where, 'plan')} ({self.plan.label})",
+                    f"the selected candidate {winner.plan.to_dict()} differs from {join(where, 'plan')} {self.plan.to_dict()}",
                 )
             if self.chosen_by == "measured" and winner.chosen_by != "measured":
                 raise FieldError(join(where, "chosen_by"), "is 'measured' but the selected candidate was not measured")
