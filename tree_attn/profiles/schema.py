@@ -631,15 +631,18 @@ class Profile:
     @classmethod
     def from_dict(cls, data: Any) -> "Profile":
         """Validate and build from loaded YAML/JSON; every error names the dotted field path."""
-        d = check_mapping(data, "", required=("schema_version", "name", "origin", "created", "machine", "reduction"), optional=_TOP_FIELDS)
+        check_mapping(data, "", optional=set(data) if isinstance(data, Mapping) else ())
         # The version first: a newer schema may legitimately have keys this one does not know.
-        check_int(d["schema_version"], "schema_version")
-        if d["schema_version"] not in SUPPORTED_SCHEMA_VERSIONS:
+        if "schema_version" not in data:
+            raise FieldError("schema_version", "required key is missing (is this a tree-attn profile?)")
+        check_int(data["schema_version"], "schema_version")
+        if data["schema_version"] not in SUPPORTED_SCHEMA_VERSIONS:
             raise FieldError(
                 "schema_version",
-                f"this tree-attn reads profile schema {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}, got {d['schema_version']}; "
+                f"this tree-attn reads profile schema {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}, got {data['schema_version']}; "
                 "re-tune with this version (`tree-attn tune --force`)",
             )
+        d = check_mapping(data, "", required=("schema_version", "name", "origin", "created", "machine", "reduction"), optional=_TOP_FIELDS)
         topology = None
         if d.get("topology") is not None:
             try:
