@@ -37,6 +37,7 @@ def run_command(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random query and KV cache."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
+    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else built-in defaults."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     from ..errors import ConfigError
@@ -61,6 +62,8 @@ def run_command(
         notice(f"no GPU in use: spawning {world_size} CPU ranks (gloo)")
 
     names = _parse_strategies(strategy)
+    profile, profile_text = _select_profile(profile_ref, world_size, device_kind)
+    err_console.print(profile_text)
     plans = []
     for name in names:
         if name == "ring":
@@ -69,8 +72,8 @@ def run_command(
             plans.append(("allreduce", ReductionPlan("allreduce")))
         elif name == "tree" and fanout is not None:
             plans.append(("tree", ReductionPlan("tree", fanout)))
-        else:  # "tree" without a fan-out: the default plan (a profile's, once one applies)
-            plan = default_plan(world_size)
+        else:  # "tree" without a fan-out: the profile's plan, else the default
+            plan = profile.plan if profile is not None else default_plan(world_size)
             plans.append((plan.strategy, plan))
     if fanout is not None and fanout > world_size and world_size > 1:
         raise ConfigError(f"--fanout {fanout} is larger than the world size {world_size}; use 2..{world_size}")
@@ -89,6 +92,7 @@ def run_command(
         backend=backend,
         seed=seed,
         timeout_s=timeout,
+        kernel_config=_kernel_config(profile, dtype, heads, kv_heads, head_dim, seq_len, world_size),
     )
     from ..runner.launch import resolve_backend
 
@@ -100,6 +104,7 @@ def run_command(
     result = run_decode(spec)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return
+    result.profile = profile_text
     if json_out:
         print_json(result.to_dict())
     else:
@@ -107,6 +112,54 @@ def run_command(
     if any(r.max_abs_err != r.max_abs_err or r.max_abs_err > _error_limit(spec.dtype) for r in result.results):
         err_console.print("[bold red]error:[/bold red] a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
+
+
+def _select_profile(ref: str | None, world_size: int, device_kind: str):
+    """The profile to run under and a line saying which (and why). Raises ProfileError when an
+    explicitly given profile is for another machine."""
+    from ..profiles import builtin_profile_for, check_profile_for, find_saved_profile, load_profile, open_profile
+    from ..topology import host_topology, probe_topology
+
+    if device_kind == "cpu":
+        topo = host_topology(world_size)
+    else:
+        topo = probe_topology("auto")
+        if len(topo) != world_size:
+            topo = None  # a subset of the GPUs: no whole-machine profile applies
+    if ref is not None:
+        profile = open_profile(ref)
+        if topo is None:
+            from ..errors import ProfileError
+
+            raise ProfileError(f"profile {profile.name!r} is for {profile.machine.world_size} devices; this run uses {world_size}")
+        for w in check_profile_for(profile, topo):
+            from .common import warn
+
+            warn(w)
+        return profile, f"using profile {profile.name} ({profile.origin}) from {ref}"
+    if topo is None:
+        return None, f"no profile: the run uses {world_size} of the GPUs; built-in defaults"
+    saved = find_saved_profile(topo.fingerprint)
+    if saved is not None:
+        profile = load_profile(saved)
+        for w in check_profile_for(profile, topo):
+            from .common import warn
+
+            warn(w)
+        return profile, f"using the profile saved for this machine ({profile.name}, {profile.origin}) from {saved}"
+    builtin = builtin_profile_for(topo)
+    if builtin is not None:
+        return builtin, f"using built-in profile {builtin.name} (model-derived, not measured); `tree-attn tune` measures this machine"
+    return None, (f"no profile for this machine (fingerprint {topo.fingerprint}): built-in defaults; "
+                  "`tree-attn tune` writes one")
+
+
+def _kernel_config(profile, dtype: str, heads: int, kv_heads: int, head_dim: int, seq_len: int, world_size: int):
+    """The profile's kernel config for this shape (largest shard), as a dict, or None."""
+    if profile is None:
+        return None
+    found = profile.kernel_config_for(dtype, head_dim, heads // kv_heads, -(-seq_len // world_size))
+    return found[0].to_dict() if found else None
 
 
 def _error_limit(dtype: str) -> float:

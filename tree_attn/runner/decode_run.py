@@ -203,6 +203,7 @@ class RunResult:
     backend: str
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None
+    profile: str | None = None  # which profile the run used, in words
 
     def to_dict(self) -> dict:
         return {
@@ -211,6 +212,7 @@ class RunResult:
             "backend": self.backend,
             "results": [r.to_dict() for r in self.results],
             "speedup_vs_ring": self.speedup_vs_ring,
+            "profile": self.profile,
         }
 
 
