@@ -19,8 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ln(2) and log2(e): the kernel works in base 2 internally, lse leaves in natural log.
-LN2 = 0.6931471805599453
+# ln(2) and log2(e): the kernel works in base 2 internally, lse leaves in natural log. Globals read
+# inside @triton.jit must be constexpr; LOG2E is used on the host (the launcher folds it into the scale).
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 
 
@@ -34,7 +35,6 @@ def split_kv_stage1_kernel(
     LSE_PART,  # [B, Hq, S] fp32, natural log
     stride_qb,
     stride_qh,
-    stride_qd,
     stride_kb,
     stride_kn,
     stride_kh,
@@ -57,7 +57,8 @@ def split_kv_stage1_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_G: tl.constexpr,  # padded query-head rows per program (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,
-    STRIDE_KD: tl.constexpr,  # usually 1; a constexpr so the loads vectorise
+    STRIDE_QD: tl.constexpr,  # last-dim strides: usually 1; constexpr so that loads vectorise
+    STRIDE_KD: tl.constexpr,
     STRIDE_VD: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr,
     UPCAST: tl.constexpr,  # do all math in fp32 (fp32 inputs, mixed dtypes, or the CPU interpreter)
@@ -79,7 +80,7 @@ def split_kv_stage1_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    q_ptrs = Q + b64 * stride_qb + hq64[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_ptrs = Q + b64 * stride_qb + hq64[:, None] * stride_qh + offs_d[None, :] * STRIDE_QD
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)

@@ -122,7 +122,7 @@ def decode_attention_triton(
         with _device_guard(q.device):
             triton_decode.split_kv_stage1_kernel[grid1](
                 q, k, v, lens, o_part, lse_part,
-                q.stride(0), q.stride(1), q.stride(2),
+                q.stride(0), q.stride(1),
                 k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
                 o_strides[0], o_strides[1], o_strides[2],
@@ -133,6 +133,7 @@ def decode_attention_triton(
                 BLOCK_D=block_d,
                 BLOCK_G=block_g,
                 BLOCK_N=cfg.block_n,
+                STRIDE_QD=q.stride(2),
                 STRIDE_KD=k.stride(3),
                 STRIDE_VD=v.stride(3),
                 HAS_SEQ_LENS=has_lens,

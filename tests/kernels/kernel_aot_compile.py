@@ -1,0 +1,99 @@
+"""Compile the Triton decode kernels ahead of time for real GPU targets, without a GPU.
+
+Run as a script (``python kernel_aot_compile.py``) in a process where ``TRITON_INTERPRET`` is unset:
+Triton decides at import time whether its own library functions are interpreted, so compiling in
+the same process as interpreter tests is not possible. Prints one JSON object: case id -> facts
+(shared memory bytes, whether the PTX has scalar 2-byte global loads, whether K/V go through
+16-byte cp.async), or the error.
+
+Pointer and stride arguments carry the specialisation a real launch gets (16-byte aligned pointers,
+strides divisible by 16), so the generated code is the code a GPU would run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+H100 = ("cuda", 90, 32)
+A100 = ("cuda", 80, 32)
+RTX4090 = ("cuda", 89, 32)
+MI300X = ("hip", "gfx942", 64)
+
+# id -> (kernel, target, dtype, head_dim, block_n, num_stages, num_warps, group, upcast, extra options)
+STAGE1_CASES = {
+    "h100-bf16-d128-bn64-s2": (H100, "bf16", 128, 64, 2, 4, 4, False, {}),
+    "h100-bf16-d128-bn64-s3": (H100, "bf16", 128, 64, 3, 4, 4, False, {}),
+    "h100-bf16-d128-bn128-s3-w8": (H100, "bf16", 128, 128, 3, 8, 4, False, {}),
+    "h100-fp16-d80-bn64-s2": (H100, "fp16", 80, 64, 2, 4, 4, False, {}),
+    "h100-fp32-d64-bn32-s2": (H100, "fp32", 64, 32, 2, 4, 4, True, {}),
+    "h100-bf16-d256-bn32-s2-g8": (H100, "bf16", 256, 32, 2, 4, 8, False, {}),
+    "a100-bf16-d128-bn32-s4-w2-g1": (A100, "bf16", 128, 32, 4, 2, 1, False, {}),
+    "rtx4090-fp16-d128-bn64-s2": (RTX4090, "fp16", 128, 64, 2, 4, 4, False, {}),
+    "mi300x-bf16-d128-bn64-s1-wpe2": (MI300X, "bf16", 128, 64, 1, 4, 4, False, {"waves_per_eu": 2}),
+    "mi300x-bf16-d96-bn64-s2": (MI300X, "bf16", 96, 64, 2, 4, 4, False, {}),
+}
+STAGE2_CASES = {"h100-stage2": H100, "mi300x-stage2": MI300X}
+
+DIVISIBLE = (
+    "Q", "K", "V", "SEQ_LENS", "O_PART", "LSE_PART", "OUT", "LSE_OUT", "stride_qb", "stride_qh", "stride_kb",
+    "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_ob", "stride_oh", "stride_os",
+    "stride_lb", "stride_lh", "split_len", "stride_pb", "stride_ph", "stride_ps",
+)
+
+
+def _compile(fn, sig, consts, target, options):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for k in consts:
+        sig[k] = "constexpr"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget(*target), options=options)
+
+
+def _facts(kernel, target):
+    facts = {"ok": True, "shared": int(kernel.metadata.shared)}
+    if target[0] == "cuda":
+        ptx = kernel.asm["ptx"]
+        facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))
+        facts["cp_async_16"] = bool(re.search(r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b", ptx))
+    return facts
+
+
+def main() -> None:
+    from tree_attn.kernels import triton_decode as td
+
+    results = {}
+    for cid, (target, dtype, d, bn, stages, warps, group, upcast, extra) in STAGE1_CASES.items():
+        fn = td.split_kv_stage1_kernel
+        sig = {n: "i32" for n in fn.arg_names}
+        sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", SEQ_LENS="*i32", O_PART="*fp32", LSE_PART="*fp32", qk_scale_log2="fp32")
+        consts = dict(
+            GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_G=16, BLOCK_N=bn,
+            STRIDE_QD=1, STRIDE_KD=1, STRIDE_VD=1, HAS_SEQ_LENS=True, UPCAST=upcast, DOT_PRECISION="ieee",
+        )
+        try:
+            results[cid] = _facts(_compile(fn, sig, consts, target, dict(num_warps=warps, num_stages=stages, **extra)), target)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results[cid] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    for cid, target in STAGE2_CASES.items():
+        fn = td.split_kv_stage2_kernel
+        sig = {n: "i32" for n in fn.arg_names}
+        sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT="*bf16", LSE_OUT="*fp32")
+        try:
+            results[cid] = _facts(_compile(fn, sig, dict(HEAD_DIM=128, BLOCK_D=128, SPLIT_TILE=16), target, dict(num_warps=4)), target)
+        except Exception as exc:  # noqa: BLE001
+            results[cid] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
