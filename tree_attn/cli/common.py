@@ -10,7 +10,7 @@ from rich.console import Console
 
 # Results go to stdout, logs and progress to stderr (DESIGN.md conventions).
 out_console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class CliState:
