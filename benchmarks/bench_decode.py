@@ -30,7 +30,9 @@ def predicted_bytes(strategy: str, world: int, seq_len: int, spec: RunSpec, fano
     if world == 1:
         return 0.0
     if strategy == "tree":
-        return min(fanout, world - 1) * state  # the root sends the result to each child
+        # The busiest rank sends one state per tree edge it touches: one up, one down per child.
+        tree = ReductionPlan("tree", fanout).tree(world)
+        return max((tree.parent[r] >= 0) + len(tree.children[r]) for r in range(world)) * state
     if strategy == "allreduce":
         lse = spec.batch * spec.q_heads * 4
         return 2 * (world - 1) / world * (lse + state)
@@ -46,7 +48,18 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="16K and 64K tokens on 2 and 4 ranks")
     ap.add_argument("--out", default="benchmarks/out/bench_decode.json")
+    ap.add_argument("--table-from", help="reprint the table of an earlier run's JSON instead of measuring")
     args = ap.parse_args()
+    if args.table_from:
+        import pathlib
+
+        data = json.loads(pathlib.Path(args.table_from).read_text())
+        for r in data["rows"]:
+            spec = RunSpec(world_size=r["world_size"], seq_len=r["seq_len"], plans=(("ring", None),))
+            r["predicted_bytes"] = predicted_bytes(r["strategy"], r["world_size"], r["seq_len"], spec)
+        print(f"machine: {data['machine']}")
+        print_table(data["rows"])
+        return 0
     seq_lens = [16384, 65536] if args.quick else [int(x) for x in args.seq_lens.split(",")]
     worlds = [2, 4] if args.quick else [int(x) for x in args.world_sizes.split(",")]
     plans = (("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))
@@ -62,6 +75,18 @@ def main() -> int:
                 row.update(world_size=world, seq_len=n, predicted_bytes=predicted_bytes(r.strategy, world, n, spec))
                 rows.append(row)
             print(f"  done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    print_table(rows)
+    machine = f"{platform.machine()} {platform.processor()}".strip() + f", {__import__('os').cpu_count()} cores"
+    import pathlib
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
     by = {(r["world_size"], r["seq_len"], r["strategy"]): r for r in rows}
     header = (
         f"{'p':>2} {'tokens':>7} {'strategy':>9} {'median ms':>10} {'p95 ms':>9} {'sent/rank':>11} "
@@ -77,14 +102,6 @@ def main() -> int:
             f"{r['peak_mem_bytes'] / 2**20:>9.0f} {r['peak_mem_above_start_bytes'] / 2**20:>7.0f} "
             f"{r['max_abs_err']:>8.1e} {speed:>7.1f}"
         )
-    machine = f"{platform.machine()} {platform.processor()}".strip() + f", {__import__('os').cpu_count()} cores"
-    import pathlib
-
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":
