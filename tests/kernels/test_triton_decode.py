@@ -51,6 +51,7 @@ CASES = {
     "default_config_d96": (2, 4, 1, 96, 70, [70, 33], None),
     "heuristic_splits_bn64": (2, 8, 2, 128, 200, None, DecodeConfig(block_n=64, num_splits=None)),
     "bn16_many_splits_stage2_loops": (1, 4, 1, 64, 300, None, DecodeConfig(block_n=16, num_splits=19)),
+    "mqa_group80_two_group_blocks": (1, 80, 1, 16, 20, None, DecodeConfig(block_n=16, num_splits=2)),
 }
 
 
