@@ -11,6 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytest.importorskip("triton")
+
 from kernel_tolerances import TOLERANCES, assert_decode_close, tol_for
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
