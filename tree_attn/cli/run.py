@@ -58,6 +58,9 @@ def run_command(
         raise ConfigError(f"world size {world_size} is larger than the {n_gpus} GPUs of this machine")
     if dtype == "auto":
         dtype = "bfloat16" if device_kind == "cuda" else "float32"
+    from ..runner.decode_run import parse_dtype
+
+    dtype = parse_dtype(dtype)
     if device_kind == "cpu" and trun is None:
         notice(f"no GPU in use: spawning {world_size} CPU ranks (gloo)")
 
