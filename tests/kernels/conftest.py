@@ -1,14 +1,16 @@
 """Kernel tests run the Triton kernel on the GPU when there is one, else in Triton's CPU interpreter.
 
-``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is decorated, i.e. when
-``tree_attn.kernels.triton_decode`` is first imported; so without a GPU it is set here, before that
-import, and kept set (via an autouse fixture) while these tests run. It is restored afterwards so
-that tests elsewhere see the environment they started with.
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is decorated: triton's own library
+functions when triton is first imported, ours when ``tree_attn.kernels.triton_decode`` is. So
+without a GPU it is set here, before either import (nothing under ``tree_attn`` imports triton
+eagerly), and kept set by an autouse fixture while these tests run; the process environment is
+restored afterwards so that tests elsewhere see the environment they started with.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -35,12 +37,10 @@ def _import_kernels_interpreted() -> None:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-try:
-    import triton  # noqa: F401  (only to know whether the Triton tests can run)
-
-    HAS_TRITON = True
-except ImportError:  # e.g. macOS: tests that need triton skip themselves via importorskip
-    HAS_TRITON = False
+# Look for triton without importing it: it must first be imported with TRITON_INTERPRET set, or
+# its own library functions (the reductions' combine functions) are built for the compiler and the
+# interpreter cannot call them. Where it is missing (macOS), the tests needing it skip themselves.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON and not HAS_GPU:
     _import_kernels_interpreted()
