@@ -57,6 +57,15 @@ def test_triton_on_cpu_under_interpreter_runs_with_config(monkeypatch):
     assert torch.equal(auto_out, ref_out) and torch.equal(auto_lse, ref_lse)
 
 
+def test_launcher_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    from tree_attn.kernels.triton_launch import decode_attention_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _inputs()
+    with pytest.raises(KernelUnavailableError, match="impl='torch'"):
+        decode_attention_triton(q, k, v, config=DecodeConfig(block_n=16, num_splits=1))
+
+
 def test_bad_config_type_is_rejected(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = _inputs()

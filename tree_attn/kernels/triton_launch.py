@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KernelUnavailableError
 from .config import DecodeConfig, group_block, group_blocks_for, resolve_config, split_len
 from .device_info import device_spec_for, is_rocm
 from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
@@ -88,7 +88,12 @@ def decode_attention_triton(
     g_blocks = group_blocks_for(shape.group)
     block_d = max(16, _next_pow2(d))
 
-    interpret = _interpreting() and q.device.type != "cuda"
+    interpret = _interpreting()
+    if q.device.type != "cuda" and not interpret:
+        raise KernelUnavailableError(
+            f"the Triton decode kernel needs CUDA or ROCm tensors; these are on {q.device}. "
+            "Use tree_attn.decode_attention(..., impl='torch'), or set TRITON_INTERPRET=1 before importing triton."
+        )
     # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in dtype
     # (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic is wrong).
     upcast = interpret or k.dtype == torch.float32 or q.dtype != k.dtype
