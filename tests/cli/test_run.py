@@ -83,3 +83,9 @@ def test_run_under_torchrun_joins_the_job():
     assert report["config"]["world_size"] == 2
     assert {r["strategy"] for r in report["results"]} == {"tree", "ring"}
     assert all(r["max_abs_err"] < 1e-4 for r in report["results"])
+
+
+def test_unknown_option_is_a_usage_error_not_a_traceback(capsys):
+    code = main(["run", "--bogus"])
+    err = capsys.readouterr().err
+    assert code == 2 and "No such option" in err and "Traceback" not in err

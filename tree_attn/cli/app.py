@@ -9,11 +9,16 @@ from __future__ import annotations
 import sys
 import traceback
 
-import click
 import typer
 
 from ..errors import TreeAttnError
 from .common import CliState, err_console
+
+# Recent typer releases vendor click (typer._click) instead of depending on it, so `import click`
+# may fail or name different classes. Take the base classes from typer's public exceptions.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_Exit = typer.Exit
+_Abort = typer.Abort
 
 app = typer.Typer(
     name="tree-attn",
@@ -58,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args, prog_name="tree-attn", standalone_mode=False)
         code = result if isinstance(result, int) else 0
-    except click.exceptions.Exit as exc:
+    except _Exit as exc:
         code = exc.exit_code
-    except click.exceptions.Abort:
+    except _Abort:
         err_console.print("[red]aborted[/red]")
         code = 130
-    except click.ClickException as exc:
+    except _ClickException as exc:
         exc.show()
         code = exc.exit_code
     except TreeAttnError as exc:
