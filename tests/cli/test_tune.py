@@ -132,3 +132,14 @@ def test_every_rank_uses_rank_0s_plan():
     results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 1))
     assert len({r.chosen for r in results}) == 1
     assert [t.plan for t in results[0].timings] == cands
+
+
+def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
+    from tree_attn.cli.run import _kernel_config
+    from tree_attn.profiles import load_builtin
+
+    profile = load_builtin("h100-8x-nvswitch")
+    got = _kernel_config(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
+    cfg, chosen_by = profile.kernel_config_for("bfloat16", 128, 4, 65536)
+    assert got == cfg.to_dict() and chosen_by == "model"
+    assert _kernel_config(None, "bfloat16", 32, 8, 128, 1024, 8) is None

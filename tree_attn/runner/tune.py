@@ -103,45 +103,47 @@ class KernelTiming:
 
 
 def time_kernel_configs(shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int) -> list[KernelTiming]:
-    """Time the Triton kernel for each ranked config on one GPU (CUDA events, median).
+    """Time the Triton kernel for each ranked config on one device; median of ``iterations``.
 
-    Several KV buffers are rotated when they fit, so the L2 cache does not serve repeated reads
-    of one buffer (a 128K-token shard is 512 MiB in bf16, far above any L2; small shards are not).
+    On a GPU: CUDA events around each launch, and several KV buffers rotated when they fit so the
+    L2 cache does not serve repeated reads of one buffer (a 128K-token bf16 shard is 512 MiB, far
+    above any L2; small shards are not). On CPU (Triton's interpreter, for tests) a host clock.
     """
     from ..kernels.perf_model import kv_bytes
     from ..kernels.triton_launch import decode_attention_triton
 
     dev = torch.device(device)
     nbytes = kv_bytes(shape, dtype)
-    free, _ = torch.cuda.mem_get_info(dev)
-    copies = max(1, min(4, int(0.4 * free // max(1, nbytes))))
+    copies = 1
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        copies = max(1, min(4, int(0.4 * free // max(1, nbytes))))
     q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=dev, dtype=dtype)
-    kvs = [
-        (
-            torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=dev, dtype=dtype),
-            torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=dev, dtype=dtype),
-        )
-        for _ in range(copies)
-    ]
+    kv_shape = (shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim)
+    kvs = [(torch.randn(kv_shape, device=dev, dtype=dtype), torch.randn(kv_shape, device=dev, dtype=dtype)) for _ in range(copies)]
+
+    def timed(cfg, k, v) -> float:
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            decode_attention_triton(q, k, v, config=cfg)
+            return (time.perf_counter() - t0) * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decode_attention_triton(q, k, v, config=cfg)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
     out = []
     for ranked in configs_ranked:
         cfg = ranked.config
         for i in range(warmup):
-            k, v = kvs[i % copies]
-            decode_attention_triton(q, k, v, config=cfg)
-        times = []
-        for i in range(iterations):
-            k, v = kvs[i % copies]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            decode_attention_triton(q, k, v, config=cfg)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        med = statistics.median(times)
+            decode_attention_triton(q, *kvs[i % copies], config=cfg)
+        med = statistics.median(timed(cfg, *kvs[i % copies]) for i in range(iterations))
         out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=med, gbps=nbytes / med / 1e3))
     del kvs
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -159,6 +161,7 @@ class TuneOptions:
     dtype: str = "bfloat16"
     quick: bool = False
     timeout_s: float = 120.0
+    buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
 
     @property
     def plan_iterations(self) -> tuple[int, int]:
@@ -168,6 +171,8 @@ class TuneOptions:
     @property
     def shard_buckets(self) -> list[int]:
         """Shard lengths (tokens per rank) whose kernel configs are tuned, upper bounds of buckets."""
+        if self.buckets is not None:
+            return list(self.buckets)
         return [16384, 65536] if self.quick else [4096, 16384, 65536, 262144, 1048576]
 
     @property
@@ -206,28 +211,34 @@ def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTun
     return results[0]
 
 
-def tune_kernels(options: TuneOptions, progress=None) -> list[BucketResult]:
-    """On GPU 0: for each shard bucket, rank the config space with the napkin model, keep the
-    best few, time them, keep the fastest. Empty on CPU ranks (they use the torch path)."""
-    if options.device_kind != "cuda":
-        return []
-    from ..kernels.perf_model import DeviceSpec, candidate_configs, rank_candidates
+def tune_kernels(options: TuneOptions, progress=None, device: str | None = None) -> list[BucketResult]:
+    """For each shard bucket, rank the config space with the napkin model, keep the best few,
+    time them on one device, keep the fastest.
+
+    ``device``: default GPU 0 on GPU ranks; CPU ranks use the torch path, so nothing is tuned
+    there unless ``device="cpu"`` is asked for explicitly (Triton's interpreter, in tests).
+    """
+    if device is None:
+        if options.device_kind != "cuda":
+            return []
+        device = "cuda:0"
+    from ..kernels.perf_model import CPU_INTERPRETER, DeviceSpec, candidate_configs, rank_candidates
     from ..kernels.shapes import DecodeShape
     from .decode_run import DTYPES
 
     dtype = DTYPES[options.dtype]
-    spec = DeviceSpec.from_torch_device("cuda:0")
+    spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     out = []
     iters, warm = (10, 3) if options.quick else (50, 10)
     for n in options.shard_buckets:
         shape = DecodeShape(options.batch, options.q_heads, options.kv_heads, options.head_dim, n)
         need = 2 * n * options.batch * options.kv_heads * options.head_dim * dtype.itemsize
-        if need > 0.5 * torch.cuda.mem_get_info(0)[0]:
+        if device.startswith("cuda") and need > 0.5 * torch.cuda.mem_get_info(torch.device(device))[0]:
             if progress:
                 progress(f"kernel bucket {n} tokens: skipped (KV of {need / 2**30:.1f} GiB does not fit comfortably)")
             continue
         ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec, top_k=options.kernel_survivors)
-        timings = time_kernel_configs(shape, dtype, ranked, "cuda:0", iters, warm)
+        timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm)
         best = min(timings, key=lambda t: t.median_us)
         if progress:
             progress(f"kernel bucket {n} tokens: best {best.config.describe()} {best.median_us:.1f} us, {best.gbps:.0f} GB/s")

@@ -1,0 +1,46 @@
+"""The kernel search of ``tree-attn tune`` (model ranking, pruning, timing, choice), run here on
+CPU under Triton's interpreter with tiny shapes, and a profile's configs reaching the kernel."""
+
+import torch
+
+from tree_attn import decode_attention
+from tree_attn.kernels.config import DecodeConfig
+from tree_attn.kernels.reference import decode_attention_float64
+from tree_attn.runner.tune import TuneOptions, tune_kernels
+
+
+def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest():
+    options = TuneOptions(world_size=1, device_kind="cpu", backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
+                          dtype="float32", quick=True, buckets=(64, 256))
+    messages = []
+    results = tune_kernels(options, progress=messages.append, device="cpu")
+    assert [r.max_shard_len for r in results] == [64, 256]
+    for r in results:
+        assert len(r.timings) == options.kernel_survivors
+        assert all(t.median_us > 0 and t.gbps > 0 for t in r.timings)
+        assert r.chosen == min(r.timings, key=lambda t: t.median_us)
+        # the survivors are the model's best, in the model's order
+        predicted = [t.predicted_us for t in r.timings]
+        assert predicted == sorted(predicted)
+        assert r.group == 2 and r.head_dim == 16
+    assert len(messages) == 2 and "best" in messages[0]
+
+
+def test_kernel_search_is_skipped_on_cpu_ranks_by_default():
+    options = TuneOptions(world_size=2, device_kind="cpu", backend="gloo")
+    assert tune_kernels(options) == []
+
+
+def test_a_chosen_config_computes_the_same_attention():
+    options = TuneOptions(world_size=1, device_kind="cpu", backend="gloo", q_heads=8, kv_heads=2, head_dim=32,
+                          dtype="float32", quick=True, buckets=(128,))
+    (result,) = tune_kernels(options, device="cpu")
+    cfg = DecodeConfig.from_dict(result.chosen.config.to_dict())  # as stored in and read from a profile
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 32, generator=g)
+    k = torch.randn(1, 100, 2, 32, generator=g)
+    v = torch.randn(1, 100, 2, 32, generator=g)
+    out, lse = decode_attention(q, k, v, impl="triton", config=cfg)
+    ref_out, ref_lse = decode_attention_float64(q, k, v)
+    assert (out.double() - ref_out).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
