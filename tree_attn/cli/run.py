@@ -80,6 +80,8 @@ def run_command(
             plans.append((plan.strategy, plan))
     if fanout is not None and fanout > world_size and world_size > 1:
         raise ConfigError(f"--fanout {fanout} is larger than the world size {world_size}; use 2..{world_size}")
+    from ..runner.launch import resolve_backend
+
     spec = RunSpec(
         world_size=world_size,
         seq_len=seq_len,
@@ -92,14 +94,11 @@ def run_command(
         warmup=warmup,
         plans=tuple(plans),
         device_kind=device_kind,
-        backend=backend,
+        backend=resolve_backend(backend, device_kind),
         seed=seed,
         timeout_s=timeout,
         kernel_config=_kernel_config(profile, dtype, heads, kv_heads, head_dim, seq_len, world_size),
     )
-    from ..runner.launch import resolve_backend
-
-    object.__setattr__(spec, "backend", resolve_backend(backend, device_kind))
     err_console.print(
         f"decoding B={batch} Hq={heads} Hkv={kv_heads} D={head_dim} {spec.dtype}, {seq_len:,} tokens over "
         f"{world_size} ranks ({spec.backend}); strategies: {', '.join(p.label if p else 'ring' for _, p in plans)}"
@@ -120,8 +119,10 @@ def run_command(
 def _select_profile(ref: str | None, world_size: int, device_kind: str):
     """The profile to run under and a line saying which (and why). Raises ProfileError when an
     explicitly given profile is for another machine."""
+    from ..errors import ProfileError
     from ..profiles import builtin_profile_for, check_profile_for, find_saved_profile, load_profile, open_profile
     from ..topology import host_topology, probe_topology
+    from .common import warn
 
     if device_kind == "cpu":
         topo = host_topology(world_size)
@@ -132,12 +133,8 @@ def _select_profile(ref: str | None, world_size: int, device_kind: str):
     if ref is not None:
         profile = open_profile(ref)
         if topo is None:
-            from ..errors import ProfileError
-
             raise ProfileError(f"profile {profile.name!r} is for {profile.machine.world_size} devices; this run uses {world_size}")
         for w in check_profile_for(profile, topo):
-            from .common import warn
-
             warn(w)
         return profile, f"using profile {profile.name} ({profile.origin}) from {ref}"
     if topo is None:
@@ -146,8 +143,6 @@ def _select_profile(ref: str | None, world_size: int, device_kind: str):
     if saved is not None:
         profile = load_profile(saved)
         for w in check_profile_for(profile, topo):
-            from .common import warn
-
             warn(w)
         return profile, f"using the profile saved for this machine ({profile.name}, {profile.origin}) from {saved}"
     builtin = builtin_profile_for(topo)

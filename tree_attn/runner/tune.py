@@ -206,8 +206,10 @@ def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTun
         device_kind=options.device_kind,
         timeout_s=options.timeout_s,
     )
-    chosen = {r.chosen for r in results}
-    assert len(chosen) == 1, "every rank received rank 0's choice"
+    if len({r.chosen for r in results}) != 1:
+        from ..errors import DistributedError
+
+        raise DistributedError("ranks ended the plan search with different plans; rank 0's broadcast did not arrive")
     return results[0]
 
 
