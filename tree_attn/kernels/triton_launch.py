@@ -147,18 +147,7 @@ def decode_attention_triton(
                 **launch_opts,
             )
             if num_splits > 1:
-                triton_decode.split_kv_stage2_kernel[(b * hq,)](
-                    o_part, lse_part, out, lse,
-                    o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                    lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-                    out.stride(0), out.stride(1),
-                    lse.stride(0), lse.stride(1),
-                    hq, num_splits,
-                    HEAD_DIM=d,
-                    BLOCK_D=block_d,
-                    SPLIT_TILE=STAGE2_SPLIT_TILE,
-                    num_warps=STAGE2_NUM_WARPS,
-                )
+                _launch_stage2(o_part, lse_part, out, lse)
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
         if type(exc).__name__ == "OutOfResources":
             raise ConfigError(
@@ -196,22 +185,29 @@ def merge_splits_triton(
     lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=o_part.device)
     if b * h == 0 or s == 0 or d == 0:
         return out, lse
+    with _device_guard(o_part.device):
+        _launch_stage2(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def _launch_stage2(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge the splits ``o_part [B, H, S, D]``, ``lse_part [B, H, S]`` into ``out [B, H, D]``,
+    ``lse [B, H]``: one program per (row, head). D strides must be 1."""
     from . import triton_decode
 
-    with _device_guard(o_part.device):
-        triton_decode.split_kv_stage2_kernel[(b * h,)](
-            o_part, lse_part, out, lse,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1),
-            h, s,
-            HEAD_DIM=d,
-            BLOCK_D=max(16, _next_pow2(d)),
-            SPLIT_TILE=STAGE2_SPLIT_TILE,
-            num_warps=STAGE2_NUM_WARPS,
-        )
-    return out, lse
+    b, h, s, d = o_part.shape
+    triton_decode.split_kv_stage2_kernel[(b * h,)](
+        o_part, lse_part, out, lse,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        h, s,
+        HEAD_DIM=d,
+        BLOCK_D=max(16, _next_pow2(d)),
+        SPLIT_TILE=STAGE2_SPLIT_TILE,
+        num_warps=STAGE2_NUM_WARPS,
+    )
 
 
 class _NullGuard:
