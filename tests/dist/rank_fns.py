@@ -80,3 +80,30 @@ def dies_on_rank_2(env):
         os._exit(3)
     time.sleep(0.5)
     return tree_decode(q, k, k, plan=ReductionPlan("allreduce"))
+
+
+def ring_lengths_and_dtype_checks(env):
+    """World 3. Returns (ring result without lengths, ring result with lengths, the error text for
+    wrong lengths, the error text when rank 1's KV dtype differs)."""
+    from tree_attn import DistributedError
+
+    lens = (5, 0, 7)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 8, 16, generator=g)
+    shards = [torch.randn(2, n, 2, 16, generator=g) for n in lens]
+    k = shards[env.rank]
+    v = k.flip(-1).contiguous()
+    plain = ring_decode(q, k, v)
+    given = ring_decode(q, k, v, lengths=list(lens))
+    try:
+        ring_decode(q, k, v, lengths=[1, 2, 3])
+        wrong = None
+    except DistributedError as exc:
+        wrong = str(exc)
+    kd = k.to(torch.bfloat16) if env.rank == 1 else k
+    try:
+        tree_decode(q, kd, kd)
+        dtype_err = None
+    except DistributedError as exc:
+        dtype_err = str(exc)
+    return plain, given, wrong, dtype_err

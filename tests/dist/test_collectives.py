@@ -13,7 +13,14 @@ import torch
 
 from tree_attn import DistributedError
 from tree_attn.runner.launch import launch_ranks
-from tests.dist.rank_fns import Case, dies_on_rank_2, mismatched_query, raises_on_rank_1, run_cases
+from tests.dist.rank_fns import (
+    Case,
+    dies_on_rank_2,
+    mismatched_query,
+    raises_on_rank_1,
+    ring_lengths_and_dtype_checks,
+    run_cases,
+)
 from tests.tolerances import assert_state_close
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
@@ -83,6 +90,8 @@ def test_every_rank_gets_the_exact_attention(world, index):
     for rank in range(world):
         out, lse = per_rank[rank][index]
         assert out.dtype == case.dtype and out.shape == (case.batch, case.q_heads, case.head_dim)
+        # contiguous, as NCCL collectives on the caller's side require
+        assert out.is_contiguous() and lse.is_contiguous()
         assert_state_close(out, lse, ref_out, ref_lse, case.dtype, large_logits=case.q_scale > 1)
         # every rank holds the same bits (the tree broadcasts the root's result; all-reduce is symmetric)
         if case.strategy == "tree":
@@ -92,6 +101,16 @@ def test_every_rank_gets_the_exact_attention(world, index):
 def test_ranks_with_different_query_shapes_get_a_clear_error():
     with pytest.raises(DistributedError, match=r"ranks disagree on the query/KV shape.*Hq 8 vs 4|Hq 4 vs 8"):
         launch_ranks(mismatched_query, 3, timeout_s=30)
+
+
+def test_ring_with_known_lengths_and_kv_dtype_check():
+    per_rank = launch_ranks(ring_lengths_and_dtype_checks, 3, timeout_s=60)
+    for rank, (plain, given, wrong, dtype_err) in enumerate(per_rank):
+        # lengths given up front: the same exchange, so the same bits, without the shape all-gather
+        assert torch.equal(plain[0], given[0]) and torch.equal(plain[1], given[1])
+        assert wrong is not None and "lengths=[1, 2, 3]" in wrong and f"rank {rank}" in wrong
+        assert dtype_err is not None and "KV dtype" in dtype_err
+        assert "bfloat16" in dtype_err and "float32" in dtype_err
 
 
 def test_a_rank_that_raises_stops_the_run():

@@ -6,6 +6,7 @@ Command modules import torch, triton and vendor libraries lazily inside their bo
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -59,6 +60,10 @@ _register()
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
+    # Number CUDA devices as NVML does (by PCI bus), not fastest-first: the probe's GPU i, the
+    # reduction plans' rank i and the rank's cuda:i must be the same card. Set before any CUDA
+    # context exists (rank processes inherit it); a value the user set is kept.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     CliState.debug = "--debug" in args
     try:
         result = app(args=args, prog_name="tree-attn", standalone_mode=False)

@@ -22,28 +22,43 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
 def exchange_shapes(
-    q: torch.Tensor, shape: DecodeShape, group, stats: CommStats | None
+    q: torch.Tensor, shape: DecodeShape, group, stats: CommStats | None, kv_dtype: torch.dtype
 ) -> list[int]:
-    """All-gather every rank's (B, Hq, Hkv, D, dtype, N); raise if the query shapes disagree.
+    """All-gather every rank's (B, Hq, Hkv, D, q dtype, KV dtype, N); raise if any but N disagree.
 
-    Returns each rank's KV length N (the ring baseline needs them). One small collective.
+    Returns each rank's KV length N (the ring baseline needs them). One small collective. A KV
+    dtype that differs between ranks would make the ring's receive buffers the wrong type (NCCL
+    would reinterpret the bytes silently), so it is checked with the rest.
     """
+    names = ("B", "Hq", "Hkv", "D", "q dtype", "KV dtype")
     desc = torch.tensor(
-        [shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, _DTYPE_CODES[q.dtype], shape.kv_len],
+        [shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_dtype], shape.kv_len],
         dtype=torch.int64,
         device=q.device,
     )
     every = comm.all_gather(desc, group, stats).cpu()
     mine = every[dist.get_rank(group)]
+    fixed = len(names)
     for r, row in enumerate(every):
-        if not torch.equal(row[:5], mine[:5]):
-            names = ("B", "Hq", "Hkv", "D", "dtype")
-            diffs = ", ".join(f"{n} {int(a)} vs {int(b)}" for n, a, b in zip(names, mine[:5], row[:5]) if a != b)
+        if not torch.equal(row[:fixed], mine[:fixed]):
+            diffs = ", ".join(
+                f"{n} {_describe_field(n, int(a))} vs {_describe_field(n, int(b))}"
+                for n, a, b in zip(names, mine[:fixed], row[:fixed])
+                if a != b
+            )
             raise DistributedError(
                 f"ranks disagree on the query/KV shape: this rank (rank {dist.get_rank(group)}) and rank {r} differ in "
                 f"{diffs}; every rank must pass the same q [B, Hq, D] and KV shards with the same B, Hkv, D and dtype"
             )
-    return [int(n) for n in every[:, 5]]
+    return [int(n) for n in every[:, fixed]]
+
+
+def _describe_field(name: str, value: int) -> str:
+    if name.endswith("dtype"):
+        for dt, code in _DTYPE_CODES.items():
+            if code == value:
+                return str(dt).replace("torch.", "")
+    return str(value)
 
 
 def pack_state(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -146,7 +161,7 @@ def tree_decode(
     plan = plan or default_plan(world)
     plan.check(world)
     if check_shapes:
-        exchange_shapes(q, shape, group, stats)
+        exchange_shapes(q, shape, group, stats, k.dtype)
     o, lse = decode_attention(q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config)
     if q.numel() == 0:
         return o, lse
@@ -154,4 +169,4 @@ def tree_decode(
         out, lse = merge_allreduce(o, lse, group, stats)
     else:
         out, lse = merge_tree(o, lse, plan.tree(world), group, stats)
-    return out.to(q.dtype), lse.contiguous()
+    return out.to(q.dtype).contiguous(), lse.contiguous()

@@ -91,6 +91,32 @@ def irecv(t: torch.Tensor, src: int, group):
     return dist.irecv(t, src=global_rank(group, src), group=group)
 
 
+def batch_p2p(sends, recvs, group, stats: CommStats | None) -> list:
+    """Start a batch of point-to-point operations as one group; returns the requests.
+
+    ``sends`` and ``recvs`` are ``(tensor, group_rank)`` pairs. Each send counts one message.
+    Batched, not one by one: NCCL creates a two-rank communicator lazily on the first unbatched
+    send/recv between a pair, and that creation blocks until both ranks reach it; in a ring (rank r
+    sends to r+1 while r+1 sends to r+2, ...) the creations wait on each other in a cycle and never
+    finish for 3 or more ranks. ``batch_isend_irecv`` issues the whole batch as one NCCL group on
+    the group's own communicator. (Gloo sends and receives each op on its own, in order.)
+    """
+    ops = []
+    for t, dst in sends:
+        if stats is not None:
+            stats.messages += 1
+            stats.bytes_sent += _nbytes(t)
+        ops.append(dist.P2POp(dist.isend, t, global_rank(group, dst), group))
+    for t, src in recvs:
+        ops.append(dist.P2POp(dist.irecv, t, global_rank(group, src), group))
+    if not ops:
+        return []
+    try:
+        return dist.batch_isend_irecv(ops)
+    except RuntimeError as exc:
+        raise DistributedError(f"point-to-point batch failed: {exc}") from exc
+
+
 def wait_all(requests, what: str) -> None:
     try:
         for r in requests:

@@ -8,7 +8,10 @@ the next level joins, level by level; the result travels back down the same edge
 of level i joins two ranks in one group of level i, so it uses links of that class or faster, and
 the slow links carry one message per group instead of one per rank.
 
-Rank r is assumed to run on device r (the launcher's one-rank-per-device order).
+Rank r is assumed to run on device r of the probe (the launcher puts rank r on ``cuda:r``, and the
+CLI numbers CUDA devices in PCI bus order, as NVML does). With ``CUDA_VISIBLE_DEVICES`` naming a
+subset or another order, that no longer holds: the result stays exact, but tree edges may land on
+slower links than planned.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ against the tree's ``O(B * Hq * D)`` messages independent of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
+from ..errors import DistributedError
 from ..kernels.dispatch import decode_attention
 from ..kernels.shapes import check_decode_inputs
 from . import comm
@@ -30,6 +33,7 @@ def ring_decode(
     group=None,
     impl: str = "auto",
     config=None,
+    lengths: Sequence[int] | None = None,
     stats: CommStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring Attention decoding; same contract as :func:`tree_decode`.
@@ -37,6 +41,9 @@ def ring_decode(
     Args:
         q: ``[B, Hq, D]``, the same on every rank; k, v: this rank's shard ``[B, N_r, Hkv, D]``.
         seq_lens: optional int ``[B]`` valid keys of this rank's shard per row.
+        lengths: every rank's shard length ``N_r``, in group-rank order, if already known (a decode
+            loop learns them once); ``None`` = all-gather them, and check that the ranks' shapes
+            agree, first (one small collective and a host sync per call).
 
     Returns:
         ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 over all ranks' keys.
@@ -46,7 +53,15 @@ def ring_decode(
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     # Block sizes differ per rank; every rank learns them (and checks the shapes agree) up front.
-    lengths = exchange_shapes(q, shape, group, stats)
+    if lengths is None:
+        lengths = exchange_shapes(q, shape, group, stats, k.dtype)
+    else:
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != world or lengths[rank] != shape.kv_len:
+            raise DistributedError(
+                f"ring_decode: lengths={lengths} must list {world} shard lengths with this rank's "
+                f"(rank {rank}) equal to its KV length {shape.kv_len}"
+            )
     b = shape.batch
     if seq_lens is None:
         seq_lens = torch.full((b,), shape.kv_len, dtype=torch.int32, device=q.device)
@@ -54,7 +69,7 @@ def ring_decode(
     out = lse = None
     succ, pred = (rank + 1) % world, (rank - 1) % world
     for step in range(world):
-        reqs = []
+        reqs: list = []
         if step < world - 1:
             src = (rank - step - 1) % world  # whose block arrives in this step
             n_src = lengths[src]
@@ -64,12 +79,9 @@ def ring_decode(
             # Block being forwarded this step came from rank (rank - step); an empty one is not sent
             # (both ends know its length), only its per-row lengths are.
             fwd_len = lengths[(rank - step) % world]
-            reqs.append(comm.isend(cur_len, succ, group, stats))
-            reqs.append(comm.irecv(nxt_len, pred, group))
-            if fwd_len > 0:
-                reqs += [comm.isend(cur_k, succ, group, stats), comm.isend(cur_v, succ, group, stats)]
-            if n_src > 0:
-                reqs += [comm.irecv(nxt_k, pred, group), comm.irecv(nxt_v, pred, group)]
+            sends = [(cur_len, succ)] + ([(cur_k, succ), (cur_v, succ)] if fwd_len > 0 else [])
+            recvs = [(nxt_len, pred)] + ([(nxt_k, pred), (nxt_v, pred)] if n_src > 0 else [])
+            reqs = comm.batch_p2p(sends, recvs, group, stats)
         # Compute on the block in hand while it travels on.
         o_blk, lse_blk = decode_attention(q, cur_k, cur_v, seq_lens=cur_len, scale=scale, impl=impl, config=config)
         if out is None:
@@ -79,4 +91,4 @@ def ring_decode(
         if reqs:
             comm.wait_all(reqs, f"ring step {step}: exchange with ranks {pred} and {succ}")
             cur_k, cur_v, cur_len = nxt_k, nxt_v, nxt_len
-    return out.to(q.dtype), lse.contiguous()
+    return out.to(q.dtype).contiguous(), lse.contiguous()

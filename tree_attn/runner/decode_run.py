@@ -138,9 +138,11 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
         stats = CommStats()
 
         def step(q: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            # Shapes are checked (and the ring's shard lengths learned) on the first warm-up step
+            # only: every rank runs the same loop, so timed steps carry no extra collective.
             if name == "ring":
-                return ring_decode(q, k, v, impl=spec.impl, config=config, stats=stats)
-            # Shapes are checked on the first warm-up step only: every rank runs the same loop.
+                lengths = None if first else spec.shard_sizes()
+                return ring_decode(q, k, v, impl=spec.impl, config=config, lengths=lengths, stats=stats)
             return tree_decode(q, k, v, plan=plan, impl=spec.impl, config=config, check_shapes=first, stats=stats)
 
         _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps")
@@ -296,7 +298,7 @@ def run_decode(spec: RunSpec) -> RunResult:
     """Run the decode benchmark: spawn ``spec.world_size`` ranks (or join torchrun) and summarise."""
     from .launch import init_torchrun, launch_ranks, torchrun_env
 
-    env = torchrun_env()
+    env = torchrun_env(spec.device_kind, spec.backend)
     if env is None:
         per_rank = launch_ranks(
             decode_rank,

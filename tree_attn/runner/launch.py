@@ -56,25 +56,37 @@ def resolve_backend(backend: str, device_kind: str) -> str:
     return backend
 
 
-def torchrun_env() -> RankEnv | None:
-    """The rank environment set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK), or None."""
+def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankEnv | None:
+    """The rank environment set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK), or None.
+
+    ``device_kind`` ("cpu" / "cuda"; None = a GPU when one is visible) and ``backend`` are the
+    run's own choices, so ``--device cpu`` under torchrun on a GPU host runs CPU ranks over gloo.
+    """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = f"cuda:{local}" if gpu_count() > 0 else "cpu"
-    backend = resolve_backend("auto", "cuda" if device != "cpu" else "cpu")
-    return RankEnv(rank=rank, world_size=world, backend=backend, device=device, local_rank=local)
+    kind = device_kind if device_kind is not None else ("cuda" if gpu_count() > 0 else "cpu")
+    device = f"cuda:{local}" if kind == "cuda" else "cpu"
+    return RankEnv(rank=rank, world_size=world, backend=resolve_backend(backend, kind), device=device, local_rank=local)
+
+
+def _init_process_group(backend: str, device: str, **kwargs) -> None:
+    """``init_process_group`` that binds a GPU rank to its device (``device_id``): NCCL then knows
+    the rank's GPU up front, and barriers need not guess it from the rank number."""
+    import torch
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend, **kwargs)
 
 
 def init_torchrun(env: RankEnv, timeout_s: float) -> None:
     """Initialise the default process group from torchrun's environment (env:// rendezvous)."""
-    import torch
-    import torch.distributed as dist
-
-    if env.device.startswith("cuda"):
-        torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(env.backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    _init_process_group(env.backend, env.device, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _child(
@@ -92,19 +104,19 @@ def _child(
     import torch.distributed as dist
 
     try:
-        if device_kind == "cuda":
-            torch.cuda.set_device(rank)
-        else:
+        device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+        if device_kind != "cuda":
             # Ranks share the host's cores: one intra-op thread each avoids oversubscription.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group(
+        _init_process_group(
             backend,
+            device,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        env = RankEnv(rank, world_size, backend, f"cuda:{rank}" if device_kind == "cuda" else "cpu", rank)
+        env = RankEnv(rank, world_size, backend, device, rank)
         value = fn(env, *args)
         # Plain pickle, not torch's shared-memory reductions: those hand over file descriptors
         # that vanish once this process exits, before the parent may have read them.
