@@ -4,7 +4,7 @@ Run as a script (``python kernel_aot_compile.py``) in a process where ``TRITON_I
 Triton decides at import time whether its own library functions are interpreted, so compiling in
 the same process as interpreter tests is not possible. Prints one JSON object: case id -> facts
 (shared memory bytes, whether the PTX has scalar 2-byte global loads, whether K/V go through
-16-byte cp.async), or the error.
+16-byte cp.async, and for NVIDIA targets the registers and spill bytes ptxas reports), or the error.
 
 Pointer and stride arguments carry the specialisation a real launch gets (16-byte aligned pointers,
 strides divisible by 16), so the generated code is the code a GPU would run.
@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -38,6 +40,17 @@ STAGE1_CASES = {
     "rtx4090-fp16-d128-bn64-s2": (RTX4090, "fp16", 128, 64, 2, 4, 4, False, {}),
     "mi300x-bf16-d128-bn64-s1-wpe2": (MI300X, "bf16", 128, 64, 1, 4, 4, False, {"waves_per_eu": 2}),
     "mi300x-bf16-d96-bn64-s2": (MI300X, "bf16", 96, 64, 2, 4, 4, False, {}),
+    # MQA-like groups: 64 query rows per program (Hopper lowers the dots to wgmma, other GPUs to mma).
+    "h100-bf16-d128-bn128-s3-g64-spills": (H100, "bf16", 128, 128, 3, 4, 64, False, {}),
+    "h100-bf16-d128-bn32-s1-g64": (H100, "bf16", 128, 32, 1, 4, 64, False, {}),
+    "rtx4090-bf16-d256-bn32-s3-g64-spills": (RTX4090, "bf16", 256, 32, 3, 4, 64, False, {}),
+    "a100-bf16-d128-bn64-s3-g64": (A100, "bf16", 128, 64, 3, 4, 64, False, {}),
+    # fp32 defaults (half-size tiles), and tiles past the spill boundary that tuning must not offer.
+    "h100-fp32-d256-bn16-s2": (H100, "fp32", 256, 16, 2, 4, 4, True, {}),
+    "h100-fp32-d128-bn32-s2": (H100, "fp32", 128, 32, 2, 4, 4, True, {}),
+    "h100-fp32-d256-bn32-s2-spills": (H100, "fp32", 256, 32, 2, 4, 4, True, {}),
+    "h100-fp32-d64-bn64-s2-w2-spills": (H100, "fp32", 64, 64, 2, 2, 4, True, {}),
+    "h100-bf16-d128-bn128-s3-w2-spills": (H100, "bf16", 128, 128, 3, 2, 4, False, {}),
 }
 STAGE2_CASES = {"h100-stage2": H100, "mi300x-stage2": MI300X}
 
@@ -59,17 +72,50 @@ def _compile(fn, sig, consts, target, options):
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget(*target), options=options)
 
 
+def _ptxas() -> str | None:
+    """The ptxas Triton ships (it compiles with it), or None."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    # The newer of the two first: Triton may emit a PTX version the older one does not read.
+    for name in ("ptxas-blackwell", "ptxas"):
+        if (bin_dir / name).is_file() and os.access(bin_dir / name, os.X_OK):
+            return str(bin_dir / name)
+    return None
+
+
+def _register_facts(ptx: str, arch: int) -> dict:
+    """Registers per thread and spill-store bytes, from ``ptxas -v`` on the generated PTX."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        gpu = "sm_90a" if arch == 90 else f"sm_{arch}"
+        proc = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    if proc.returncode != 0 or regs is None or spill is None:
+        return {"ptxas_error": text[-500:]}
+    return {"registers": int(regs.group(1)), "spill_store_bytes": int(spill.group(1))}
+
+
 def _facts(kernel, target):
     facts = {"ok": True, "shared": int(kernel.metadata.shared)}
     if target[0] == "cuda":
         ptx = kernel.asm["ptx"]
         facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))
         facts["cp_async_16"] = bool(re.search(r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b", ptx))
+        facts.update(_register_facts(ptx, target[1]))
     return facts
 
 
 def main() -> None:
     from tree_attn.kernels import triton_decode as td
+    from tree_attn.kernels.config import group_block
 
     results = {}
     for cid, (target, dtype, d, bn, stages, warps, group, upcast, extra) in STAGE1_CASES.items():
@@ -77,7 +123,7 @@ def main() -> None:
         sig = {n: "i32" for n in fn.arg_names}
         sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", SEQ_LENS="*i32", O_PART="*fp32", LSE_PART="*fp32", qk_scale_log2="fp32")
         consts = dict(
-            GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_G=16, BLOCK_N=bn,
+            GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_G=group_block(group), BLOCK_N=bn,
             STRIDE_QD=1, STRIDE_KD=1, STRIDE_VD=1, HAS_SEQ_LENS=True, UPCAST=upcast, DOT_PRECISION="ieee",
         )
         try:

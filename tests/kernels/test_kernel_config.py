@@ -17,7 +17,9 @@ from tree_attn.kernels.config import (
     group_block,
     group_blocks_for,
     resolve_config,
+    spill_free,
     split_len,
+    stage1_smem_bytes,
 )
 from tree_attn.kernels.perf_model import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
@@ -134,3 +136,34 @@ def test_default_config_and_resolve():
     assert resolve_config(None, shape, "bf16", H100) == c
     with pytest.raises(ConfigError, match="DecodeConfig"):
         resolve_config({"block_n": 64}, shape, "bf16", H100)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype,elem", [("bf16", 2), ("fp16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8, 16, 64])
+def test_default_config_never_spills_nor_overflows_shared_memory(dtype, elem, d, group):
+    for spec in (H100, MI300X, KNOWN_DEVICES["rtx4090"]):
+        shape = DecodeShape(batch=1, q_heads=2 * group, kv_heads=2, head_dim=d, kv_len=65536)
+        c = default_config(shape, dtype, spec)
+        assert spill_free(c.block_n, c.num_warps, d, elem, group_block(group), spec.warp_size), (spec.name, c)
+        fits = stage1_smem_bytes(c.block_n, c.num_stages, d, elem, group_block(group)) <= 0.85 * spec.smem_per_sm_bytes
+        # fp32 D=256 with 64 query rows: the q tile alone is 64 KiB, all of an MI300X CU's LDS; the
+        # default can only shrink as far as it goes (the launch then fails with a ConfigError).
+        assert fits or (c.block_n == 16 and c.num_stages == 1 and elem * d * group_block(group) >= 64 * 1024), (spec.name, c)
+
+
+def test_default_tiles_by_dtype_and_head_dim():
+    """bf16 keeps the usual Flash-Decoding tiles; fp32 (FMA dots) takes half-size tiles."""
+    for d, bf16_bn, fp32_bn in ((64, 128, 64), (128, 64, 32), (256, 32, 16)):
+        shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
+        assert default_config(shape, "bf16", H100).block_n == bf16_bn
+        assert default_config(shape, "fp32", H100).block_n == fp32_bn
+
+
+def test_spill_rule_boundaries():
+    # Points measured with ptxas -v (see MAX_STATE_ELEMS_PER_THREAD); tests/kernels/test_triton_compile.py re-checks them.
+    assert spill_free(64, 2, 128, 2, 16)  # 255 registers, no spill
+    assert not spill_free(128, 2, 128, 2, 16)  # 44 B spilled
+    assert spill_free(16, 4, 256, 4, 16)  # 140 registers
+    assert not spill_free(32, 4, 256, 4, 16)  # 9 KB spilled
+    assert spill_free(64, 4, 128, 2, 64) and not spill_free(32, 4, 256, 2, 64)

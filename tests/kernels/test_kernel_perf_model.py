@@ -159,6 +159,13 @@ def test_candidate_space():
     # D=256 fp32 on a 100 KiB-shared-memory card: deep pipelines of 128-key tiles do not fit.
     big = candidate_configs(DecodeShape(1, 8, 8, 256, 65536), torch.float32, RTX4090)
     assert not any(c.block_n == 128 and c.num_stages >= 2 for c in big)
+    # fp32 tiles are 16-64 keys, and no candidate spills registers (fp32 D=256 needs 8 warps above 16 keys).
+    assert {c.block_n for c in big} <= {16, 32, 64} and 16 in {c.block_n for c in big}
+    assert all(c.num_warps == 8 for c in big if c.block_n == 32)
+    assert not any(c.num_warps == 2 and c.block_n == 128 for c in cands)  # bf16 D=128: 288 elements/thread
+    # A 64-row query group (MQA) on a 4090: shared memory counts the group's q tile and the wgmma/mma layouts.
+    mqa = candidate_configs(DecodeShape(1, 64, 1, 256, 65536), torch.bfloat16, RTX4090)
+    assert mqa and all(c.block_n * c.num_stages <= 64 for c in mqa)
     short = candidate_configs(llama(1, 64), "bf16", H100)
     assert all(c.num_splits == 1 for c in short if c.block_n == 64)
 

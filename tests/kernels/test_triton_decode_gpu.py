@@ -95,13 +95,21 @@ def test_top_ranked_candidates_compile_and_agree():
 
 
 def test_int64_offsets_multi_gigabyte_cache():
-    """Row offsets past 2^31 elements: batch 2 x 2M keys x 8 heads x 128 = 2^32 elements per tensor."""
-    b, n = 2, 1 << 21
+    """Row offsets past 2^31 elements, with strides that still fit int32.
+
+    3 rows x 1M keys x 8 heads x 128: the batch stride is 2^30 elements, an int32 argument, and row
+    2 starts at element 2^31, so only the kernel's own 64-bit base arithmetic reaches it. (With a
+    stride of 2^31 or more Triton passes it as int64 and the test would prove nothing.)
+    """
+    b, n = 3, 1 << 20
     q, k, v = _llama_inputs(b, n, seed=4)
+    assert k.stride(0) < 2**31 <= 2 * k.stride(0)
     out, lse = decode_attention_triton(q, k, v, config=DecodeConfig(block_n=64, num_splits=64))
-    # Check the second row (whose offsets overflow int32) against the reference on that row alone.
-    ref_out, ref_lse = decode_attention_torch(q[1:], k[1:], v[1:])
-    assert_decode_close(out[1:], lse[1:], ref_out, ref_lse, TOLERANCES[torch.bfloat16], what="row 1 of 2M keys")
+    for row in (0, 2):  # row 0 as a control; row 2 is where int32 offsets would wrap
+        ref_out, ref_lse = decode_attention_torch(q[row : row + 1], k[row : row + 1], v[row : row + 1])
+        assert_decode_close(
+            out[row : row + 1], lse[row : row + 1], ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=f"row {row} of 1M keys"
+        )
 
 
 def test_noncontiguous_cache_slices_on_gpu():

@@ -117,15 +117,48 @@ class DecodeConfig:
         return s
 
 
-def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: int) -> int:
-    """Shared memory (LDS) one stage-one program needs, roughly: the software pipeline keeps
-    ``num_stages - 1`` K and V tiles in flight in shared memory (cp.async), an unpipelined loop one
-    tile pair; plus the query and softmax-weight tiles of the dots. (Triton 3.9 compiled for sm_90,
-    bf16, D=128: 22 / 38 / 70 KiB for block_n 64 and 1 / 2 / 3 stages, 136 KiB for 128 and 3;
-    this gives 40 / 40 / 72 and 136.)"""
+def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16) -> int:
+    """Shared memory (LDS) one stage-one program needs: an upper bound over the two ways Triton
+    3.9 lowers the kernel's dots, fitted exactly to what it allocates for sm_80/89/90.
+
+    - ``mma`` (every GPU; Hopper below 64 query rows): the software pipeline keeps
+      ``num_stages - 1`` K and V tile pairs in flight (cp.async), an unpipelined loop stages one
+      tile at a time; the ``[group_rows, D]`` query and ``[group_rows, block_n]`` weight tiles are
+      staged too. (sm_90 bf16 D=128, 16 rows, block_n 64, 1 / 2 / 3 stages: 22 / 38 / 70 KiB.)
+    - ``wgmma`` (Hopper, 16-bit, >= 64 rows, i.e. MQA-like groups): every stage holds a K/V pair
+      and the query tile; the weights stay in registers. (64 rows, D=128, block_n 128, 3 stages:
+      208 KiB.)
+
+    ``group_rows`` is the padded query-head rows per program (:func:`group_block`). Plus 1 KiB for
+    reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
+    """
     d = 1 << max(4, (max(1, head_dim) - 1).bit_length())
-    buffers = max(1, num_stages - 1)
-    return buffers * 2 * block_n * d * elem_bytes + 2 * MIN_GROUP_BLOCK * d * elem_bytes
+    kv_tile = block_n * d * elem_bytes
+    q_tile = group_rows * d * elem_bytes
+    kv = (num_stages - 1) * 2 * kv_tile if num_stages > 1 else kv_tile
+    mma = kv + q_tile + group_rows * block_n * elem_bytes
+    wgmma = num_stages * 2 * kv_tile + q_tile if group_rows >= 64 and elem_bytes == 2 else 0
+    return max(mma, wgmma) + 1024
+
+
+# Registers: a stage-one program holds one [block_n, D] K/V tile and the [rows, D] fp32 accumulator
+# per pipeline step, spread over its threads. ptxas -v on Triton 3.9 builds (sm_80/89/90) puts the
+# spill boundary, in those elements per thread, at:
+# - bf16/fp16 (tensor-core dots): 160 fits (D=128, 64 keys, 2 warps: 255 registers, no spill);
+#   192 spills on sm_89 (D=256, 32 keys, 64 rows, 4 warps) and 288 on sm_90 (D=128, 128 keys, 2 warps).
+# - fp32 (FMA dots, operands in registers): 64 fits (D=256, 16 keys, 4 warps: 140 registers); 72
+#   spills (D=64, 128 keys, 4 warps: 76 B) and 96 spills 9 KB per thread (D=256, 32 keys, 4 warps).
+MAX_STATE_ELEMS_PER_THREAD = {2: 160, 4: 64}
+
+
+def spill_free(
+    block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32
+) -> bool:
+    """Whether a stage-one program with this tile, group block and warp count keeps its state in
+    registers (see ``MAX_STATE_ELEMS_PER_THREAD``)."""
+    d = 1 << max(4, (max(1, head_dim) - 1).bit_length())
+    per_thread = (block_n * d + group_rows * d) / (num_warps * warp_size)
+    return per_thread <= MAX_STATE_ELEMS_PER_THREAD.get(elem_bytes, 160)
 
 
 def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
@@ -173,20 +206,35 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     """The config used when none is given, with ``num_splits`` resolved.
 
     Tile and warp choices follow common Flash-Decoding practice for bandwidth-bound decode: 64 keys
-    per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small),
-    4 warps, 2 stages on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this
-    light) and ``waves_per_eu=2``.
+    per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small;
+    smaller where the program would spill registers: fp32, whose dots hold their operands in
+    registers, and 64-row query groups at D=256), 4 warps (more for 64-row fp32 groups), 2 stages
+    on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
+    ``waves_per_eu=2``.
     """
     from .perf_model import dtype_bytes  # local: perf_model imports this module
 
     d = shape.head_dim
     elem = dtype_bytes(dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
+    group_rows = group_block(shape.group)
+    warp = device_spec.warp_size
+    num_warps = 4
+    # Until nothing spills: smaller tiles (fp32, whose FMA dots hold their operands in registers,
+    # halves each of the above, and so do 64-row groups at D=256), then more warps (the [rows, D]
+    # accumulator of a 64-row fp32 group alone fills 4 warps' registers).
+    while not spill_free(block_n, num_warps, d, elem, group_rows, warp):
+        if block_n > MIN_BLOCK_N:
+            block_n //= 2
+        elif num_warps < MAX_NUM_WARPS:
+            num_warps *= 2
+        else:
+            break
     amd = device_spec.vendor == "amd"
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem) > 0.85 * device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows) > 0.85 * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:
@@ -199,7 +247,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     )
     return DecodeConfig(
         block_n=block_n,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=num_stages,
         num_splits=splits,
         waves_per_eu=2 if amd else None,

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import ConfigError
 from .config import (
+    spill_free,
     HEURISTIC_MAX_SPLITS,
     MIN_TILES_PER_SPLIT,
     DecodeConfig,
@@ -280,9 +281,9 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (max(1, x) - 1).bit_length())
 
 
-def tile_smem_bytes(config: DecodeConfig, head_dim: int, elem: int) -> int:
-    """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage plus q."""
-    return stage1_smem_bytes(config.block_n, config.num_stages, head_dim, elem)
+def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
+    """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage, q and the weights."""
+    return stage1_smem_bytes(config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.group))
 
 
 def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int, spec: DeviceSpec) -> int:
@@ -291,7 +292,7 @@ def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int
     if spec.vendor == "amd" and config.waves_per_eu:
         # waves_per_eu caps waves per SIMD; a CDNA CU has 4 SIMDs.
         by_warps = min(by_warps, (4 * config.waves_per_eu) // config.num_warps)
-    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape.head_dim, elem))
+    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem))
     threads = config.num_warps * spec.warp_size
     d = _pow2_ceil(shape.head_dim)
     g = group_block(shape.group)
@@ -459,22 +460,25 @@ def _split_options(shape: DecodeShape, block_n: int, spec: DeviceSpec) -> list[i
 def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -> list[DecodeConfig]:
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
-    {32, 64, 128} (those whose pipelined K/V tiles fit in 85% of the SM's shared memory), 2/4/8 warps,
-    1-4 pipeline stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
+    {32, 64, 128} ({16, 32, 64} for fp32) whose pipelined K/V tiles fit in 85% of the SM's shared
+    memory, 2/4/8 warps (those that do not spill registers, :func:`spill_free`), 1-4 pipeline
+    stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
     elem = dtype_bytes(dtype)
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
     out: list[DecodeConfig] = []
-    for block_n in (32, 64, 128):
+    for block_n in (16, 32, 64) if elem == 4 else (32, 64, 128):
         split_opts = _split_options(shape, block_n, device_spec)
         for num_stages in stage_opts:
             probe = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
             # 15% headroom: Triton also stages layout conversions and the P tile in shared memory.
-            if tile_smem_bytes(probe, shape.head_dim, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
+            if tile_smem_bytes(probe, shape, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
                 continue
             for num_warps in (2, 4, 8):
+                if not spill_free(block_n, num_warps, shape.head_dim, elem, group_block(shape.group), device_spec.warp_size):
+                    continue
                 for wpe in wpe_opts:
                     for splits in split_opts:
                         out.append(
