@@ -198,3 +198,15 @@ def test_stage_two_is_the_merge_algebra(device):
     ref_out, ref_lse = merge_partials(o_part.permute(2, 0, 1, 3), lse_part.permute(2, 0, 1))
     assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="stage two")
     assert torch.all(out.cpu()[1, 2] == 0) and lse.cpu()[1, 2] == float("-inf")
+
+
+def test_huge_sequence_stride_is_rejected_not_misread(device):
+    """A cache whose keys are 2^27 elements apart: 32-key tiles would need offsets past int32."""
+    from tree_attn.errors import ConfigError
+
+    d = 16
+    base = torch.empty(2**27 + 64, dtype=torch.float32, device=device)
+    k = base.as_strided((1, 2, 1, d), (0, 2**27, d, 1))
+    q = torch.randn(1, 1, d, device=device)
+    with pytest.raises(ConfigError, match=r"sequence stride \(134,217,728 elements\) is too large for 32-key tiles"):
+        decode_attention_triton(q, k, k, config=DecodeConfig(block_n=32, num_splits=1))

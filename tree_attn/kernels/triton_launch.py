@@ -88,6 +88,8 @@ def decode_attention_triton(
     g_blocks = group_blocks_for(shape.group)
     block_d = max(16, _next_pow2(d))
 
+    _check_tile_offsets(k, v, cfg.block_n, block_d)
+
     interpret = _interpreting()
     if q.device.type != "cuda" and not interpret:
         raise KernelUnavailableError(
@@ -156,6 +158,28 @@ def decode_attention_triton(
             ) from exc
         raise
     return out, lse
+
+
+def _check_tile_offsets(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> None:
+    """Inside one tile the kernel computes element offsets in int32 (the tile base is int64), which
+    holds unless a cache's sequence stride is enormous (a time-major cache, say): reject that
+    instead of reading the wrong addresses. Strides of 2^31 or more arrive as int64 and are safe."""
+    for name, t in (("k", k), ("v", v)):
+        stride_n, stride_d = t.stride(1), t.stride(3)
+        if max(stride_n, stride_d) >= 2**31:
+            continue
+        reach = (block_n - 1) * stride_n + (block_d - 1) * stride_d
+        if reach >= 2**31:
+            raise ConfigError(
+                f"{name}'s sequence stride ({stride_n:,} elements) is too large for {block_n}-key tiles: offsets "
+                f"inside a tile must fit int32. Use a config with a smaller block_n (at most "
+                f"{_max_block_n(stride_n, stride_d, block_d)}), or a cache laid out [B, N, Hkv, D]"
+            )
+
+
+def _max_block_n(stride_n: int, stride_d: int, block_d: int) -> int:
+    room = (2**31 - 1 - (block_d - 1) * stride_d) // max(1, stride_n) + 1
+    return 1 << max(0, room.bit_length() - 1)
 
 
 def merge_splits_triton(
