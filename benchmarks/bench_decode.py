@@ -19,9 +19,15 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
-from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.runner.decode_run import RunSpec, run_decode
+# Run from a checkout without installing: make the repository root importable.
+_ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.runner.decode_run import RunSpec, run_decode  # noqa: E402
 
 
 def predicted_bytes(strategy: str, world: int, seq_len: int, spec: RunSpec, fanout: int = 2) -> float:

@@ -72,15 +72,19 @@ def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankE
 
 
 def _init_process_group(backend: str, device: str, **kwargs) -> None:
-    """``init_process_group`` that binds a GPU rank to its device (``device_id``): NCCL then knows
-    the rank's GPU up front, and barriers need not guess it from the rank number."""
+    """``init_process_group`` after making a GPU rank's device current.
+
+    No ``device_id``: that opts NCCL into eager initialisation, where every point-to-point op of
+    the group shares the one collective communicator and runs serialised on its stream; lazily,
+    each pair of ranks gets its own, so a tree node receives from its children concurrently. (The
+    ring batches its sends and receives, which works either way. Barriers come after a collective,
+    so NCCL knows the device by then.)
+    """
     import torch
     import torch.distributed as dist
 
     if device.startswith("cuda"):
-        dev = torch.device(device)
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, **kwargs)
 
 
