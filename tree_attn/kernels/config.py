@@ -117,6 +117,11 @@ class DecodeConfig:
         return s
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The kernel's ``BLOCK_D``: the head dim rounded up to a power of two, at least 16 (tl.dot)."""
+    return 1 << max(4, (max(1, head_dim) - 1).bit_length())
+
+
 def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16) -> int:
     """Shared memory (LDS) one stage-one program needs: an upper bound over the two ways Triton
     3.9 lowers the kernel's dots, fitted exactly to what it allocates for sm_80/89/90.
@@ -132,7 +137,7 @@ def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: 
     ``group_rows`` is the padded query-head rows per program (:func:`group_block`). Plus 1 KiB for
     reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
     """
-    d = 1 << max(4, (max(1, head_dim) - 1).bit_length())
+    d = padded_head_dim(head_dim)
     kv_tile = block_n * d * elem_bytes
     q_tile = group_rows * d * elem_bytes
     kv = (num_stages - 1) * 2 * kv_tile if num_stages > 1 else kv_tile
@@ -156,7 +161,7 @@ def spill_free(
 ) -> bool:
     """Whether a stage-one program with this tile, group block and warp count keeps its state in
     registers (see ``MAX_STATE_ELEMS_PER_THREAD``)."""
-    d = 1 << max(4, (max(1, head_dim) - 1).bit_length())
+    d = padded_head_dim(head_dim)
     per_thread = (block_n * d + group_rows * d) / (num_warps * warp_size)
     return per_thread <= MAX_STATE_ELEMS_PER_THREAD.get(elem_bytes, 160)
 

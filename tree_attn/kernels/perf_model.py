@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import ConfigError
 from .config import (
-    spill_free,
     HEURISTIC_MAX_SPLITS,
     MIN_TILES_PER_SPLIT,
     DecodeConfig,
@@ -30,6 +29,8 @@ from .config import (
     default_num_splits,
     group_block,
     group_blocks_for,
+    padded_head_dim,
+    spill_free,
     split_len,
     stage1_smem_bytes,
 )
@@ -277,10 +278,6 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[key]
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (max(1, x) - 1).bit_length())
-
-
 def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
     """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage, q and the weights."""
     return stage1_smem_bytes(config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.group))
@@ -294,7 +291,7 @@ def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int
         by_warps = min(by_warps, (4 * config.waves_per_eu) // config.num_warps)
     by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem))
     threads = config.num_warps * spec.warp_size
-    d = _pow2_ceil(shape.head_dim)
+    d = padded_head_dim(shape.head_dim)
     g = group_block(shape.group)
     # fp32 accumulator [g, d], scores [g, block_n], and a register-staged K/V tile, spread over the
     # threads, plus addresses and loop state; x1.25 and +48 fit what ptxas reports for Triton 3.9
@@ -389,7 +386,7 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
     # exp/max/sum of the online softmax (~4 cycles per score element per warp-instruction batch).
     g_pad = group_block(shape.group)
     per_sm_flops_us = spec.tensor_tflops * 1e6 / spec.sm_count  # flops per microsecond per SM
-    tile_flops = 4 * g_pad * config.block_n * _pow2_ceil(d)
+    tile_flops = 4 * g_pad * config.block_n * padded_head_dim(d)
     tile_us = tile_flops / per_sm_flops_us + (g_pad * config.block_n) / (spec.warp_size * 4 * 1.5e3)
     progs_per_sm = math.ceil(programs / spec.sm_count)
     t_compute = progs_per_sm * tiles_per_prog * tile_us
@@ -468,6 +465,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
+    rows = group_block(shape.group)
     out: list[DecodeConfig] = []
     for block_n in (16, 32, 64) if elem == 4 else (32, 64, 128):
         split_opts = _split_options(shape, block_n, device_spec)
@@ -477,7 +475,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
             if tile_smem_bytes(probe, shape, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
                 continue
             for num_warps in (2, 4, 8):
-                if not spill_free(block_n, num_warps, shape.head_dim, elem, group_block(shape.group), device_spec.warp_size):
+                if not spill_free(block_n, num_warps, shape.head_dim, elem, rows, device_spec.warp_size):
                     continue
                 for wpe in wpe_opts:
                     for splits in split_opts:

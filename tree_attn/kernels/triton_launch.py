@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..errors import ConfigError, KernelUnavailableError
-from .config import DecodeConfig, group_block, group_blocks_for, resolve_config, split_len
+from .config import DecodeConfig, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
 from .device_info import device_spec_for, is_rocm
 from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
 from .shapes import check_decode_inputs
@@ -23,10 +23,6 @@ STAGE2_NUM_WARPS = 4
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (max(1, x) - 1).bit_length())
 
 
 def decode_attention_triton(
@@ -86,7 +82,7 @@ def decode_attention_triton(
     s_len = split_len(n, num_splits, cfg.block_n)
     block_g = group_block(shape.group)
     g_blocks = group_blocks_for(shape.group)
-    block_d = max(16, _next_pow2(d))
+    block_d = padded_head_dim(d)
 
     _check_tile_offsets(k, v, cfg.block_n, block_d)
 
@@ -228,7 +224,7 @@ def _launch_stage2(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         lse.stride(0), lse.stride(1),
         h, s,
         HEAD_DIM=d,
-        BLOCK_D=max(16, _next_pow2(d)),
+        BLOCK_D=padded_head_dim(d),
         SPLIT_TILE=STAGE2_SPLIT_TILE,
         num_warps=STAGE2_NUM_WARPS,
     )
