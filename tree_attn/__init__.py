@@ -6,7 +6,15 @@ Public API (stable names):
 - :func:`merge_partials` — exact merge of partial ``(out, lse)`` states.
 - :func:`tree_decode` — the collective: every rank gets attention over the union of KV shards.
 - :func:`ring_decode` — the Ring Attention baseline with the same contract.
+
+Names are resolved on first use (PEP 562), so ``import tree_attn`` and ``tree-attn --help`` do not
+import torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConfigError,
@@ -17,13 +25,17 @@ from .errors import (
     TopologyError,
     TreeAttnError,
 )
-from .kernels.dispatch import decode_attention
-from .reduce.collectives import tree_decode
-from .reduce.merge import merge_partials
-from .reduce.plan import ReductionPlan
-from .reduce.ring import ring_decode
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "decode_attention": ".kernels.dispatch",
+    "merge_partials": ".merge",
+    "tree_decode": ".reduce.collectives",
+    "ring_decode": ".reduce.ring",
+    "ReductionPlan": ".reduce.plan",
+}
 
 __all__ = [
     "decode_attention",
@@ -40,3 +52,24 @@ __all__ = [
     "KernelUnavailableError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tree_attn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .kernels.dispatch import decode_attention
+    from .merge import merge_partials
+    from .reduce.collectives import tree_decode
+    from .reduce.plan import ReductionPlan
+    from .reduce.ring import ring_decode

@@ -125,7 +125,7 @@ def test_run_refuses_a_profile_for_another_machine(profile_dir, capsys):
 
 def test_every_rank_uses_rank_0s_plan():
     from tree_attn.reduce.hier_plan import candidate_plans
-    from tree_attn.runner.launch import launch_ranks
+    from tree_attn.ranks.launch import launch_ranks
     from tree_attn.runner.tune import time_plans_rank
 
     cands = candidate_plans(3, [("node", [[0, 1], [2]]), ("sys", [[0, 1, 2]])])

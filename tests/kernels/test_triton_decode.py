@@ -179,10 +179,10 @@ def test_random_shapes(b, hkv, group, d, n, block_n, splits, dtype, data, device
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter: NaN * 0 inside where
 def test_stage_two_is_the_merge_algebra(device):
-    """Stage two alone against reduce.merge.merge_partials, with empty states (-inf), faulty ones
+    """Stage two alone against tree_attn.merge.merge_partials, with empty states (-inf), faulty ones
     (+inf, NaN) carrying garbage outputs, an all-empty row, and more splits than one loop tile."""
     from tree_attn.kernels.triton_launch import merge_splits_triton
-    from tree_attn.reduce.merge import merge_partials
+    from tree_attn.merge import merge_partials
 
     g = torch.Generator().manual_seed(21)
     b, h, s, d = 2, 3, 37, 80

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tree_attn.errors import ConfigError
-from tree_attn.runner import launch
-from tree_attn.runner.launch import resolve_backend, torchrun_env
+from tree_attn.ranks import launch
+from tree_attn.ranks.launch import resolve_backend, torchrun_env
 
 
 def test_not_under_torchrun(monkeypatch):

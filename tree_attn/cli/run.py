@@ -43,7 +43,7 @@ def run_command(
     from ..errors import ConfigError
     from ..reduce.plan import ReductionPlan, default_plan
     from ..runner.decode_run import RunSpec, run_decode
-    from ..runner.launch import gpu_count, torchrun_env
+    from ..ranks.launch import gpu_count, torchrun_env
 
     trun = torchrun_env()
     n_gpus = gpu_count()
@@ -58,7 +58,7 @@ def run_command(
         raise ConfigError(f"world size {world_size} is larger than the {n_gpus} GPUs of this machine")
     if dtype == "auto":
         dtype = "bfloat16" if device_kind == "cuda" else "float32"
-    from ..runner.decode_run import parse_dtype
+    from ..dtypes import parse_dtype
 
     dtype = parse_dtype(dtype)
     if device_kind == "cpu" and trun is None:
@@ -80,7 +80,7 @@ def run_command(
             plans.append((plan.strategy, plan))
     if fanout is not None and fanout > world_size and world_size > 1:
         raise ConfigError(f"--fanout {fanout} is larger than the world size {world_size}; use 2..{world_size}")
-    from ..runner.launch import resolve_backend
+    from ..ranks.launch import resolve_backend
 
     spec = RunSpec(
         world_size=world_size,

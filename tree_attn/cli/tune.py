@@ -38,8 +38,8 @@ def tune_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the profile and where it went)."),
 ) -> None:
     from ..errors import ConfigError
-    from ..runner.decode_run import parse_dtype
-    from ..runner.launch import gpu_count, resolve_backend
+    from ..dtypes import parse_dtype
+    from ..ranks.launch import gpu_count, resolve_backend
 
     if heads % kv_heads:
         raise ConfigError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
+from .. import dtypes as _dtypes
 from ..errors import ConfigError
 from .config import (
     HEURISTIC_MAX_SPLITS,
@@ -262,20 +263,12 @@ def lookup_known_device(name: str, arch: str = "") -> DeviceSpec | None:
     return None
 
 
-_DTYPE_BYTES = {
-    "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4, "float": 4,
-}
-
-
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of a torch dtype or a name ("bf16", "float16", "fp32", ...)."""
-    itemsize = getattr(dtype, "itemsize", None)
-    if isinstance(itemsize, int) and itemsize > 0:
-        return itemsize
-    key = str(dtype).replace("torch.", "").lower()
-    if key not in _DTYPE_BYTES:
+    name = _dtypes.canonical(dtype)
+    if name is None:
         raise ConfigError(f"unsupported dtype {dtype!r}; use float16, bfloat16 or float32")
-    return _DTYPE_BYTES[key]
+    return _dtypes.ITEMSIZE[name]
 
 
 def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:

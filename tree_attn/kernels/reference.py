@@ -1,7 +1,7 @@
 """Torch reference of decode attention: the specification, and the CPU fast path.
 
 The KV sequence is processed in chunks, each chunk's state merged into a running state with the
-exact merge of ``reduce.merge``; only one chunk is ever converted to float32, so memory stays
+exact merge of ``tree_attn.merge``; only one chunk is ever converted to float32, so memory stays
 bounded however long N is.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reduce.merge import merge_two
+from ..merge import merge_two
 from .shapes import check_decode_inputs
 
 # Elements of one float32 K (or V) chunk: 4 Mi elements = 16 MiB, small enough to stay in a CPU's

@@ -9,7 +9,7 @@ scores are pre-multiplied by ``log2(e)``). It writes the split's partial state `
 ``lse`` converted back to natural log.
 
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
-algebra as ``tree_attn.reduce.merge.merge_partials`` (max-shifted weights ``exp(lse_i - m)``, empty
+algebra as ``tree_attn.merge.merge_partials`` (max-shifted weights ``exp(lse_i - m)``, empty
 states with lse -inf — or a stray +inf/NaN — contribute nothing, a row with no keys gives out 0 and
 lse -inf).
 """

@@ -190,7 +190,7 @@ def merge_splits_triton(
         out_dtype: dtype of the merged out (default: o_part's).
 
     Returns:
-        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``reduce.merge.merge_partials`` computes
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_partials`` computes
         them (empty rows: out 0, lse -inf).
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:

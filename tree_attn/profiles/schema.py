@@ -38,6 +38,7 @@ import re
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Mapping
 
+from .. import dtypes as _dtypes
 from ..errors import ConfigError, TopologyError
 from ..kernels.config import DecodeConfig
 from ..reduce.plan import STRATEGIES, ReductionPlan
@@ -62,12 +63,7 @@ CHOSEN_BY = ("measured", "model", "default")
 # A plan candidate's latency is either timed or predicted; "default" does not apply to a number.
 CANDIDATE_CHOSEN_BY = ("measured", "model")
 DEVICE_KINDS = ("cpu", "cuda", "rocm")
-DTYPES = ("float16", "bfloat16", "float32")
-_DTYPE_ALIASES = {
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-}
+DTYPES = _dtypes.NAMES
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}$")
 _VENDOR_KIND = {"nvidia": "cuda", "amd": "rocm", "cpu": "cpu"}
 
@@ -75,10 +71,10 @@ _VENDOR_KIND = {"nvidia": "cuda", "amd": "rocm", "cpu": "cpu"}
 def normalize_dtype(dtype: Any, path: str = "dtype") -> str:
     """Canonical dtype name (``float16``, ``bfloat16``, ``float32``) of a torch dtype or a name
     such as ``bf16``; anything else raises a ProfileError naming ``path``."""
-    key = str(dtype).replace("torch.", "").strip().lower() if isinstance(dtype, str) or hasattr(dtype, "is_floating_point") else None
-    if key not in _DTYPE_ALIASES:
+    name = _dtypes.canonical(dtype)
+    if name is None:
         raise FieldError(path, f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    return _DTYPE_ALIASES[key]
+    return name
 
 
 def normalize_created(value: Any, path: str = "created") -> str:

@@ -15,7 +15,7 @@ from ..kernels.dispatch import decode_attention
 from ..kernels.shapes import DecodeShape, check_decode_inputs
 from . import comm
 from .comm import CommStats
-from .merge import merge_partials, sanitize_lse
+from ..merge import merge_partials, sanitize_lse
 from .plan import ReductionPlan, ReductionTree, default_plan
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}

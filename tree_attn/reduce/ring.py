@@ -20,7 +20,7 @@ from ..kernels.shapes import check_decode_inputs
 from . import comm
 from .collectives import exchange_shapes
 from .comm import CommStats
-from .merge import merge_two
+from ..merge import merge_two
 
 
 def ring_decode(

@@ -14,21 +14,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..dtypes import parse_dtype, torch_dtype
 from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
-from .launch import RankEnv
+from ..ranks.launch import RankEnv
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16"}
 STRATEGY_NAMES = ("tree", "allreduce", "ring")
 
-
-def parse_dtype(name: str) -> str:
-    """Canonical dtype name ("float32" | "float16" | "bfloat16") from a name or alias."""
-    canon = DTYPE_ALIASES.get(name, name)
-    if canon not in DTYPES:
-        raise ConfigError(f"dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16); got {name!r}")
-    return canon
 
 
 @dataclass(frozen=True)
@@ -83,7 +75,7 @@ class RunSpec:
 def make_query(spec: RunSpec, step: int) -> torch.Tensor:
     """The query of decode step ``step``: ``[B, Hq, D]`` on CPU in the spec's dtype."""
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + 7919 * (step + 1))
-    return torch.randn(spec.batch, spec.q_heads, spec.head_dim, generator=g).to(DTYPES[spec.dtype])
+    return torch.randn(spec.batch, spec.q_heads, spec.head_dim, generator=g).to(torch_dtype(spec.dtype))
 
 
 def make_shard(spec: RunSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +83,7 @@ def make_shard(spec: RunSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = spec.shard_sizes()[rank]
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + 104729 * (rank + 1) + 1)
     shape = (spec.batch, n, spec.kv_heads, spec.head_dim)
-    dt = DTYPES[spec.dtype]
+    dt = torch_dtype(spec.dtype)
     k = torch.randn(shape, generator=g).to(dt)
     v = torch.randn(shape, generator=g).to(dt)
     return k, v
@@ -296,7 +288,7 @@ def _spec_dict(spec: RunSpec) -> dict:
 
 def run_decode(spec: RunSpec) -> RunResult:
     """Run the decode benchmark: spawn ``spec.world_size`` ranks (or join torchrun) and summarise."""
-    from .launch import init_torchrun, launch_ranks, torchrun_env
+    from ..ranks.launch import init_torchrun, launch_ranks, torchrun_env
 
     env = torchrun_env(spec.device_kind, spec.backend)
     if env is None:

@@ -16,7 +16,7 @@ import torch
 
 from ..reduce.plan import ReductionPlan
 from .decode_run import percentile
-from .launch import RankEnv
+from ..ranks.launch import RankEnv
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ class BucketResult:
 
 def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
     """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
-    from .launch import launch_ranks
+    from ..ranks.launch import launch_ranks
 
     iters, warm = options.plan_iterations
     results = launch_ranks(
@@ -226,9 +226,9 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         device = "cuda:0"
     from ..kernels.perf_model import CPU_INTERPRETER, DeviceSpec, candidate_configs, rank_candidates
     from ..kernels.shapes import DecodeShape
-    from .decode_run import DTYPES
+    from ..dtypes import torch_dtype
 
-    dtype = DTYPES[options.dtype]
+    dtype = torch_dtype(options.dtype)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     out = []
     iters, warm = (10, 3) if options.quick else (50, 10)

@@ -111,7 +111,7 @@ def _cuda_time(torch: Any, dev: int, op, iters: int) -> float:
 
 
 def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, backend, device_kind, timeout_s):
-    from ..runner.launch import launch_ranks
+    from ..ranks.launch import launch_ranks
 
     results = launch_ranks(_rank_measure, n, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes),
                            backend=backend, device_kind=device_kind, timeout_s=timeout_s)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShapeError
+from .errors import ShapeError
 
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
