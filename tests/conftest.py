@@ -1,9 +1,110 @@
-"""Session-wide test settings."""
+"""Session-wide test settings, and the rules that keep the suite green with and without GPUs.
+
+1. One Triton mode per pytest process, decided here, once, before anything imports triton:
+   no GPU visible -> Triton's CPU interpreter (TRITON_INTERPRET=1), kernels run on CPU tensors;
+   a GPU visible  -> compiled kernels on the GPU, TRITON_INTERPRET removed from the environment.
+   Triton fixes the mode of a ``@triton.jit`` function when it is decorated (its own library
+   functions when triton is imported, ours when ``tree_attn.kernels.triton_decode`` is), so one
+   process cannot use both: mixing them fails with "InterpreterError: Cannot call @triton.jit'd
+   outside of the scope of a kernel". Hence tests that reach Triton take the ``device`` fixture
+   (cuda when there is a GPU) and never call it on CPU tensors when a GPU is present; they never
+   set TRITON_INTERPRET=1 or reload triton_decode. (Deleting TRITON_INTERPRET inside a test, to
+   check the error for CPU tensors without the interpreter, is fine: nothing is decorated then.)
+   A test that can only mean the interpreter runs it in a subprocess with CUDA_VISIBLE_DEVICES=""
+   and TRITON_INTERPRET=1 (the ``interpreter_subprocess`` fixture).
+2. Tests that mean CPU ranks say so: ``tree-attn run --device cpu``, ``tree-attn tune --device
+   cpu``, ``tree-attn probe --backend host``. Left to ``auto``, the CLI takes the GPUs when there
+   are any, and a test of 3 CPU ranks asks a one-GPU machine for 3 GPUs.
+3. GPU tests are marked ``gpu``, use the GPUs that are there and skip with a reason naming what
+   is missing ("needs a GPU", "needs 2 GPUs"). A CPU test is never skipped on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_MODULE = "tree_attn.kernels.triton_decode"
+TRITON_MODE = "compiled" if HAS_GPU else "interpreter"
+
+
+def _set_process_mode() -> None:
+    triton_imported_before = "triton" in sys.modules
+    if HAS_GPU:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if not HAS_TRITON:
+        return  # tests that need triton skip themselves (importorskip)
+    if not HAS_GPU and triton_imported_before:
+        raise pytest.UsageError(
+            "triton was imported (compiled mode) before tests/conftest.py could choose its CPU interpreter; "
+            "run pytest in a fresh process without plugins that import triton"
+        )
+    # Decorate the kernels now, in this process's mode (this imports triton too, if not yet).
+    importlib.import_module(TRITON_MODULE)
+    if _kernel_mode() != TRITON_MODE:
+        raise pytest.UsageError(f"{TRITON_MODULE} was decorated for the {_kernel_mode()}, not the {TRITON_MODE} mode")
+
+
+def _kernel_mode() -> str | None:
+    """``interpreter`` or ``compiled``: how our kernels were decorated (None: not imported)."""
+    mod = sys.modules.get(TRITON_MODULE)
+    if mod is None:
+        return None
+    return "interpreter" if "Interpreted" in type(mod.split_kv_stage1_kernel).__name__ else "compiled"
+
+
+_set_process_mode()
 
 
 @pytest.fixture(autouse=True)
 def _private_profile_dir(tmp_path, monkeypatch):
     """Keep tests away from the user's saved profiles: every test gets an empty profile folder."""
     monkeypatch.setenv("TREE_ATTN_PROFILE_DIR", str(tmp_path / "profile-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _one_triton_mode(monkeypatch):
+    """Every test starts in the process's Triton mode (the launcher reads TRITON_INTERPRET at call
+    time), and no test may leave kernels decorated in the other mode."""
+    if HAS_GPU:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+    mode = _kernel_mode()
+    assert mode in (None, TRITON_MODE), (
+        f"{TRITON_MODULE} is decorated for the {mode} but this process runs Triton {TRITON_MODE}: "
+        "a test reloaded it or set TRITON_INTERPRET (see the rules in tests/conftest.py)"
+    )
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where tests that reach Triton compute: the GPU if any (compiled kernels), else the CPU
+    (Triton's interpreter)."""
+    return torch.device("cuda") if HAS_GPU else torch.device("cpu")
+
+
+@pytest.fixture
+def interpreter_subprocess():
+    """Run Python ``code`` in a fresh process that sees no GPU and runs Triton's interpreter;
+    returns its stdout (a failure shows its stderr). For tests that can only mean the interpreter."""
+    pytest.importorskip("triton")
+
+    def run(code: str, timeout: float = 300) -> str:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+        assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
+        return proc.stdout
+
+    return run

@@ -1,19 +1,31 @@
-"""The kernel search of ``tree-attn tune`` (model ranking, pruning, timing, choice), run here on
-CPU under Triton's interpreter with tiny shapes, and a profile's configs reaching the kernel."""
+"""The kernel search of ``tree-attn tune`` (model ranking, pruning, timing, choice) with tiny
+shapes, and a profile's configs reaching the kernel.
 
+It runs where this process runs Triton (see tests/conftest.py): compiled on the GPU when there is
+one (the path `tune` takes on GPU ranks), else on CPU tensors under Triton's interpreter.
+"""
+
+import pytest
 import torch
 
+from tests.tolerances import assert_decode_close, tol_for
 from tree_attn import decode_attention
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.reference import decode_attention_float64
 from tree_attn.runner.tune import TuneOptions, tune_kernels
 
+pytest.importorskip("triton")
 
-def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest():
-    options = TuneOptions(world_size=1, device_kind="cpu", backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
+
+def _tuning_device(device: torch.device) -> str:
+    return "cuda:0" if device.type == "cuda" else "cpu"
+
+
+def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest(device):
+    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
                           dtype="float32", quick=True, buckets=(64, 256))
     messages = []
-    results = tune_kernels(options, progress=messages.append, device="cpu")
+    results = tune_kernels(options, progress=messages.append, device=_tuning_device(device))
     assert [r.max_shard_len for r in results] == [64, 256]
     for r in results:
         assert len(r.timings) == options.kernel_survivors
@@ -31,16 +43,17 @@ def test_kernel_search_is_skipped_on_cpu_ranks_by_default():
     assert tune_kernels(options) == []
 
 
-def test_a_chosen_config_computes_the_same_attention():
-    options = TuneOptions(world_size=1, device_kind="cpu", backend="gloo", q_heads=8, kv_heads=2, head_dim=32,
+def test_a_chosen_config_computes_the_same_attention(device):
+    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=8, kv_heads=2, head_dim=32,
                           dtype="float32", quick=True, buckets=(128,))
-    (result,) = tune_kernels(options, device="cpu")
+    (result,) = tune_kernels(options, device=_tuning_device(device))
     cfg = DecodeConfig.from_dict(result.chosen.config.to_dict())  # as stored in and read from a profile
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 8, 32, generator=g)
     k = torch.randn(1, 100, 2, 32, generator=g)
     v = torch.randn(1, 100, 2, 32, generator=g)
-    out, lse = decode_attention(q, k, v, impl="triton", config=cfg)
+    out, lse = decode_attention(q.to(device), k.to(device), v.to(device), impl="triton", config=cfg)
     ref_out, ref_lse = decode_attention_float64(q, k, v)
-    assert (out.double() - ref_out).abs().max() < 1e-5
-    assert (lse.double() - ref_lse).abs().max() < 1e-5
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=cfg.describe())
+    assert (out.cpu().double() - ref_out).abs().max() < 1e-5
+    assert (lse.cpu().double() - ref_lse).abs().max() < 1e-5

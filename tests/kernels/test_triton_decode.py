@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from kernel_tolerances import TOLERANCES, assert_decode_close, tol_for
+from tests.tolerances import assert_decode_close, tol_for
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
 from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
@@ -34,7 +34,7 @@ def check_against_references(q, k, v, seq_lens=None, config=None, what=""):
     out, lse = decode_attention_triton(q, k, v, seq_lens=seq_lens, config=config)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
-    tol = tol_for(q.dtype, k.dtype)
+    tol = tol_for(q.dtype, k.dtype, device=q.device)
     o64, l64 = decode_attention_float64(q, k, v, seq_lens=seq_lens)
     assert_decode_close(out, lse, o64, l64, tol, what=f"{what} vs float64")
     ot, lt = decode_attention_torch(q, k, v, seq_lens=seq_lens)
@@ -86,7 +86,7 @@ def test_split_count_does_not_change_result(splits, device):
     q, k, v = make_inputs(2, 4, 1, 64, 90, torch.float32, device, seed=3)
     out, lse = decode_attention_triton(q, k, v, config=DecodeConfig(block_n=16, num_splits=splits))
     ref_out, ref_lse = decode_attention_float64(q, k, v)
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what=f"splits={splits}")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=f"splits={splits}")
 
 
 def test_noncontiguous_strides(device):
@@ -133,7 +133,7 @@ def test_garbage_past_seq_len_is_never_read(device):
     v_bad[1] = float("nan")
     out, lse = decode_attention_triton(q, k_bad, v_bad, seq_lens=lens, config=DecodeConfig(block_n=16, num_splits=2))
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="garbage past seq_len")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="garbage past seq_len")
 
 
 def test_seq_lens_any_int_dtype_and_custom_scale(device):
@@ -141,17 +141,20 @@ def test_seq_lens_any_int_dtype_and_custom_scale(device):
     lens = torch.tensor([30, 7], dtype=torch.int64, device=device)
     out, lse = decode_attention_triton(q, k, v, seq_lens=lens, scale=0.3, config=DecodeConfig(block_n=16, num_splits=2))
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, scale=0.3)
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="int64 seq_lens, scale 0.3")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="int64 seq_lens, scale 0.3")
 
 
-def test_amd_option_rejected_off_rocm(monkeypatch):
-    """waves_per_eu is an AMD option: asking for it on other hardware is a config error, not ignored."""
+def test_amd_option_rejected_off_rocm(monkeypatch, device):
+    """waves_per_eu is an AMD option: asking for it on other hardware is a config error, not ignored.
+
+    On a GPU the compiled kernel's device; without one, CPU tensors outside the interpreter (which
+    accepts every option): the check comes before any launch either way."""
     from tree_attn.errors import ConfigError
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    q, k, v = make_inputs(1, 4, 1, 64, 8, torch.float32, "cpu")
-    if torch.cuda.is_available() and torch.version.hip is not None:
+    if device.type == "cuda" and torch.version.hip is not None:
         pytest.skip("on ROCm waves_per_eu is valid")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = make_inputs(1, 4, 1, 64, 8, torch.float32, device)
     with pytest.raises(ConfigError, match="waves_per_eu"):
         decode_attention_triton(q, k, v, config=DecodeConfig(block_n=16, num_splits=1, waves_per_eu=2))
 
@@ -196,7 +199,7 @@ def test_stage_two_is_the_merge_algebra(device):
     lse_part[1, 2, :] = float("-inf")  # all empty
     out, lse = merge_splits_triton(o_part.to(device), lse_part.to(device))
     ref_out, ref_lse = merge_partials(o_part.permute(2, 0, 1, 3), lse_part.permute(2, 0, 1))
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.float32], what="stage two")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="stage two")
     assert torch.all(out.cpu()[1, 2] == 0) and lse.cpu()[1, 2] == float("-inf")
 
 

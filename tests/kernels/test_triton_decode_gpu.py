@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_tolerances import TOLERANCES, assert_decode_close, tol_for
+from tests.tolerances import assert_decode_close, tol_for
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
@@ -46,7 +46,7 @@ def test_llama_shape_default_config_matches_reference(b, n):
     lens[0] = n
     out, lse = decode_attention(q, k, v, seq_lens=lens)  # impl="auto" -> Triton on GPU tensors
     ref_out, ref_lse = decode_attention_torch(q, k, v, seq_lens=lens)
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=f"b{b} n{n}")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=f"b{b} n{n}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -66,7 +66,7 @@ def test_float64_ground_truth_moderate_size(dtype, d):
     for cfg in (None, DecodeConfig(block_n=32 if row_bytes <= 512 else 16, num_splits=7), deep):
         out, lse = decode_attention_triton(q, k, v, seq_lens=lens, config=cfg)
         o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
-        assert_decode_close(out, lse, o64, l64, tol_for(dtype), what=f"{dtype} d{d} {cfg}")
+        assert_decode_close(out, lse, o64, l64, tol_for(dtype, device="cuda"), what=f"{dtype} d{d} {cfg}")
 
 
 def test_config_too_big_for_the_device_is_a_config_error():
@@ -90,7 +90,7 @@ def test_top_ranked_candidates_compile_and_agree():
         except ConfigError:  # the model's shared-memory estimate let through a config that does not fit
             too_big.append(r.config.describe())
             continue
-        assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=r.config.describe())
+        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=r.config.describe())
     assert len(too_big) <= len(ranked) // 4, f"too many top candidates do not fit: {too_big}"
 
 
@@ -108,7 +108,7 @@ def test_int64_offsets_multi_gigabyte_cache():
     for row in (0, 2):  # row 0 as a control; row 2 is where int32 offsets would wrap
         ref_out, ref_lse = decode_attention_torch(q[row : row + 1], k[row : row + 1], v[row : row + 1])
         assert_decode_close(
-            out[row : row + 1], lse[row : row + 1], ref_out, ref_lse, TOLERANCES[torch.bfloat16], what=f"row {row} of 1M keys"
+            out[row : row + 1], lse[row : row + 1], ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=f"row {row} of 1M keys"
         )
 
 
@@ -120,4 +120,4 @@ def test_noncontiguous_cache_slices_on_gpu():
     v = cache_v.permute(0, 2, 1, 3)[:, 17:9000]
     out, lse = decode_attention_triton(q, k, v)
     ref_out, ref_lse = decode_attention_torch(q, k, v)
-    assert_decode_close(out, lse, ref_out, ref_lse, TOLERANCES[torch.bfloat16], what="strided cache")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what="strided cache")
