@@ -168,3 +168,77 @@ def test_check_bad_expected_file_is_one_line_error(tmp_path, capsys):
     p.write_text(yaml.safe_dump(d))
     assert main(["check", "--expect", str(p), "--from", str(H100)]) == 1
     assert "unknown key(s) colour" in capsys.readouterr().err
+
+
+# -- rendering: nothing a machine, a file or a user names is read as rich markup ----------------
+
+def test_probe_of_one_device_renders_its_self_level(capsys):
+    # One device: the hierarchy's single level is of kind "self", which has no colour.
+    assert main(["probe", "--backend", "host", "--cpu-ranks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 CPU rank" in out and "self: [0]" in out
+
+
+def test_one_gpu_topology_renders(capsys):
+    from tree_attn.cli.probe import render_topology
+
+    links = [(2, f"00000000:{0x05 + k % 4:02X}:00.0", True) for k in range(18)]
+    gpu = fakes.FakeGpu(name="NVIDIA H100 80GB HBM3", bus="00000000:18:00.0", uuid="GPU-h100-0000", memory=85520809984,
+                        sms=132, arch=9, numa=0, cpus=list(range(48)), pcie=(5, 16), nvlinks=links, nvlink_version=4,
+                        mig=[0, 0])
+    topo = probe_nvml(fakes.make_pynvml([gpu], ancestor=lambda a, b: 40, p2p=lambda a, b, idx: 0))
+    assert [lv.kind for lv in topo.hierarchy] == ["self"]
+    render_topology(topo)
+    out = capsys.readouterr().out
+    assert "1 GPU from" in out and "GPU0: NVIDIA H100 80GB HBM3" in out and "self: [0]" in out
+
+
+def test_markup_in_a_path_is_printed_as_is_in_one_error_line(capsys):
+    code = main(["probe", "--from", "nope[/bold]"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err and "MarkupError" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "nope[/bold]" in lines[0]
+
+
+def test_markup_in_paths_is_printed_as_is(tmp_path, capsys):
+    # Dumps and outputs in a folder whose path contains "[/x]", an output file named "[/bold]".
+    folder = tmp_path / "dumps[" / "x]"
+    folder.mkdir(parents=True)
+    dump = folder / "topo.txt"
+    dump.write_text(H100.read_text())
+    out = folder / "topo[/bold].yaml"
+    assert main(["probe", "--from", str(dump), "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"wrote {out}" in captured.err and "NV18" in captured.out
+    assert main(["check", "--expect", str(out), "--from", str(dump)]) == 0
+    captured = capsys.readouterr()
+    assert f"against {out}" in captured.out.replace("\n", "") and "as expected" in captured.out
+
+
+def test_errors_from_ranks_with_bracketed_paths_are_one_line(monkeypatch, capsys):
+    # gloo's messages name source files like [/__w/pytorch/pytorch/third_party/gloo/...]
+    from tree_attn.cli import probe
+    from tree_attn.errors import DistributedError
+
+    def fail(*args, **kwargs):
+        raise DistributedError("rank 1 failed: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    monkeypatch.setattr(probe, "render_topology", fail)
+    code = main(["probe", "--backend", "host", "--cpu-ranks", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed" in err
+
+
+@pytest.mark.gpu
+def test_probe_this_gpu_machine(capsys):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    assert main(["probe"]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchy" in out and "GPU0" in out
+    assert main(["probe", "--measure", "--iterations", "3"]) == 0
+    assert "all-reduce of" in capsys.readouterr().out

@@ -1,14 +1,24 @@
-"""``tree-attn run`` end to end at a small size, and its handling of bad input."""
+"""``tree-attn run`` end to end at a small size, and its handling of bad input.
+
+Tests of CPU ranks say ``--device cpu`` (on a GPU machine ``auto`` means the GPUs); the tests of
+GPU ranks are marked ``gpu`` and use the GPUs there are.
+"""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from tree_attn.cli.app import main
 
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 def test_run_json_small(capsys):
-    code = main(["run", "--world-size", "3", "--seq-len", "1000", "--heads", "8", "--kv-heads", "2",
+    code = main(["run", "--device", "cpu", "--world-size", "3", "--seq-len", "1000", "--heads", "8", "--kv-heads", "2",
                  "--head-dim", "32", "--steps", "3", "--warmup", "1", "--strategy", "tree,allreduce,ring", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -33,6 +43,9 @@ def test_run_json_small(capsys):
     assert report["config"]["shard_sizes"] == [334, 333, 333]
     assert report["speedup_vs_ring"] > 0
     assert "spawning 3 CPU ranks" in captured.err
+    # which profile: structured, not a sentence (4 CPU ranks have a built-in one, 3 have none)
+    assert report["profile"]["chosen_by"] == "default" and report["profile"]["name"] is None
+    assert "no profile for this machine" in report["profile"]["text"]
 
 
 @pytest.mark.parametrize(
@@ -42,21 +55,39 @@ def test_run_json_small(capsys):
         (["--strategy", "butterfly"], "unknown strategy 'butterfly'"),
         (["--fanout", "1", "--strategy", "tree"], "fanout must be an integer >= 2"),
         (["--world-size", "2", "--fanout", "9", "--strategy", "tree"], "larger than the world size"),
-        (["--device", "cuda"], "no GPU is visible"),
+        (["--device", "tpu"], "--device must be auto, cpu or cuda"),
         (["--dtype", "fp8"], "dtype must be one of"),
         (["--backend", "mpi"], "backend must be one of"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_1(capsys, args, message):
-    code = main(["run", "--seq-len", "64", "--steps", "1", *args])
+    device = [] if "--device" in args else ["--device", "cpu"]
+    code = main(["run", *device, "--seq-len", "64", "--steps", "1", *args])
     captured = capsys.readouterr()
     assert code == 1
     assert message in captured.err
     assert "Traceback" not in captured.err
 
 
+def test_device_cuda_without_a_visible_gpu_is_one_clear_line():
+    # No GPU visible, on any machine: a fresh process with CUDA_VISIBLE_DEVICES="".
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "tree_attn", "run", "--device", "cuda", "--seq-len", "64", "--steps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1
+    assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_GPUS == 0, reason="needs a GPU")
+def test_world_size_beyond_the_gpus_is_one_clear_line(capsys):
+    code = main(["run", "--device", "cuda", "--world-size", str(N_GPUS + 1), "--seq-len", "64", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"larger than the {N_GPUS} GPUs" in err and "Traceback" not in err
+
+
 def test_debug_shows_traceback(capsys):
-    code = main(["--debug", "run", "--heads", "6", "--kv-heads", "4"])
+    code = main(["--debug", "run", "--device", "cpu", "--heads", "6", "--kv-heads", "4"])
     assert code == 1
     assert "Traceback" in capsys.readouterr().err
 
@@ -72,11 +103,8 @@ def test_help_explains():
 
 
 def test_run_under_torchrun_joins_the_job():
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", "run",
-           "--seq-len", "500", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps", "2", "--json"]
+           "--device", "cpu", "--seq-len", "500", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps", "2", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)  # only rank 0 prints
@@ -89,3 +117,18 @@ def test_unknown_option_is_a_usage_error_not_a_traceback(capsys):
     code = main(["run", "--bogus"])
     err = capsys.readouterr().err
     assert code == 2 and "No such option" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_GPUS == 0, reason="needs a GPU")
+def test_run_on_the_gpus(capsys):
+    """One rank per GPU there is (NCCL), the compiled kernel on each, every strategy exact."""
+    code = main(["run", "--device", "cuda", "--seq-len", "20000", "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+                 "--steps", "2", "--warmup", "1", "--strategy", "tree,allreduce,ring", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert report["config"]["world_size"] == N_GPUS and report["config"]["device_kind"] == "cuda"
+    assert report["config"]["dtype"] == "bfloat16" and report["backend"] == "nccl"
+    assert {r["strategy"] for r in report["results"]} == {"tree", "allreduce", "ring"}
+    assert all(r["max_abs_err"] < 2e-2 for r in report["results"])  # the bf16 limit of `run` itself

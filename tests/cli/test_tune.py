@@ -1,26 +1,36 @@
 """``tree-attn tune`` on CPU ranks writes a valid measured profile; ``run`` uses it; bad profiles
-are refused with the field named and the existing file untouched."""
+are refused with the field named and the existing file untouched.
+
+Tests of CPU ranks say ``--device cpu`` (on a GPU machine ``auto`` means the GPUs); the GPU test
+is marked ``gpu`` and tunes the GPUs there are.
+"""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tree_attn.cli.app import main
 from tree_attn.profiles import load_profile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.fixture
 def profile_dir(tmp_path, monkeypatch):
-    d = tmp_path / "profiles"
+    # "[/x]" in the path: paths are printed through rich, which must not read them as markup.
+    d = tmp_path / "cache[" / "x]profiles"
     monkeypatch.setenv("TREE_ATTN_PROFILE_DIR", str(d))
     return d
 
 
 def _run_json(capsys, *args):
-    code = main(["run", "--world-size", "3", "--seq-len", "600", "--heads", "8", "--kv-heads", "2",
+    code = main(["run", "--device", "cpu", "--world-size", "3", "--seq-len", "600", "--heads", "8", "--kv-heads", "2",
                  "--head-dim", "16", "--steps", "2", "--warmup", "1", "--json", *args])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -29,7 +39,7 @@ def _run_json(capsys, *args):
 
 def test_tune_quick_writes_a_measured_profile_that_run_uses(profile_dir, capsys):
     out = profile_dir / "mine.yaml"
-    code = main(["tune", "--quick", "--world-size", "3", "--output", str(out), "--json"])
+    code = main(["tune", "--device", "cpu", "--quick", "--world-size", "3", "--output", str(out), "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)
@@ -46,6 +56,8 @@ def test_tune_quick_writes_a_measured_profile_that_run_uses(profile_dir, capsys)
 
     with_profile, err = _run_json(capsys, "--profile", str(out))
     assert f"using profile {profile.name}" in err
+    assert {k: with_profile["profile"][k] for k in ("name", "origin", "path", "chosen_by")} == {
+        "name": profile.name, "origin": "measured", "path": str(out), "chosen_by": "explicit"}
     tree_row = with_profile["results"][0]
     assert tree_row["plan"] == profile.reduction.plan.label
     without, err2 = _run_json(capsys, "--strategy", "tree,ring")
@@ -55,12 +67,14 @@ def test_tune_quick_writes_a_measured_profile_that_run_uses(profile_dir, capsys)
 
 
 def test_run_finds_the_profile_saved_for_this_machine(profile_dir, capsys):
-    assert main(["tune", "--quick", "--world-size", "3"]) == 0
-    capsys.readouterr()
+    assert main(["tune", "--device", "cpu", "--quick", "--world-size", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "profile written to" in captured.out and "tuning for 3 CPU ranks" in captured.err
     saved = list(profile_dir.glob("*.yaml"))
     assert len(saved) == 1
     report, err = _run_json(capsys)
     assert "using the profile saved for this machine" in err and str(saved[0]) in err
+    assert report["profile"]["chosen_by"] == "saved" and report["profile"]["path"] == str(saved[0])
 
 
 def test_without_a_profile_run_says_it_uses_defaults(profile_dir, capsys):
@@ -69,19 +83,39 @@ def test_without_a_profile_run_says_it_uses_defaults(profile_dir, capsys):
     assert report["results"][0]["plan"] == "tree k=2"
 
 
-def test_tune_refuses_to_overwrite_without_force(profile_dir, capsys, tmp_path):
+def test_tune_refuses_to_overwrite_without_force_before_timing(profile_dir, capsys, tmp_path, monkeypatch):
+    from tree_attn.runner import tune
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("tune timed plans although its output cannot be written")
+
+    monkeypatch.setattr(tune, "tune_plans", no_timing)
+    monkeypatch.setattr(tune, "tune_kernels", no_timing)
     out = tmp_path / "p.yaml"
     out.write_text("precious\n")
-    code = main(["tune", "--quick", "--world-size", "2", "--output", str(out)])
+    code = main(["tune", "--device", "cpu", "--quick", "--world-size", "2", "--output", str(out)])
+    err = capsys.readouterr().err
     assert code == 1
-    assert "--force" in capsys.readouterr().err
+    assert "already exists" in err and "--force" in err and "Traceback" not in err
     assert out.read_text() == "precious\n"
+
+
+def test_tune_device_option(capsys):
+    assert main(["tune", "--device", "tpu"]) == 1
+    assert "--device must be auto, cpu or cuda" in capsys.readouterr().err
+    # No GPU visible, on any machine: a fresh process with CUDA_VISIBLE_DEVICES="".
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "tree_attn", "tune", "--device", "cuda", "--quick"],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1
+    assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_tune_from_a_foreign_topology_is_model_derived(profile_dir, capsys, tmp_path):
     out = tmp_path / "h100.yaml"
     dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
-    code = main(["tune", "--topology", str(dump), "--output", str(out)])
+    # --device cpu: CPU ranks cannot time an 8-GPU fabric, on any machine (an 8-GPU host would time its own)
+    code = main(["tune", "--device", "cpu", "--topology", str(dump), "--output", str(out)])
     captured = capsys.readouterr()
     if code != 0 and "device kind" in captured.err:
         pytest.fail(f"a topo -m dump without names must still tune model-only: {captured.err}")
@@ -90,6 +124,7 @@ def test_tune_from_a_foreign_topology_is_model_derived(profile_dir, capsys, tmp_
     assert profile.origin == "model" and profile.reduction.chosen_by == "model"
     assert profile.machine.world_size == 8
     assert "not measured" in " ".join(profile.notes)
+    assert "model-derived" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -111,14 +146,14 @@ def test_run_refuses_a_bad_profile_with_the_field_named(profile_dir, capsys, tmp
         text = good + "colour: red\n"
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    code = main(["run", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", str(bad)])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", str(bad)])
     err = capsys.readouterr().err
     assert code == 1 and field in err and "Traceback" not in err
     assert bad.read_text() == text
 
 
 def test_run_refuses_a_profile_for_another_machine(profile_dir, capsys):
-    code = main(["run", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", "h100-8x-nvswitch"])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", "h100-8x-nvswitch"])
     err = capsys.readouterr().err
     assert code == 1 and "another machine" in err and "tree-attn tune" in err
 
@@ -135,11 +170,32 @@ def test_every_rank_uses_rank_0s_plan():
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
-    from tree_attn.cli.run import _kernel_config
     from tree_attn.profiles import load_builtin
+    from tree_attn.runner.run_setup import kernel_config_for
 
     profile = load_builtin("h100-8x-nvswitch")
-    got = _kernel_config(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
+    got = kernel_config_for(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
     cfg, chosen_by = profile.kernel_config_for("bfloat16", 128, 4, 65536)
     assert got == cfg.to_dict() and chosen_by == "model"
-    assert _kernel_config(None, "bfloat16", 32, 8, 128, 1024, 8) is None
+    assert kernel_config_for(None, "bfloat16", 32, 8, 128, 1024, 8) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_GPUS == 0, reason="needs a GPU")
+def test_tune_the_gpus_then_run_under_the_profile(profile_dir, capsys, tmp_path):
+    """On the GPUs there are: kernel configs timed per bucket and plans timed over NCCL, then a run
+    of GPU ranks takes its plan and kernel config from the profile."""
+    out = tmp_path / "gpu.yaml"
+    code = main(["tune", "--device", "cuda", "--quick", "--output", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    profile = load_profile(out)
+    assert profile.origin == "measured" and profile.machine.device_kind in ("cuda", "rocm")
+    assert profile.machine.world_size == N_GPUS
+    assert profile.kernel.buckets and all(b.chosen_by == "measured" and b.time_us > 0 for b in profile.kernel.buckets)
+    code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert report["profile"]["chosen_by"] == "explicit" and report["config"]["kernel_config"] is not None
+    assert report["results"][0]["plan"] == profile.reduction.plan.label

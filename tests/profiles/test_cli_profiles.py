@@ -82,3 +82,31 @@ def test_listing_survives_a_broken_saved_profile(profile_dir, capsys, monkeypatc
     assert main(["profiles"]) == 0
     cap = capsys.readouterr()
     assert "junk" in cap.out and "schema_version" in _flat(cap.err)
+
+
+def test_a_profile_name_with_markup_lists_and_shows_as_is(profile_dir, tmp_path, capsys, monkeypatch):
+    """Names, descriptions and notes are printed through rich as text, never read as markup."""
+    from dataclasses import replace
+
+    from tests.profiles.conftest import make_profile
+
+    monkeypatch.setenv("COLUMNS", "250")
+    evil = replace(make_profile(name="evil[/x]"), description="made [bold]by[/] hand [/]", notes=["[red]not red[/red]"])
+    path = save_profile(evil, profile_path_for(evil.machine.fingerprint))
+    assert main(["profiles"]) == 0
+    cap = capsys.readouterr()
+    assert "evil[/x]" in cap.out and "Traceback" not in cap.err
+    assert main(["profiles", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "evil[/x]" in out and "made [bold]by[/] hand [/]" in out and "[red]not red[/red]" in out
+    assert main(["profiles", "show", evil.machine.fingerprint]) == 0  # a saved profile by fingerprint
+    assert "evil[/x]" in capsys.readouterr().out
+    assert main(["profiles", "--json"]) == 0
+    assert "evil[/x]" in {r["name"] for r in json.loads(capsys.readouterr().out)["profiles"]}
+
+
+def test_an_unknown_profile_with_markup_is_one_error_line(profile_dir, capsys):
+    assert main(["profiles", "show", "nope[/bold]"]) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "nope[/bold]" in lines[0]

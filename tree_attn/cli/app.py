@@ -13,7 +13,7 @@ import traceback
 import typer
 
 from ..errors import TreeAttnError
-from .common import CliState, err_console
+from .common import CliState, err_console, error
 
 # Recent typer releases vendor click (typer._click) instead of depending on it, so `import click`
 # may fail or name different classes. Take the base classes from typer's public exceptions.
@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except TreeAttnError as exc:
         if CliState.debug:
             err_console.print(traceback.format_exc(), markup=False, highlight=False)
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+            remote = getattr(exc, "remote_traceback", None)  # a rank's own traceback (DistributedError)
+            if remote:
+                err_console.print(f"the failing rank's traceback:\n{remote}", markup=False, highlight=False)
+        # The message is data, not markup: gloo errors name paths like [/__w/pytorch/...].
+        error(str(exc))
         code = 1
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/red]")

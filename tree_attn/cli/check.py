@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .common import err_console, notice, out_console, print_json
+from .common import err_console, esc, notice, out_console, print_json
 
 # Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
 # a healthy link reaches well over half its nominal rate in a large device-to-device copy.
@@ -52,7 +52,7 @@ def check_command(
     if measure:
         from ..topology.measure import measure_topology
 
-        err_console.print(f"measuring {len(actual)} device(s)...")
+        err_console.print(f"measuring {len(actual)} device(s)...", markup=False)
         actual = measure_topology(actual, iterations=iterations)
         ratio = ratio if ratio is not None else DEFAULT_MIN_RATIO
     report = compare_topologies(expected, actual, min_bandwidth_ratio=ratio)
@@ -63,9 +63,10 @@ def check_command(
         print_json(report.to_dict())
     else:
         out_console.print(f"checking {actual.source} ({len(actual)} devices, fingerprint {actual.fingerprint}) "
-                          f"against {expect} ({len(expected)} devices, fingerprint {expected.fingerprint})", soft_wrap=True)
+                          f"against {expect} ({len(expected)} devices, fingerprint {expected.fingerprint})",
+                          markup=False, soft_wrap=True)
         for r in report.results:
-            out_console.print(f"  {_MARK[r.status]} {r.name}: {r.detail}", highlight=False, soft_wrap=True)
+            out_console.print(f"  {_MARK[r.status]} {esc(r.name)}: {esc(r.detail)}", highlight=False, soft_wrap=True)
             for d in r.differences:
                 out_console.print(f"         {d}", markup=False, highlight=False, soft_wrap=True)
         if report.ok:

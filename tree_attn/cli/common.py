@@ -1,4 +1,12 @@
-"""Shared pieces of the CLI: consoles (results on stdout, logs on stderr), JSON output, errors."""
+"""Shared pieces of the CLI: consoles (results on stdout, logs on stderr), JSON output, errors.
+
+Everything printed through rich is markup, so any text that comes from outside a format string
+(error messages, notes, warnings, file paths, profile and device names, plan labels) must never be
+interpolated into markup as is: a gloo error names ``[/__w/pytorch/...]`` and a path or a profile
+name may contain ``[/x]``, which rich reads as a closing tag (a MarkupError, or text silently
+swallowed). Such text goes through :func:`esc` or is printed as a :class:`rich.text.Text`
+(:func:`styled`, :func:`line`), which rich never parses.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,8 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 # Results go to stdout, logs and progress to stderr (DESIGN.md conventions).
 out_console = Console(highlight=False)
@@ -33,10 +43,30 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def esc(value: Any) -> str:
+    """``str(value)`` escaped for rich markup: shown as is, never read as a tag."""
+    return escape(str(value))
+
+
+def styled(value: Any, style: str | None = None) -> Text:
+    """``value`` as a Text with ``style`` (an empty or missing style is plain text): never markup."""
+    return Text(str(value), style=style or "")
+
+
+def line(*parts: Any) -> Text:
+    """A Text from plain pieces and ``(text, style)`` pairs, none of them parsed as markup."""
+    return Text.assemble(*((str(p[0]), p[1] or "") if isinstance(p, tuple) else str(p) for p in parts))
+
+
 def notice(message: str) -> None:
     """A plain-words notice on stderr."""
-    err_console.print(f"[yellow]note:[/yellow] {message}")
+    err_console.print(line(("note:", "yellow"), " ", message))
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[bold yellow]warning:[/bold yellow] {message}")
+    err_console.print(line(("warning:", "bold yellow"), " ", message))
+
+
+def error(message: str) -> None:
+    """The one red error line on stderr."""
+    err_console.print(line(("error:", "bold red"), " ", message))

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import err_console, notice, out_console, print_json, warn
+from .common import err_console, line, notice, out_console, print_json, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -44,7 +44,7 @@ def probe_command(
     if measure:
         from ..topology.measure import measure_topology
 
-        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...")
+        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...", markup=False)
         topo = measure_topology(topo, iterations=iterations)
     for n in topo.notes:
         notice(n)
@@ -59,15 +59,24 @@ def probe_command(
         render_topology(topo)
 
 
+def kind_style(kind: str) -> str:
+    """The colour of a link class or hierarchy level kind; plain ("") for one without a colour
+    (the single level of a one-device machine is of kind ``self``)."""
+    return KIND_STYLE.get(kind, "")
+
+
 def render_topology(topo) -> None:
-    """The nvidia-smi-like matrix coloured by class, the devices, the hierarchy."""
+    """The nvidia-smi-like matrix coloured by class, the devices, the hierarchy.
+
+    Every cell and line is a Text (see cli/common.py): names, paths and labels are never markup.
+    """
     from ..topology import format_ranges
 
     n = len(topo)
     gpu = any(d.vendor != "cpu" for d in topo.devices)
     prefix = "GPU" if gpu else "rank"
-    out_console.print(f"[bold]{n} {'GPU' if gpu else 'CPU rank'}{'s' if n != 1 else ''}[/bold] "
-                      f"from {topo.source}, fingerprint {topo.fingerprint}")
+    out_console.print(line((f"{n} {'GPU' if gpu else 'CPU rank'}{'s' if n != 1 else ''}", "bold"),
+                           f" from {topo.source}, fingerprint {topo.fingerprint}"))
     t = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
     t.add_column("")
     for i in range(n):
@@ -78,11 +87,12 @@ def render_topology(topo) -> None:
         cells = []
         for j in range(n):
             if i == j:
-                cells.append(" X ")
+                cells.append(styled(" X "))
                 continue
             l = topo.link(i, j)
-            cells.append(f"[{KIND_STYLE.get(l.kind.value, '')}]{l.label}[/]")
-        t.add_row(f"{prefix}{i}", *cells, d.cpu_affinity or "", "" if d.numa_node is None else str(d.numa_node))
+            cells.append(styled(l.label, kind_style(l.kind.value)))
+        t.add_row(styled(f"{prefix}{i}"), *cells, styled(d.cpu_affinity or ""),
+                  styled("" if d.numa_node is None else d.numa_node))
     out_console.print(t)
     out_console.print()
     for d in topo.devices:
@@ -93,12 +103,12 @@ def render_topology(topo) -> None:
             facts.append(f"{d.memory_bytes / 2**30:.0f} GiB")
         if d.pcie_gen and d.pcie_width:
             facts.append(f"PCIe {d.pcie_gen}.0 x{d.pcie_width}")
-        out_console.print(f"  {prefix}{d.index}: " + ", ".join(facts))
+        out_console.print(styled(f"  {prefix}{d.index}: " + ", ".join(facts)))
     out_console.print()
-    out_console.print("[bold]hierarchy[/bold] (fastest first):")
+    out_console.print(line(("hierarchy", "bold"), " (fastest first):"))
     for k, lv in enumerate(topo.hierarchy, 1):
         groups = "  ".join(f"[{format_ranges(g)}]" for g in lv.groups)
-        out_console.print(f"  {k}. [{KIND_STYLE.get(lv.kind, '')}]{lv.kind}[/]: {groups}")
+        out_console.print(line(f"  {k}. ", (lv.kind, kind_style(lv.kind)), f": {groups}"))
     bws = [l for l in topo.links if l.bandwidth_gbps is not None]
     if bws:
         lo = min(bws, key=lambda l: l.bandwidth_gbps)
@@ -107,10 +117,14 @@ def render_topology(topo) -> None:
         text = f"\nbandwidth ({src}, one direction): {lo.bandwidth_gbps:.1f} GB/s ({prefix}{lo.a}-{prefix}{lo.b})"
         if hi is not lo and hi.bandwidth_gbps != lo.bandwidth_gbps:
             text += f" to {hi.bandwidth_gbps:.1f} GB/s ({prefix}{hi.a}-{prefix}{hi.b})"
-        out_console.print(text)
+        out_console.print(styled(text))
     if topo.measurement and topo.measurement.allreduce_latency_us is not None:
         m = topo.measurement
-        out_console.print(f"all-reduce of {m.allreduce_bytes} B (decode message): {m.allreduce_latency_us:.1f} us "
-                          f"median over {m.iterations} iterations ({m.method}, {m.device})")
-    out_console.print("\nlegend: " + "  ".join(f"[{s}]{k.upper() if k not in ('nvlink',) else 'NV#'}[/]"
-                                                for k, s in KIND_STYLE.items() if k not in ("xgmi", "net")))
+        out_console.print(styled(f"all-reduce of {m.allreduce_bytes} B (decode message): {m.allreduce_latency_us:.1f} us "
+                                 f"median over {m.iterations} iterations ({m.method}, {m.device})"))
+    legend = [(k.upper() if k != "nvlink" else "NV#", s) for k, s in KIND_STYLE.items() if k not in ("xgmi", "net")]
+    parts: list = ["\nlegend: "]
+    for i, piece in enumerate(legend):
+        parts.extend(["  "] if i else [])
+        parts.append(piece)
+    out_console.print(line(*parts))

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import out_console, print_json, warn
+from .common import line, out_console, print_json, styled, warn
 
 CHOSEN_STYLE = {"measured": "green", "model": "yellow", "default": "dim"}
 
@@ -58,21 +58,22 @@ def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OP
     table = Table(title="tree-attn profiles", title_justify="left")
     for col in ("name", "kind", "origin", "devices", "fingerprint", "plan", "created", "path"):
         table.add_column(col, overflow="fold")
+    # Names, paths and labels are Texts, never markup (a profile may be named "evil[/x]").
     for e in entries:
         p = e.profile
         if p is None:
-            table.add_row(e.name, e.kind, "[red]invalid[/red]", "", "", "", "", e.path)
+            table.add_row(styled(e.name), styled(e.kind), styled("invalid", "red"), "", "", "", "", styled(e.path))
             continue
         m = p.machine
-        plan = f"{p.plan.label} [{CHOSEN_STYLE.get(p.reduction.chosen_by, '')}]({p.reduction.chosen_by})[/]"
+        plan = line(p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by))
         table.add_row(
-            p.name, e.kind, p.origin, f"{m.world_size}x {m.device_name} ({m.device_kind})",
-            m.fingerprint[:8], plan, p.created, e.path,
+            styled(p.name), styled(e.kind), styled(p.origin), styled(f"{m.world_size}x {m.device_name} ({m.device_kind})"),
+            styled(m.fingerprint[:8]), plan, styled(p.created), styled(e.path),
         )
     out_console.print(table)
     saved = [e for e in entries if e.kind == "saved"]
     if not saved:
-        out_console.print(f"no saved profiles in {folder} (write one with `tree-attn tune`)")
+        out_console.print(f"no saved profiles in {folder} (write one with `tree-attn tune`)", markup=False)
     for e in entries:
         if e.error:
             warn(e.error)
@@ -93,8 +94,9 @@ def show_command(
     render_profile(prof)
 
 
-def _chosen(how: str) -> str:
-    return f"[{CHOSEN_STYLE.get(how, '')}]{how}[/]"
+def _chosen(text: str, how: str | None = None):
+    """``text`` coloured by how a value was chosen (measured, model, default)."""
+    return styled(text, CHOSEN_STYLE.get(how if how is not None else text, ""))
 
 
 def _us(x: float | None) -> str:
@@ -102,45 +104,46 @@ def _us(x: float | None) -> str:
 
 
 def render_profile(prof) -> None:
-    """The human report of one profile on stdout."""
+    """The human report of one profile on stdout (every value a Text, never markup)."""
     m, v = prof.machine, prof.versions
-    out_console.print(f"[bold]{prof.name}[/bold]  origin {prof.origin}, created {prof.created}, schema {prof.schema_version}")
+    out_console.print(line((prof.name, "bold"), f"  origin {prof.origin}, created {prof.created}, schema {prof.schema_version}"))
     if prof.description:
-        out_console.print(prof.description)
-    out_console.print(
+        out_console.print(styled(prof.description))
+    out_console.print(styled(
         f"machine: {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint}, source {m.source}"
-    )
+    ))
     if m.hierarchy:
-        out_console.print("hierarchy: " + " / ".join(m.hierarchy))
+        out_console.print(styled("hierarchy: " + " / ".join(m.hierarchy)))
     if m.link_classes:
-        out_console.print("links: " + ", ".join(f"{k} {n}" for k, n in m.link_classes.items())
-                          + ("; p2p: " + ", ".join(f"{k} {n}" for k, n in m.p2p.items()) if m.p2p else ""))
-    out_console.print("versions: " + ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS))
+        out_console.print(styled("links: " + ", ".join(f"{k} {n}" for k, n in m.link_classes.items())
+                                 + ("; p2p: " + ", ".join(f"{k} {n}" for k, n in m.p2p.items()) if m.p2p else "")))
+    out_console.print(styled("versions: " + ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS)))
 
     if prof.kernel.buckets:
-        t = Table(title=f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})", title_justify="left")
+        t = Table(title=styled(f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})"), title_justify="left")
         for col in ("dtype", "D", "group", "shard <=", "config", "chosen by", "time us", "GB/s", "model us", "tried"):
             t.add_column(col, justify="right" if col not in ("dtype", "config", "chosen by") else "left")
         for b in prof.kernel.buckets:
             t.add_row(
-                b.dtype, str(b.head_dim), str(b.group), f"{b.max_shard_len:,}", b.config.describe(), _chosen(b.chosen_by),
-                _us(b.time_us), _us(b.gbps), _us(b.predicted_us), "-" if b.candidates_tried is None else str(b.candidates_tried),
+                styled(b.dtype), str(b.head_dim), str(b.group), f"{b.max_shard_len:,}", styled(b.config.describe()),
+                _chosen(b.chosen_by), _us(b.time_us), _us(b.gbps), _us(b.predicted_us),
+                "-" if b.candidates_tried is None else str(b.candidates_tried),
             )
         out_console.print(t)
     else:
-        out_console.print("kernel configs: none (the launch heuristic decides every shape)")
+        out_console.print("kernel configs: none (the launch heuristic decides every shape)", markup=False)
 
     red = prof.reduction
-    out_console.print(
-        f"reduction plan: [bold]{red.plan.label}[/bold] chosen by {_chosen(red.chosen_by)}"
-        + (f", message {red.message_bytes:,} bytes" if red.message_bytes else "")
-    )
+    out_console.print(line(
+        "reduction plan: ", (red.plan.label, "bold"), " chosen by ", _chosen(red.chosen_by),
+        f", message {red.message_bytes:,} bytes" if red.message_bytes else "",
+    ))
     if red.candidates:
         t = Table(title="reduction candidates", title_justify="left")
         for col in ("", "plan", "by", "median us", "p95 us", "model us"):
             t.add_column(col, justify="right" if col.endswith("us") else "left")
         for c in red.candidates:
-            t.add_row("[bold green]*[/]" if c.selected else "", c.label, _chosen(c.chosen_by),
+            t.add_row(styled("*", "bold green") if c.selected else "", styled(c.label), _chosen(c.chosen_by),
                       _us(c.median_us), _us(c.p95_us), _us(c.predicted_us))
         out_console.print(t)
     for n in prof.notes:

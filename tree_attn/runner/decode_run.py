@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from ..dtypes import parse_dtype, torch_dtype
 from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
 from ..ranks.launch import RankEnv
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .run_setup import ProfileChoice
 
 STRATEGY_NAMES = ("tree", "allreduce", "ring")
 
@@ -197,7 +201,7 @@ class RunResult:
     backend: str
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None
-    profile: str | None = None  # which profile the run used, in words
+    profile: "ProfileChoice | None" = None  # which profile the run used (runner.run_setup.ProfileChoice)
 
     def to_dict(self) -> dict:
         return {
@@ -206,7 +210,7 @@ class RunResult:
             "backend": self.backend,
             "results": [r.to_dict() for r in self.results],
             "speedup_vs_ring": self.speedup_vs_ring,
-            "profile": self.profile,
+            "profile": self.profile.to_dict() if self.profile is not None else None,
         }
 
 

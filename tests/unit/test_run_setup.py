@@ -1,0 +1,131 @@
+"""Resolving `run` and `tune` options into a RunSpec / TuneSetup (runner.run_setup,
+runner.tune_profile): devices, world size, dtype, plans, profile choice, output checks. Nothing is
+launched here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tree_attn.errors import ConfigError, ProfileError
+from tree_attn.ranks import launch
+from tree_attn.reduce.plan import ReductionPlan
+from tree_attn.runner.run_setup import ProfileChoice, RunOptions, plan_run, strategies_beyond_tolerance
+from tree_attn.runner.tune_profile import TuneRequest, plan_tune
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_cpu_ranks_with_the_builtin_profile():
+    setup = plan_run(RunOptions(device="cpu", world_size=4))
+    spec = setup.spec
+    assert (spec.device_kind, spec.backend, spec.world_size, spec.dtype) == ("cpu", "gloo", 4, "float32")
+    assert setup.profile.chosen_by == "builtin" and setup.profile.name == "cpu-4-ranks"
+    assert setup.profile.origin == "builtin-model" and setup.profile.path.endswith("cpu-4-ranks.yaml")
+    assert set(setup.profile.to_dict()) == {"name", "origin", "path", "chosen_by", "text"}
+    assert setup.notices == ("--device cpu: spawning 4 CPU ranks (gloo)",) and not setup.under_torchrun
+    assert [name for name, _ in spec.plans] == ["tree", "ring"]
+
+
+def test_defaults_without_a_profile_and_explicit_plans():
+    setup = plan_run(RunOptions(device="cpu", world_size=3, strategy="tree,allreduce", fanout=3, dtype="bf16"))
+    assert setup.profile == ProfileChoice(None, None, None, "default", setup.profile.text)
+    assert "no profile for this machine" in setup.profile.text
+    assert setup.spec.dtype == "bfloat16"
+    assert setup.spec.plans == (("tree", ReductionPlan("tree", 3)), ("allreduce", ReductionPlan("allreduce")))
+
+
+def test_gpu_ranks_by_default_when_torch_sees_gpus(monkeypatch):
+    monkeypatch.setattr(launch, "gpu_count", lambda: 2)
+    setup = plan_run(RunOptions())
+    spec = setup.spec
+    assert (spec.device_kind, spec.backend, spec.world_size, spec.dtype) == ("cuda", "nccl", 2, "bfloat16")
+    assert setup.notices == ()
+    assert setup.profile.chosen_by == "default"  # no 2-GPU profile exists (built-ins are 8 GPUs or CPU ranks)
+    with pytest.raises(ConfigError, match="world size 3 is larger than the 2 GPUs"):
+        plan_run(RunOptions(world_size=3))
+    # --device cpu on a GPU host stays on CPU ranks
+    assert plan_run(RunOptions(device="cpu")).spec.device_kind == "cpu"
+
+
+def test_device_cuda_needs_a_visible_gpu(monkeypatch):
+    monkeypatch.setattr(launch, "gpu_count", lambda: 0)
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        plan_run(RunOptions(device="cuda"))
+    with pytest.raises(ConfigError, match="--device must be auto, cpu or cuda"):
+        plan_run(RunOptions(device="gpu"))
+
+
+def test_under_torchrun_the_world_is_torchruns(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    setup = plan_run(RunOptions(device="cpu"))
+    assert setup.under_torchrun and setup.spec.world_size == 2 and setup.notices == ()
+
+
+def test_an_explicit_profile_for_another_machine_is_refused():
+    with pytest.raises(ProfileError, match="another machine"):
+        plan_run(RunOptions(device="cpu", world_size=2, profile="h100-8x-nvswitch"))
+
+
+def test_tolerance_check_names_the_failing_strategies():
+    from tree_attn.runner.decode_run import RunResult, StrategyResult
+
+    def row(plan, err):
+        return StrategyResult(plan, plan, 1.0, 1.0, 0, 0.0, 0, 0, 0, err, 0.0, True)
+
+    result = RunResult(spec={}, device="cpu", backend="gloo",
+                       results=[row("tree k=2", 1e-6), row("ring", 1e-3), row("allreduce", float("nan"))])
+    assert strategies_beyond_tolerance(result, "float32") == ["ring", "allreduce"]
+    assert strategies_beyond_tolerance(result, "bf16") == ["allreduce"]
+
+
+# -- tune ------------------------------------------------------------------------------------------
+
+def test_tune_cpu_ranks_is_measurable(tmp_path):
+    setup = plan_tune(TuneRequest(device="cpu", world_size=3, output=str(tmp_path / "p.yaml")))
+    assert setup.measurable and len(setup.topology) == 3
+    assert (setup.options.device_kind, setup.options.backend, setup.options.dtype) == ("cpu", "gloo", "bfloat16")
+    assert setup.notices == ("--device cpu: tuning for 3 CPU ranks (gloo)",)
+
+
+def test_tune_checks_its_output_before_anything_else(tmp_path):
+    out = tmp_path / "p.yaml"
+    out.write_text("precious\n")
+    with pytest.raises(ProfileError, match="already exists; pass --force"):
+        plan_tune(TuneRequest(device="cpu", world_size=2, output=str(out)))
+    assert plan_tune(TuneRequest(device="cpu", world_size=2, output=str(out), force=True)).force
+    with pytest.raises(ProfileError, match="is a folder"):
+        plan_tune(TuneRequest(device="cpu", world_size=2, output=str(tmp_path)))
+    assert out.read_text() == "precious\n"
+
+
+def test_tune_a_foreign_topology_is_model_only(tmp_path):
+    dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
+    setup = plan_tune(TuneRequest(device="cpu", topology_file=str(dump), output=str(tmp_path / "h.yaml")))
+    assert not setup.measurable and "CPU ranks" in setup.model_reason
+    assert any("model-derived" in n for n in setup.notices)
+    with pytest.raises(ConfigError, match="--world-size 4 does not match the topology's 8 devices"):
+        plan_tune(TuneRequest(device="cpu", topology_file=str(dump), world_size=4, output=str(tmp_path / "h.yaml")))
+
+
+def test_tune_more_gpus_than_torch_sees_is_model_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)
+    dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
+    setup = plan_tune(TuneRequest(topology_file=str(dump), output=str(tmp_path / "h.yaml")))
+    assert setup.options.device_kind == "cuda" and setup.options.backend == "nccl"
+    assert not setup.measurable and "torch sees 1" in setup.model_reason
+
+
+def test_tune_bad_options(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of KV heads"):
+        plan_tune(TuneRequest(device="cpu", heads=6, kv_heads=4))
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        plan_tune(TuneRequest(device="cpu", dtype="fp8"))
