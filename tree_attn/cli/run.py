@@ -8,7 +8,8 @@ from .common import err_console, error, line, notice, out_console, print_json, s
 
 HELP = """Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.
 
-Without a GPU it spawns CPU ranks (gloo); with GPUs one rank per GPU (NCCL, RCCL on ROCm).
+Without a GPU (or with --device cpu) it spawns CPU ranks (gloo); with GPUs one rank per GPU (NCCL,
+RCCL on ROCm).
 Under torchrun it joins the job instead of spawning. Each strategy runs warm-up and timed decode
 steps; the table shows per-step latency (median, p95; a step lasts as long as its slowest rank),
 bytes each rank sends per step, peak memory per rank, and the max abs error against a

@@ -93,7 +93,7 @@ def _render(profile, path: str) -> None:
     from rich.table import Table
 
     red = profile.reduction
-    table = Table(title=f"reduction plans ({red.chosen_by}), message {red.message_bytes} B per rank", title_justify="left")
+    table = Table(title=styled(f"reduction plans ({red.chosen_by}), message {red.message_bytes} B per rank"), title_justify="left")
     for col in ("", "plan", "median", "p95", "predicted"):
         table.add_column(col, justify="left" if col in ("", "plan") else "right")
 
