@@ -30,12 +30,15 @@ def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest(device):
     for r in results:
         assert len(r.timings) == options.kernel_survivors
         assert all(t.median_us > 0 and t.gbps > 0 for t in r.timings)
-        assert r.chosen == min(r.timings, key=lambda t: t.median_us)
+        # the fastest timing that measured the kernel (not the host's issue time) wins
+        trusted = [t for t in r.timings if not getattr(t, "host_bound", False)]
+        assert r.chosen == (min(trusted, key=lambda t: t.median_us) if trusted else r.timings[0])
         # the survivors are the model's best, in the model's order
         predicted = [t.predicted_us for t in r.timings]
         assert predicted == sorted(predicted)
         assert r.group == 2 and r.head_dim == 16
-    assert len(messages) == 2 and "best" in messages[0]
+    per_bucket = [m for m in messages if m.startswith("kernel bucket")]  # GPUs may also report a copy bandwidth
+    assert len(per_bucket) == 2 and "64 tokens" in per_bucket[0]
 
 
 def test_kernel_search_is_skipped_on_cpu_ranks_by_default():
