@@ -202,7 +202,9 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
         device_spec=topo.devices[0].name if buckets else None,
         buckets=[
             KernelBucket(dtype=b.dtype, head_dim=b.head_dim, group=b.group, max_shard_len=b.max_shard_len,
-                         config=b.chosen.config, chosen_by="measured", time_us=b.chosen.median_us, gbps=b.chosen.gbps,
+                         # "model" where every timing of the bucket measured the host, not the kernel
+                         config=b.chosen.config, chosen_by=getattr(b, "chosen_by", "measured"),
+                         time_us=b.chosen.median_us, gbps=b.chosen.gbps,
                          predicted_us=b.chosen.predicted_us, candidates_tried=len(b.timings))
             for b in buckets
         ],
