@@ -192,8 +192,9 @@ def test_tune_the_gpus_then_run_under_the_profile(profile_dir, capsys, tmp_path)
     profile = load_profile(out)
     assert profile.origin == "measured" and profile.machine.device_kind in ("cuda", "rocm")
     assert profile.machine.world_size == N_GPUS
-    assert profile.kernel.buckets and all(b.time_us > 0 and b.candidates_tried >= 1 for b in profile.kernel.buckets)
-    assert all(b.chosen_by in ("measured", "model") for b in profile.kernel.buckets)  # model: host-bound timings
+    assert profile.kernel.buckets and all(b.candidates_tried >= 1 for b in profile.kernel.buckets)
+    for b in profile.kernel.buckets:  # "model" where every timing was host-bound (see runner.tune)
+        assert (b.chosen_by == "measured" and b.time_us > 0) or (b.chosen_by == "model" and b.time_us is None)
     code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile", str(out), "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err

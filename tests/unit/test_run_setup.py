@@ -129,3 +129,18 @@ def test_tune_bad_options(tmp_path):
         plan_tune(TuneRequest(device="cpu", heads=6, kv_heads=4))
     with pytest.raises(ConfigError, match="dtype must be one of"):
         plan_tune(TuneRequest(device="cpu", dtype="fp8"))
+
+
+def test_profile_buckets_keep_how_the_kernel_search_chose():
+    from types import SimpleNamespace
+
+    from tree_attn.kernels.config import DecodeConfig
+    from tree_attn.runner.tune_profile import _kernel_bucket
+
+    cfg = DecodeConfig(block_n=64, num_splits=4)
+    timing = SimpleNamespace(config=cfg, median_us=20.0, gbps=900.0, predicted_us=18.0)
+    base = dict(dtype="bfloat16", head_dim=128, group=4, max_shard_len=16384, timings=[timing] * 3, chosen=timing)
+    measured = _kernel_bucket(SimpleNamespace(**base))  # a result without chosen_by: measured
+    assert (measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried) == ("measured", 20.0, 900.0, 3)
+    model = _kernel_bucket(SimpleNamespace(**base, chosen_by="model"))  # every timing host-bound
+    assert (model.chosen_by, model.time_us, model.gbps, model.predicted_us) == ("model", None, None, 18.0)

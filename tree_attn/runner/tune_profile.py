@@ -170,7 +170,7 @@ def write_profile(setup: TuneSetup, profile: "Profile") -> str:
 
 def measured_profile(topo: "Topology", options: "TuneOptions", progress: ProgressFn | None = None) -> "Profile":
     """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
-    from ..profiles import KernelBucket, KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
+    from ..profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
     from ..profiles.plan_model import decode_message_bytes
     from ..reduce.hier_plan import candidate_plans
     from .tune import tune_kernels, tune_plans
@@ -198,17 +198,8 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
             for t in plans.timings
         ],
     )
-    kernel = KernelSection(
-        device_spec=topo.devices[0].name if buckets else None,
-        buckets=[
-            KernelBucket(dtype=b.dtype, head_dim=b.head_dim, group=b.group, max_shard_len=b.max_shard_len,
-                         # "model" where every timing of the bucket measured the host, not the kernel
-                         config=b.chosen.config, chosen_by=getattr(b, "chosen_by", "measured"),
-                         time_us=b.chosen.median_us, gbps=b.chosen.gbps,
-                         predicted_us=b.chosen.predicted_us, candidates_tried=len(b.timings))
-            for b in buckets
-        ],
-    )
+    kernel = KernelSection(device_spec=topo.devices[0].name if buckets else None,
+                           buckets=[_kernel_bucket(b) for b in buckets])
     notes = [] if buckets else ["CPU ranks run the torch reference path: no kernel configs to tune"]
     return Profile(
         name=f"tuned-{topo.fingerprint}",
@@ -222,6 +213,20 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
         notes=notes,
         topology=topo,
     )
+
+
+def _kernel_bucket(b):
+    """A profile's bucket from a ``runner.tune.BucketResult``. Where every timing of the bucket
+    measured the host rather than the kernel, tune_kernels keeps the model's choice
+    (``chosen_by == "model"``), and the profile records no time for it."""
+    from ..profiles import KernelBucket
+
+    chosen_by = getattr(b, "chosen_by", "measured")
+    measured = chosen_by == "measured"
+    return KernelBucket(dtype=b.dtype, head_dim=b.head_dim, group=b.group, max_shard_len=b.max_shard_len,
+                        config=b.chosen.config, chosen_by=chosen_by,
+                        time_us=b.chosen.median_us if measured else None, gbps=b.chosen.gbps if measured else None,
+                        predicted_us=b.chosen.predicted_us, candidates_tried=len(b.timings))
 
 
 def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
