@@ -7,9 +7,12 @@ sets merge exactly::
     lse = logaddexp(lse_a, lse_b)
     o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
 
-The empty key set ``(o=0, lse=-inf)`` is the identity. An lse of +inf or NaN can only come from
-an upstream fault; it is treated as an empty state so that one bad shard can never poison a row
-with NaN (the row's result is then the merge of the other states).
+The empty key set ``(o=0, lse=-inf)`` is the identity. An lse of +inf or NaN means different things
+by where the state comes from. Our own kernels mark an empty state with -inf only, so from them a
+NaN can only come from NaN (or inf) data: the merged row is NaN, as torch SDPA and FlashAttention
+give, never a silent answer over the other states. States handed to the public
+:func:`merge_partials` may come from kernels that use +inf or NaN as an empty sentinel: there they
+are empty states.
 """
 
 from __future__ import annotations
@@ -25,12 +28,19 @@ def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exactly merge ``S`` partial states.
+def merge_states(
+    outs: torch.Tensor, lses: torch.Tensor, *, faulty_is_empty: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly merge ``S`` partial states: the one merge, every level.
 
     Args:
         outs: ``[S, *batch, D]`` partial outputs (any float dtype).
-        lses: ``[S, *batch]`` natural-log LSEs; -inf, +inf or NaN marks an empty state.
+        lses: ``[S, *batch]`` natural-log LSEs; -inf marks an empty state (its out is ignored,
+            whatever it holds).
+        faulty_is_empty: how a +inf or NaN lse is read. False (states our own kernels made, where
+            only NaN or inf data can produce one): the row's result is NaN, as torch SDPA gives.
+            True (states callers hand to :func:`merge_partials`, whose kernels may use them as
+            empty sentinels): an empty state.
 
     Returns:
         ``(out, lse)``: out ``[*batch, D]`` float32, lse ``[*batch]`` float32. Rows where every
@@ -38,10 +48,14 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     """
     if outs.dim() < 2 or lses.dim() != outs.dim() - 1 or outs.shape[:-1] != lses.shape:
         raise ShapeError(
-            f"merge_partials wants outs [S, ..., D] and lses [S, ...] with matching leading dims; "
+            f"merge wants outs [S, ..., D] and lses [S, ...] with matching leading dims; "
             f"got outs {tuple(outs.shape)} and lses {tuple(lses.shape)}"
         )
-    lses = sanitize_lse(lses)
+    if outs.device != lses.device:
+        raise ShapeError(f"outs and lses must be on one device; got {outs.device} and {lses.device}")
+    lses = lses.float()
+    faulty = ~(lses < float("inf"))  # +inf or NaN
+    lses = torch.where(faulty, float("-inf"), lses)
     if outs.shape[0] == 0:
         return (
             torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device),
@@ -58,14 +72,33 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     nonempty = denom > 0
     out = torch.where(nonempty.unsqueeze(-1), num / torch.where(nonempty, denom, 1.0).unsqueeze(-1), 0.0)
     lse = torch.where(nonempty, m_safe + torch.log(torch.where(nonempty, denom, 1.0)), float("-inf"))
+    if not faulty_is_empty:
+        poisoned = faulty.any(dim=0)
+        out = torch.where(poisoned.unsqueeze(-1), float("nan"), out)
+        lse = torch.where(poisoned, float("nan"), lse)
     return out, lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly merge ``S`` partial states handed in by a caller (the public API).
+
+    Args:
+        outs: ``[S, *batch, D]`` partial outputs (any float dtype).
+        lses: ``[S, *batch]`` natural-log LSEs; -inf, +inf or NaN marks an empty state.
+
+    Returns:
+        ``(out, lse)``: out ``[*batch, D]`` float32, lse ``[*batch]`` float32. Rows where every
+        state is empty give out 0 and lse -inf.
+    """
+    return merge_states(outs, lses, faulty_is_empty=True)
 
 
 def merge_two(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two states ``[*batch, D]`` / ``[*batch]``; float32 results. Same rules as above."""
-    return merge_partials(torch.stack([out_a.float(), out_b.float()]), torch.stack([lse_a.float(), lse_b.float()]))
+    """Merge two of our own states ``[*batch, D]`` / ``[*batch]``; float32 results; NaN or +inf
+    lse makes the row NaN (see :func:`merge_states`)."""
+    return merge_states(torch.stack([out_a.float(), out_b.float()]), torch.stack([lse_a.float(), lse_b.float()]))
 
 
 def empty_state(batch_shape: tuple[int, ...], head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

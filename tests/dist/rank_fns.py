@@ -107,3 +107,118 @@ def ring_lengths_and_dtype_checks(env):
     except DistributedError as exc:
         dtype_err = str(exc)
     return plain, given, wrong, dtype_err
+
+
+def _shard_inputs(seed: int, world: int, lens, batch=2, q_heads=8, kv_heads=2, head_dim=16, dtype=torch.float32):
+    """q and every rank's shard from one seed (identical in every process)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
+    shards = [(torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dtype),
+               torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dtype)) for n in lens]
+    return q, shards
+
+
+def static_step_loop(env, strategy: str, capacity: int, steps: int, seed: int):
+    """A decode loop on static buffers (TreeDecodeStep): every rank holds a cache of ``capacity``
+    tokens; each step writes a new query into q in place and grows one rank's valid length (the
+    rank the new token lands on: step % world), as a serving engine does. Returns, per step, the
+    query, every rank's valid lengths, and this rank's (out, lse) copies, plus the traffic."""
+    from tree_attn.reduce.collectives import TreeDecodeStep
+    from tree_attn.reduce.comm import CommStats
+
+    world = env.world_size
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, capacity, 2, 16, generator=g)
+    v = torch.randn(2, capacity, 2, 16, generator=g)
+    # Another rank's cache differs: draw every rank's in order, keep ours.
+    for r in range(world):
+        kr = torch.randn(2, capacity, 2, 16, generator=g)
+        vr = torch.randn(2, capacity, 2, 16, generator=g)
+        if r == env.rank:
+            k, v = kr, vr
+    lens = torch.tensor([[capacity // 3, 0]] * world)  # [rank, row]; row 1 starts empty everywhere
+    q = torch.zeros(2, 8, 16)
+    seq_lens = lens[env.rank].clone()
+    plan = ReductionPlan(strategy, 2)
+    step = TreeDecodeStep(q, k, v, seq_lens, plan=plan)
+    stats = CommStats()
+    history = []
+    for s in range(steps):
+        q.copy_(torch.randn(2, 8, 16, generator=g))
+        owner = s % world
+        lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
+        seq_lens.copy_(lens[env.rank])
+        out, lse = step(stats)
+        history.append((q.clone(), lens.clone(), out.clone(), lse.clone()))
+    return history, (stats.messages, stats.bytes_sent), (step.traffic.messages, step.traffic.bytes_sent), step.captured
+
+
+def growing_shard_on_one_rank(env, steps: int):
+    """The public tree_decode in a loop where only the last rank's shard grows (by one token a
+    step): its local kernel is prepared anew each step while the others' are cached, and no rank
+    may wait for a shape exchange the others skip. Returns every step's (out, lse)."""
+    world = env.world_size
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randn(1, 4 + r, 2, 16, generator=g) for r in range(world)]
+    extra = torch.randn(1, steps, 2, 16, generator=g)
+    q = torch.randn(1, 4, 16, generator=g)
+    results = []
+    for s in range(steps):
+        k = base[env.rank]
+        if env.rank == world - 1:
+            k = torch.cat([k, extra[:, : s + 1]], dim=1)
+        results.append(tree_decode(q, k, k.flip(-1)))
+    return results
+
+
+def repeated_identical_calls(env, strategy: str, calls: int, seed: int):
+    """The same inputs ``calls`` times (random shard sizes, some empty): the results of every call
+    must be bitwise those of the first (buffers reused across isend/irecv must not race)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(0, 9, (env.world_size,), generator=g)]
+    q, shards = _shard_inputs(seed, env.world_size, lens)
+    k, v = shards[env.rank]
+    outs = []
+    for _ in range(calls):
+        if strategy == "ring":
+            outs.append(ring_decode(q, k, v))
+        else:
+            outs.append(tree_decode(q, k, v, plan=ReductionPlan(strategy, 2)))
+    return lens, outs
+
+
+def nan_inputs(env):
+    """NaN in the data on one rank must reach every rank's result as NaN in that row only.
+    Cases: (name, strategy, which rank poisons, what). Returns {name: (out, lse)}."""
+    world = env.world_size
+    results = {}
+    for strategy in ("tree", "allreduce", "ring"):
+        for what in ("key", "value", "query"):
+            lens = [3 + r for r in range(world)]
+            q, shards = _shard_inputs(17, world, lens)
+            k, v = (t.clone() for t in shards[env.rank])
+            bad_rank = min(2, world - 1)
+            if what == "query":
+                q = q.clone()
+                q[1, 3, 0] = float("nan")  # row 1, head 3 only
+            elif env.rank == bad_rank:
+                t = k if what == "key" else v
+                t[1, 1, 0, 0] = float("nan")  # row 1, one key of KV head 0 (query heads 0..3)
+            if strategy == "ring":
+                results[(strategy, what)] = ring_decode(q, k, v)
+            else:
+                results[(strategy, what)] = tree_decode(q, k, v, plan=ReductionPlan(strategy, 2))
+    return results
+
+
+def prepared_checks(env, capacity: int, steps: int, calls: int):
+    """Every check of tests/dist/test_prepared_steps.py in one launch (spawning ranks is the slow
+    part on 2 cores). Returns a dict of each check's results on this rank."""
+    results = {}
+    for strategy in ("tree", "allreduce"):
+        results[("static", strategy)] = static_step_loop(env, strategy, capacity, steps, 40 + env.world_size)
+    results["growing"] = growing_shard_on_one_rank(env, steps)
+    for strategy in ("tree", "allreduce", "ring"):
+        results[("repeat", strategy)] = repeated_identical_calls(env, strategy, calls, 7 + env.world_size)
+    results["nan"] = nan_inputs(env)
+    return results

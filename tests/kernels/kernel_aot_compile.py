@@ -52,7 +52,11 @@ STAGE1_CASES = {
     "h100-fp32-d64-bn64-s2-w2-spills": (H100, "fp32", 64, 64, 2, 2, 4, True, {}),
     "h100-bf16-d128-bn128-s3-w2-spills": (H100, "bf16", 128, 128, 3, 2, 4, False, {}),
 }
-STAGE2_CASES = {"h100-stage2": H100, "mi300x-stage2": MI300X}
+# stage two: (target, FAULTY_IS_EMPTY): our own splits (NaN poisons the row) and the public merge rule
+STAGE2_CASES = {
+    "h100-stage2": (H100, False), "h100-stage2-faulty-empty": (H100, True),
+    "mi300x-stage2": (MI300X, False), "mi300x-stage2-faulty-empty": (MI300X, True),
+}
 
 DIVISIBLE = (
     "Q", "K", "V", "SEQ_LENS", "O_PART", "LSE_PART", "OUT", "LSE_OUT", "stride_qb", "stride_qh", "stride_kb",
@@ -130,12 +134,12 @@ def main() -> None:
             results[cid] = _facts(_compile(fn, sig, consts, target, dict(num_warps=warps, num_stages=stages, **extra)), target)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results[cid] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    for cid, target in STAGE2_CASES.items():
+    for cid, (target, faulty_is_empty) in STAGE2_CASES.items():
         fn = td.split_kv_stage2_kernel
         sig = {n: "i32" for n in fn.arg_names}
         sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT="*bf16", LSE_OUT="*fp32")
         try:
-            results[cid] = _facts(_compile(fn, sig, dict(HEAD_DIM=128, BLOCK_D=128, SPLIT_TILE=16), target, dict(num_warps=4)), target)
+            results[cid] = _facts(_compile(fn, sig, dict(HEAD_DIM=128, BLOCK_D=128, SPLIT_TILE=16, FAULTY_IS_EMPTY=faulty_is_empty), target, dict(num_warps=4)), target)
         except Exception as exc:  # noqa: BLE001
             results[cid] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     print(json.dumps(results))

@@ -2,35 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..errors import ConfigError, KernelUnavailableError
-from .reference import decode_attention_torch
-
-IMPLS = ("auto", "torch", "triton")
-
-
-def triton_interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """Map ``impl`` ("auto" | "torch" | "triton") to the one that will run on ``device``."""
-    if impl not in IMPLS:
-        raise ConfigError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl == "auto":
-        # torch.cuda covers ROCm too (HIP tensors report device type "cuda").
-        return "triton" if device.type == "cuda" else "torch"
-    if impl == "triton" and device.type != "cuda" and not triton_interpreter_enabled():
-        raise KernelUnavailableError(
-            f"impl='triton' needs CUDA or ROCm tensors; these are on {device}. "
-            "Use impl='torch' (or 'auto'), or set TRITON_INTERPRET=1 to run the kernel in Triton's CPU interpreter."
-        )
-    return impl
-
+from .impl import IMPLS, resolve_impl, triton_interpreter_enabled  # noqa: F401 - re-exported
+from .prepared import prepared_decode
 
 def decode_attention(
     q: torch.Tensor,
@@ -55,9 +30,5 @@ def decode_attention(
         ``out [B, Hq, D]`` in q's dtype, ``lse [B, Hq]`` float32 natural log; rows without keys
         give out 0 and lse -inf.
     """
-    which = resolve_impl(impl, q.device)
-    if which == "torch":
-        return decode_attention_torch(q, k, v, seq_lens=seq_lens, scale=scale)
-    from .triton_launch import decode_attention_triton  # lazy: triton is optional at import time
-
-    return decode_attention_triton(q, k, v, seq_lens=seq_lens, scale=scale, config=config)
+    # Resolved once per signature (checks, config, workspace), then only launched: see prepared.py.
+    return prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config)(q, k, v, seq_lens)

@@ -65,8 +65,14 @@ def check_decode_inputs(
             raise ShapeError(f"seq_lens must be an integer tensor; got {seq_lens.dtype}")
         if seq_lens.device != q.device:
             raise ShapeError(f"seq_lens must be on {q.device}; got {seq_lens.device}")
-        if seq_lens.device.type == "cpu" and seq_lens.numel() > 0:
-            lo, hi = int(seq_lens.min()), int(seq_lens.max())
-            if lo < 0 or hi > n:
-                raise ShapeError(f"seq_lens must lie in 0..N={n}; got values from {lo} to {hi}")
+        if seq_lens.device.type == "cpu":
+            check_seq_lens_range(seq_lens, n)
     return DecodeShape(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, kv_len=n)
+
+
+def check_seq_lens_range(seq_lens: torch.Tensor, n: int) -> None:
+    """Raise :class:`ShapeError` unless every value of ``seq_lens`` (a CPU tensor) lies in 0..n."""
+    if seq_lens.numel() > 0:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > n:
+            raise ShapeError(f"seq_lens must lie in 0..N={n}; got values from {lo} to {hi}")

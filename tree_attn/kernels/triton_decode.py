@@ -9,9 +9,9 @@ scores are pre-multiplied by ``log2(e)``). It writes the split's partial state `
 ``lse`` converted back to natural log.
 
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
-algebra as ``tree_attn.merge.merge_partials`` (max-shifted weights ``exp(lse_i - m)``, empty
-states with lse -inf — or a stray +inf/NaN — contribute nothing, a row with no keys gives out 0 and
-lse -inf).
+algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
+with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
+makes the row NaN, or with ``FAULTY_IS_EMPTY`` counts as empty, as the public ``merge_partials``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ln(2) and log2(e): the kernel works in base 2 internally, lse leaves in natural log. Globals read
-# inside @triton.jit must be constexpr; LOG2E is used on the host (the launcher folds it into the scale).
+# ln(2): the kernel works in base 2 internally, lse leaves in natural log. Globals read
+# inside @triton.jit must be constexpr. log2(e) is folded into the scale on the host (triton_launch).
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -134,10 +133,13 @@ def split_kv_stage1_kernel(
         k_ptrs += step_k
         v_ptrs += step_v
 
-    nonempty = l_i > 0.0
-    l_safe = tl.where(nonempty, l_i, 1.0)
+    # Only a split that ran no iteration has l_i == 0 (a valid key adds exp2(0) = 1 at its row's
+    # max). NaN data gives a NaN l_i, which must stay NaN here (stage two then poisons the row)
+    # rather than read as empty: "l_i > 0" would drop that split silently.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]  # acc is 0 for an empty split, so o is 0 there
-    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = O_PART + b64 * stride_ob + hq64[:, None] * stride_oh + pid_split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
@@ -166,6 +168,7 @@ def split_kv_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_TILE: tl.constexpr,
+    FAULTY_IS_EMPTY: tl.constexpr,  # True: +inf/NaN lse = an empty state (public merge); False: NaN out
 ):
     pid = tl.program_id(0)
     h64 = (pid % num_heads).to(tl.int64)
@@ -176,12 +179,18 @@ def split_kv_stage2_kernel(
     lse_base = LSE_PART + b64 * stride_lb + h64 * stride_lh
     o_base = O_PART + b64 * stride_pb + h64 * stride_ph
 
-    # Pass 1: the largest lse. NaN and +inf mark a faulty state: treated as empty, as in merge.py.
+    # Pass 1: the largest lse. With FAULTY_IS_EMPTY (states handed in by callers, whose kernels
+    # may mark an empty state with +inf or NaN) those are treated as empty, as in merge.py;
+    # otherwise (our own splits and ranks, where NaN can only come from NaN data) any NaN or +inf
+    # makes the row NaN, as torch SDPA does.
     m_vec = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
+    bad_vec = tl.zeros([SPLIT_TILE], tl.int32)
     for s0 in range(0, num_splits, SPLIT_TILE):
         offs_s = s0 + offs_s0
         l = tl.load(lse_base + offs_s * stride_ls, mask=offs_s < num_splits, other=float("-inf"))
-        l = tl.where(l < float("inf"), l, float("-inf"))  # NaN < inf is false too
+        faulty = ~(l < float("inf"))  # +inf or NaN (NaN < inf is false)
+        l = tl.where(faulty, float("-inf"), l)
+        bad_vec = tl.maximum(bad_vec, faulty.to(tl.int32))
         m_vec = tl.maximum(m_vec, l)
     m = tl.max(m_vec, 0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)  # all empty: shift by 0 so exp gives 0, not NaN
@@ -204,5 +213,9 @@ def split_kv_stage2_kernel(
     den_safe = tl.where(nonempty, den, 1.0)
     out = tl.where(nonempty, acc / den_safe, 0.0)
     lse = tl.where(nonempty, m_safe + tl.log(den_safe), float("-inf"))
+    if not FAULTY_IS_EMPTY:
+        poisoned = tl.max(bad_vec, 0) > 0
+        out = tl.where(poisoned, float("nan"), out)
+        lse = tl.where(poisoned, float("nan"), lse)
     tl.store(OUT + b64 * stride_outb + h64 * stride_outh + offs_d, out.to(OUT.dtype.element_ty), mask=mask_d)
     tl.store(LSE_OUT + b64 * stride_lob + h64 * stride_loh, lse)

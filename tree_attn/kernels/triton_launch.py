@@ -7,7 +7,6 @@ needed when the Triton path actually runs.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -15,14 +14,177 @@ from ..errors import ConfigError, KernelUnavailableError
 from .config import DecodeConfig, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
 from .device_info import device_spec_for, is_rocm
 from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
+from .impl import triton_interpreter_enabled
+from .layout import OutLayout
 from .shapes import check_decode_inputs
+
+# The kernel works in base 2 (exp2 is the native instruction): the launcher folds log2(e) into the scale.
+LOG2E = math.log2(math.e)
 
 # Stage two is a small reduction ([S, D] fp32 per program); 4 warps cover D=256 in one pass.
 STAGE2_NUM_WARPS = 4
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+class TritonDecodeLaunch:
+    """One shape signature's Triton decode, resolved once: config, split count, grid, constant
+    launch arguments and the split partials' workspace. ``__call__`` only launches.
+
+    Built from example tensors; later calls must pass tensors with the same shapes, strides,
+    dtypes and device (``kernels.prepared`` keys its cache on exactly those), and the same
+    seq_lens presence. ``__call__`` then reads no tensor property but data pointers.
+
+    Args:
+        q: ``[B, Hq, D]``; k, v: ``[B, N, Hkv, D]`` (any strides); seq_lens: ``[B]`` integer or None.
+        scale: softmax scale, default ``D ** -0.5``.
+        config: a :class:`DecodeConfig`; ``None`` = :func:`config.default_config`, and a config
+            with ``num_splits=None`` gets the split heuristic.
+        device_spec: override the device facts the heuristic uses (default: read from q's device).
+        out_layout: where ``out``/``lse`` live (default: ``out [B, Hq, D]`` contiguous in q's
+            dtype, ``lse [B, Hq]`` contiguous); e.g. the views of a packed ``[B, Hq, D + 1]``
+            float32 message, so the kernel writes the state the reduction sends.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor | None,
+        *,
+        scale: float | None = None,
+        config: DecodeConfig | None = None,
+        device_spec: DeviceSpec | None = None,
+        out_layout: OutLayout | None = None,
+    ) -> None:
+        shape = check_decode_inputs(q, k, v, seq_lens)
+        self.shape = shape
+        b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
+        if d == 0:
+            raise ConfigError("head dim D must be at least 1")
+        scale = d**-0.5 if scale is None else float(scale)
+        if not math.isfinite(scale):
+            raise ConfigError(f"scale must be a finite number; got {scale}")
+        spec = device_spec if device_spec is not None else device_spec_for(q.device)
+        cfg = resolve_config(config, shape, k.dtype, spec)
+        rocm = q.device.type == "cuda" and is_rocm()
+        interpret = triton_interpreter_enabled()
+        if cfg.waves_per_eu is not None and not rocm and not interpret:
+            raise ConfigError(
+                f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; set it to None on this device ({q.device})"
+            )
+        self.config = cfg
+        self.device = q.device
+        self.out_layout = out_layout or OutLayout(q.dtype)
+        # Nothing to launch: no rows/heads, or no keys anywhere (the empty state, written without a
+        # launch: a zero-length K has no storage to point at).
+        self.trivial = b * hq == 0 or n == 0
+        if self.trivial:
+            return
+        if q.device.type != "cuda" and not interpret:
+            raise KernelUnavailableError(
+                f"the Triton decode kernel needs CUDA or ROCm tensors; these are on {q.device}. "
+                "Use tree_attn.decode_attention(..., impl='torch'), or set TRITON_INTERPRET=1 before importing triton."
+            )
+        num_splits = cfg.num_splits
+        assert num_splits is not None  # resolve_config fills it
+        block_d = padded_head_dim(d)
+        _check_tile_offsets(k, v, cfg.block_n, block_d)
+        self.num_splits = num_splits
+        self.has_lens = seq_lens is not None
+        g_blocks = group_blocks_for(shape.group)
+        self.grid1 = (b * hkv * g_blocks, num_splits)
+        # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in
+        # dtype (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic
+        # is wrong).
+        upcast = interpret or k.dtype == torch.float32 or q.dtype != k.dtype
+        if num_splits > 1:
+            # The split partials: workspace owned by this launch, reused by every call (calls are
+            # ordered on one stream; kernels.prepared keys its cache on the stream too).
+            self.o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+            self.lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+        # With one split stage one writes the caller's out and lse directly.
+        out_strides, lse_strides = self.out_layout.strides(hq, d)
+        if num_splits == 1:
+            o_strides = (*out_strides, 0)
+            l_strides = (*lse_strides, 0)
+        else:
+            o_strides = self.o_part.stride()[:3]
+            l_strides = self.lse_part.stride()
+        # Every runtime scalar argument after the six pointers, in the kernel's order.
+        self._stage1_scalars = (
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            *o_strides, *l_strides,
+            hkv, g_blocks, n, split_len(n, num_splits, cfg.block_n), scale * LOG2E,
+        )
+        self._stage1_constexprs = dict(
+            GROUP=shape.group,
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_G=group_block(shape.group),
+            BLOCK_N=cfg.block_n,
+            STRIDE_QD=q.stride(2),
+            STRIDE_KD=k.stride(3),
+            STRIDE_VD=v.stride(3),
+            HAS_SEQ_LENS=self.has_lens,
+            UPCAST=upcast,
+            DOT_PRECISION="ieee",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        if rocm and cfg.waves_per_eu is not None:
+            self._stage1_constexprs["waves_per_eu"] = cfg.waves_per_eu
+        if num_splits > 1:
+            self._stage2_args = _stage2_args(self.o_part, self.lse_part, out_strides, lse_strides)
+        self._guard = _device_guard(q.device)
+
+    def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 in this launch's :class:`OutLayout`."""
+        return self.out_layout.new(self.shape.batch, self.shape.q_heads, self.shape.head_dim, self.device)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+        out: torch.Tensor, lse: torch.Tensor,
+    ) -> None:
+        """Write the attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (laid out as this
+        launch's :class:`OutLayout`, e.g. from :meth:`new_outputs`). ``seq_lens`` must be a
+        contiguous int32 tensor (or None iff it was None at construction); out-of-range values are
+        clamped by the kernel."""
+        if self.trivial:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        from . import triton_decode  # lazy: triton is imported only when the kernel runs
+
+        # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it.
+        lens = seq_lens if self.has_lens else lse
+        split = self.num_splits > 1
+        try:
+            with self._guard:
+                triton_decode.split_kv_stage1_kernel[self.grid1](
+                    q, k, v, lens,
+                    self.o_part if split else out,
+                    self.lse_part if split else lse,
+                    *self._stage1_scalars,
+                    **self._stage1_constexprs,
+                )
+                if split:
+                    triton_decode.split_kv_stage2_kernel[(self.shape.batch * self.shape.q_heads,)](
+                        self.o_part, self.lse_part, out, lse, *self._stage2_args,
+                        HEAD_DIM=self.shape.head_dim,
+                        BLOCK_D=padded_head_dim(self.shape.head_dim),
+                        SPLIT_TILE=STAGE2_SPLIT_TILE,
+                        FAULTY_IS_EMPTY=False,  # a NaN split comes from NaN data: the row is NaN
+                        num_warps=STAGE2_NUM_WARPS,
+                    )
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
+            if type(exc).__name__ == "OutOfResources":
+                raise ConfigError(
+                    f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
+                    f"for D={self.shape.head_dim}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
+                ) from exc
+            raise
 
 
 def decode_attention_triton(
@@ -35,124 +197,23 @@ def decode_attention_triton(
     config: DecodeConfig | None = None,
     device_spec: DeviceSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV decode attention with the Triton kernel.
+    """Split-KV decode attention with the Triton kernel, resolved afresh on every call (tests,
+    tuning of one config). Decode loops use ``kernels.prepared``, which resolves once.
 
     Args:
         q: ``[B, Hq, D]`` fp16/bf16/fp32, any strides.
         k, v: ``[B, N, Hkv, D]`` (same dtype, any strides, e.g. slices of a larger cache), ``Hq % Hkv == 0``.
         seq_lens: optional integer ``[B]`` on q's device, valid keys per row (0..N; clamped to that range).
-        scale: softmax scale, default ``D ** -0.5``.
-        config: a :class:`DecodeConfig`; ``None`` = :func:`config.default_config`, and a config
-            with ``num_splits=None`` gets the split heuristic.
-        device_spec: override the device facts the heuristic uses (default: read from q's device).
+        scale, config, device_spec: see :class:`TritonDecodeLaunch`.
 
     Returns:
         ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log); rows without
         keys give out 0 and lse -inf.
     """
-    shape = check_decode_inputs(q, k, v, seq_lens)
-    b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
-    if scale is None:
-        scale = d**-0.5
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ConfigError(f"scale must be a finite number; got {scale}")
-    spec = device_spec if device_spec is not None else device_spec_for(q.device)
-    cfg = resolve_config(config, shape, k.dtype, spec)
-    rocm = q.device.type == "cuda" and is_rocm()
-    if cfg.waves_per_eu is not None and not rocm and not _interpreting():
-        raise ConfigError(
-            f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; set it to None on this device ({q.device})"
-        )
-
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 and lse.numel() == 0:
-        return out, lse
-    if n == 0:
-        # No keys anywhere: the empty state, without a launch (a zero-length K has no storage to point at).
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    if d == 0:
-        raise ConfigError("head dim D must be at least 1")
-
-    num_splits = cfg.num_splits
-    assert num_splits is not None  # resolve_config fills it
-    s_len = split_len(n, num_splits, cfg.block_n)
-    block_g = group_block(shape.group)
-    g_blocks = group_blocks_for(shape.group)
-    block_d = padded_head_dim(d)
-
-    _check_tile_offsets(k, v, cfg.block_n, block_d)
-
-    interpret = _interpreting()
-    if q.device.type != "cuda" and not interpret:
-        raise KernelUnavailableError(
-            f"the Triton decode kernel needs CUDA or ROCm tensors; these are on {q.device}. "
-            "Use tree_attn.decode_attention(..., impl='torch'), or set TRITON_INTERPRET=1 before importing triton."
-        )
-    # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in dtype
-    # (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic is wrong).
-    upcast = interpret or k.dtype == torch.float32 or q.dtype != k.dtype
-
-    if seq_lens is not None:
-        lens = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
-        has_lens = True
-    else:
-        lens = lse  # never read (HAS_SEQ_LENS=False); any tensor serves as the pointer
-        has_lens = False
-
-    if num_splits == 1:
-        # One split: stage one writes the final out (in q's dtype) and lse directly.
-        o_part, lse_part = out, lse
-        o_strides = (out.stride(0), out.stride(1), 0)
-        l_strides = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
-        o_strides = o_part.stride()[:3]
-        l_strides = lse_part.stride()
-
-    from . import triton_decode  # lazy: triton is imported only when the kernel runs
-
-    launch_opts: dict = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if rocm and cfg.waves_per_eu is not None:
-        launch_opts["waves_per_eu"] = cfg.waves_per_eu
-
-    grid1 = (b * hkv * g_blocks, num_splits)
-    try:
-        with _device_guard(q.device):
-            triton_decode.split_kv_stage1_kernel[grid1](
-                q, k, v, lens, o_part, lse_part,
-                q.stride(0), q.stride(1),
-                k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2),
-                o_strides[0], o_strides[1], o_strides[2],
-                l_strides[0], l_strides[1], l_strides[2],
-                hkv, g_blocks, n, s_len, scale * triton_decode.LOG2E,
-                GROUP=shape.group,
-                HEAD_DIM=d,
-                BLOCK_D=block_d,
-                BLOCK_G=block_g,
-                BLOCK_N=cfg.block_n,
-                STRIDE_QD=q.stride(2),
-                STRIDE_KD=k.stride(3),
-                STRIDE_VD=v.stride(3),
-                HAS_SEQ_LENS=has_lens,
-                UPCAST=upcast,
-                DOT_PRECISION="ieee",
-                **launch_opts,
-            )
-            if num_splits > 1:
-                _launch_stage2(o_part, lse_part, out, lse)
-    except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
-        if type(exc).__name__ == "OutOfResources":
-            raise ConfigError(
-                f"config {cfg.describe()} needs more shared memory or registers than {q.device} has "
-                f"for D={d}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
-            ) from exc
-        raise
+    launch = TritonDecodeLaunch(q, k, v, seq_lens, scale=scale, config=config, device_spec=device_spec)
+    out, lse = launch.new_outputs()
+    lens = None if seq_lens is None else seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    launch(q, k, v, lens, out, lse)
     return out, lse
 
 
@@ -179,19 +240,29 @@ def _max_block_n(stride_n: int, stride_d: int, block_d: int) -> int:
 
 
 def merge_splits_triton(
-    o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.dtype | None = None
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    faulty_is_empty: bool = True,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage two on its own: merge ``S`` partial states per (row, head) with the Triton kernel.
 
     Args:
         o_part: ``[B, H, S, D]`` partial outputs (any float dtype is read as stored; D stride 1 is
             required, other strides are free).
-        lse_part: ``[B, H, S]`` natural-log LSEs; -inf, +inf or NaN mark an empty state.
+        lse_part: ``[B, H, S]`` natural-log LSEs, any strides; -inf marks an empty state.
         out_dtype: dtype of the merged out (default: o_part's).
+        faulty_is_empty: True (the public ``merge_partials`` rule): a +inf or NaN lse is an
+            empty state too. False (states of our own kernels): it makes the row NaN.
+        out, lse: write into these (``[B, H, D]`` with D stride 1, ``[B, H]`` float32; any other
+            strides, e.g. views of a packed message) instead of new tensors.
 
     Returns:
-        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_partials`` computes
-        them (empty rows: out 0, lse -inf).
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_states``
+        computes them (empty rows: out 0, lse -inf).
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:
         raise ConfigError(
@@ -201,16 +272,34 @@ def merge_splits_triton(
         o_part = o_part.contiguous()
     lse_part = lse_part.float()
     b, h, s, d = o_part.shape
-    out = torch.zeros(b, h, d, dtype=out_dtype or o_part.dtype, device=o_part.device)
-    lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=o_part.device)
-    if b * h == 0 or s == 0 or d == 0:
+    if out is None:
+        out = torch.empty(b, h, d, dtype=out_dtype or o_part.dtype, device=o_part.device)
+    if lse is None:
+        lse = torch.empty(b, h, dtype=torch.float32, device=o_part.device)
+    if b * h == 0 or d == 0:
+        return out, lse
+    if s == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
         return out, lse
     with _device_guard(o_part.device):
-        _launch_stage2(o_part, lse_part, out, lse)
+        _launch_stage2(o_part, lse_part, out, lse, faulty_is_empty=faulty_is_empty)
     return out, lse
 
 
-def _launch_stage2(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _stage2_args(o_part: torch.Tensor, lse_part: torch.Tensor, out_strides, lse_strides) -> tuple:
+    """Stage two's runtime scalars after its four pointers, in the kernel's order."""
+    return (
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        *out_strides, *lse_strides,
+        o_part.shape[1], o_part.shape[2],
+    )
+
+
+def _launch_stage2(
+    o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, faulty_is_empty: bool
+) -> None:
     """Merge the splits ``o_part [B, H, S, D]``, ``lse_part [B, H, S]`` into ``out [B, H, D]``,
     ``lse [B, H]``: one program per (row, head). D strides must be 1."""
     from . import triton_decode
@@ -218,14 +307,11 @@ def _launch_stage2(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     b, h, s, d = o_part.shape
     triton_decode.split_kv_stage2_kernel[(b * h,)](
         o_part, lse_part, out, lse,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1),
-        h, s,
+        *_stage2_args(o_part, lse_part, (out.stride(0), out.stride(1)), (lse.stride(0), lse.stride(1))),
         HEAD_DIM=d,
         BLOCK_D=padded_head_dim(d),
         SPLIT_TILE=STAGE2_SPLIT_TILE,
+        FAULTY_IS_EMPTY=faulty_is_empty,
         num_warps=STAGE2_NUM_WARPS,
     )
 

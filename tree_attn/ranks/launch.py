@@ -72,20 +72,32 @@ def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankE
 
 
 def _init_process_group(backend: str, device: str, **kwargs) -> None:
-    """``init_process_group`` after making a GPU rank's device current.
+    """``init_process_group`` with a GPU rank's device made current and bound (``device_id``).
 
-    No ``device_id``: that opts NCCL into eager initialisation, where every point-to-point op of
-    the group shares the one collective communicator and runs serialised on its stream; lazily,
-    each pair of ranks gets its own, so a tree node receives from its children concurrently. (The
-    ring batches its sends and receives, which works either way. Barriers come after a collective,
-    so NCCL knows the device by then.)
+    Binding the device tells NCCL which GPU this rank drives, so barriers and collectives need
+    not guess it (torch warns "Guessing device ID based on global rank" and "barrier(): using the
+    device under current context" otherwise), and creates the communicator eagerly. The tree's
+    concurrent receives then share that communicator, which is why ``reduce.merges`` posts a
+    node's receives from all its children as one batch (one NCCL group: they progress together).
     """
     import torch
     import torch.distributed as dist
 
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        dev = torch.device(device)
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
     dist.init_process_group(backend, **kwargs)
+
+
+def barrier(env: RankEnv) -> None:
+    """``dist.barrier()`` naming this rank's GPU on NCCL (no device guess, no warning)."""
+    import torch.distributed as dist
+
+    if env.backend == "nccl" and env.device.startswith("cuda"):
+        dist.barrier(device_ids=[int(env.device.split(":")[1])])
+    else:
+        dist.barrier()
 
 
 def init_torchrun(env: RankEnv, timeout_s: float) -> None:

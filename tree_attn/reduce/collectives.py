@@ -3,22 +3,34 @@
 Every rank computes the attention of the (shared) query against its own KV shard, giving a partial
 state ``(o, lse)``; the states are merged across ranks following a :class:`ReductionPlan`, and
 every rank ends with the attention over the union of all shards.
+
+Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and the merge
+(``reduce.merges``) for one signature; the public :func:`tree_decode` reuses cached ones, and
+:class:`TreeDecodeStep` binds one to static tensors and replays it as a CUDA graph on GPUs.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 
+from .. import dtypes
 from ..errors import DistributedError
+from ..graphs import CapturedStep
 from ..kernels.dispatch import decode_attention
+from ..kernels.layout import PACKED
+from ..kernels.prepared import PreparedDecode, prepared_decode
 from ..kernels.shapes import DecodeShape, check_decode_inputs
 from . import comm
 from .comm import CommStats
-from ..merge import merge_partials, sanitize_lse
-from .plan import ReductionPlan, ReductionTree, default_plan
+from .merges import AllReduceMerge, TreeMerge, build_merge
+from .plan import ReductionPlan, default_plan
 
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return 1 + dtypes.NAMES.index(dtypes.parse_dtype(dtype))
 
 
 def exchange_shapes(
@@ -32,7 +44,7 @@ def exchange_shapes(
     """
     names = ("B", "Hq", "Hkv", "D", "q dtype", "KV dtype")
     desc = torch.tensor(
-        [shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_dtype], shape.kv_len],
+        [shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, _dtype_code(q.dtype), _dtype_code(kv_dtype), shape.kv_len],
         dtype=torch.int64,
         device=q.device,
     )
@@ -54,74 +66,59 @@ def exchange_shapes(
 
 
 def _describe_field(name: str, value: int) -> str:
-    if name.endswith("dtype"):
-        for dt, code in _DTYPE_CODES.items():
-            if code == value:
-                return str(dt).replace("torch.", "")
+    if name.endswith("dtype") and 1 <= value <= len(dtypes.NAMES):
+        return dtypes.NAMES[value - 1]
     return str(value)
 
 
-def pack_state(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Pack ``o [B, H, D]`` and ``lse [B, H]`` into one float32 message ``[B, H, D + 1]``."""
-    return torch.cat([o.float(), lse.float().unsqueeze(-1)], dim=-1).contiguous()
-
-
-def unpack_state(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return buf[..., :-1], buf[..., -1]
-
-
-def merge_allreduce(
-    o: torch.Tensor, lse: torch.Tensor, group, stats: CommStats | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Algorithm 3 of the paper: all-reduce max of lse, then one all-reduce of the packed
-    rescaled numerator ``exp(lse - m) * o`` and denominator ``exp(lse - m)``.
-
-    Args: o ``[B, H, D]``, lse ``[B, H]``. Returns float32 ``(out, lse)`` over the whole group.
+class TreeDecoder:
+    """``tree_decode`` for one signature on this rank: a local kernel resolved once (writing the
+    packed message in place, :class:`PreparedDecode` with the ``PACKED`` layout) and a prepared
+    merge. ``decoder(q, k, v, seq_lens)`` returns views ``(out [B, Hq, D], lse [B, Hq])`` float32
+    of the merge's final buffer, valid until the merge's next call.
     """
-    lse = sanitize_lse(lse)
-    m = lse.clone()
-    comm.all_reduce(m, dist.ReduceOp.MAX, group, stats)
-    # Rows empty on every rank have m = -inf: shift by 0 there so the weights are 0, not NaN.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)  # 0 for empty local states
-    num = torch.where(w.unsqueeze(-1) > 0, w.unsqueeze(-1) * o.float(), 0.0)
-    buf = pack_state(num, w)
-    comm.all_reduce(buf, dist.ReduceOp.SUM, group, stats)
-    num, den = unpack_state(buf)
-    nonempty = den > 0
-    safe_den = torch.where(nonempty, den, torch.ones_like(den))
-    out = torch.where(nonempty.unsqueeze(-1), num / safe_den.unsqueeze(-1), 0.0)
-    lse_out = torch.where(nonempty, m + torch.log(safe_den), float("-inf"))
-    return out, lse_out
+
+    def __init__(self, local: PreparedDecode, merge: TreeMerge | AllReduceMerge) -> None:
+        d = local.shape.head_dim
+        self.local, self.merge = local, merge
+        self.out, self.lse = merge.final[..., :d], merge.final[..., d]
+        self._local_out, self._local_lse = merge.local[..., :d], merge.local[..., d]
+
+    def __call__(self, q, k, v, seq_lens=None, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.local(q, k, v, seq_lens, self._local_out, self._local_lse)
+        self.merge()
+        if stats is not None:
+            stats.add(self.merge.traffic)
+        return self.out, self.lse
 
 
-def merge_tree(
-    o: torch.Tensor, lse: torch.Tensor, tree: ReductionTree, group, stats: CommStats | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge up an explicit tree of point-to-point messages, then send the result back down.
+def _new_merge(q, k, shape: DecodeShape, group, plan: ReductionPlan, check_shapes: bool):
+    if check_shapes:
+        exchange_shapes(q, shape, group, None, k.dtype)
+    return build_merge(plan, group, shape.batch, shape.q_heads, shape.head_dim, q.device)
 
-    Each non-root rank sends one ``[B, H, D + 1]`` float32 message up and receives one down; a
-    node's children are received concurrently and merged in one exact merge with its own state.
-    """
-    rank = dist.get_rank(group)
-    children = tree.children[rank]
-    parent = tree.parent[rank]
-    mine = pack_state(o, lse)
-    if children:
-        bufs = [torch.empty_like(mine) for _ in children]
-        reqs = [comm.irecv(b, c, group) for b, c in zip(bufs, children)]
-        comm.wait_all(reqs, f"tree reduce: receive from children {list(children)}")
-        states = torch.stack([mine, *bufs])
-        out, lse_m = merge_partials(states[..., :-1], states[..., -1])
-        mine = pack_state(out, lse_m)
-    if parent >= 0:
-        comm.wait_all([comm.isend(mine, parent, group, stats)], f"tree reduce: send to parent {parent}")
-        comm.wait_all([comm.irecv(mine, parent, group)], f"tree broadcast: receive from parent {parent}")
-    if children:
-        reqs = [comm.isend(mine, c, group, stats) for c in children]
-        comm.wait_all(reqs, f"tree broadcast: send to children {list(children)}")
-    out, lse_out = unpack_state(mine)
-    return out, lse_out
+
+# Prepared merges of the public tree_decode, keyed by what every rank shares (group, plan, q's
+# shape, dtypes, device): never a rank's own shard length, so ranks build (and exchange shapes)
+# at the same calls even when only one rank's shard grows. The local kernels are cached apart,
+# per rank, by kernels.prepared.
+_MERGES: OrderedDict[tuple, TreeMerge | AllReduceMerge] = OrderedDict()
+MERGE_CACHE_SIZE = 16
+
+
+def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool):
+    """The cached merge for this call; inputs are checked whenever a merge is built."""
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
+    key = (group, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream)
+    merge = _MERGES.get(key)
+    if merge is None:
+        shape = check_decode_inputs(q, k, v, seq_lens)
+        merge = _MERGES[key] = _new_merge(q, k, shape, group, plan, check_shapes)
+        if len(_MERGES) > MERGE_CACHE_SIZE:
+            _MERGES.popitem(last=False)
+    else:
+        _MERGES.move_to_end(key)
+    return merge
 
 
 def tree_decode(
@@ -147,26 +144,94 @@ def tree_decode(
         scale: softmax scale (default ``D ** -0.5``).
         plan: the reduction plan (default :func:`reduce.plan.default_plan`).
         impl, config: passed to :func:`decode_attention` for the local shard.
-        check_shapes: all-gather a shape descriptor first and raise :class:`DistributedError` if
-            ranks disagree (one tiny extra collective; every rank must pass the same value).
+        check_shapes: when the merge for these shapes is first prepared, all-gather a shape
+            descriptor and raise :class:`DistributedError` if ranks disagree (every rank must pass
+            the same value). Later calls with the same shapes reuse the prepared merge and send
+            nothing but the states.
         stats: a :class:`CommStats` to count this rank's messages and bytes into.
 
     Returns:
         ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32: attention over the union of
-        all ranks' keys, identical on every rank.
+        all ranks' keys, identical on every rank. NaN in any rank's q, k or v gives NaN in that
+        row on every rank; an empty shard is the merge's identity.
     """
     comm.require_initialized()
-    shape = check_decode_inputs(q, k, v, seq_lens)
-    world = dist.get_world_size(group)
-    plan = plan or default_plan(world)
-    plan.check(world)
-    if check_shapes:
-        exchange_shapes(q, shape, group, stats, k.dtype)
-    o, lse = decode_attention(q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config)
+    group = group if group is not None else dist.group.WORLD
+    plan = plan or default_plan(dist.get_world_size(group))
+    # No per-call checks: a merge and a local kernel are prepared (and their inputs checked) for
+    # each new signature, and a call that hits both caches has a signature already checked.
+    merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes)
     if q.numel() == 0:
-        return o, lse
-    if plan.strategy == "allreduce":
-        out, lse = merge_allreduce(o, lse, group, stats)
-    else:
-        out, lse = merge_tree(o, lse, plan.tree(world), group, stats)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+        return decode_attention(q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config)
+    local = prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED)
+    out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats)
+    # Fresh outputs: the merge's buffers are reused by the next call.
+    return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
+
+
+class TreeDecodeStep:
+    """A prepared ``tree_decode`` on static tensors, replayed as a CUDA graph on GPUs.
+
+    For decode loops and serving engines that keep static buffers: build it once from the tensors
+    the loop will update in place (``q``; ``k``, ``v`` the shard's cache; ``seq_lens`` its valid
+    lengths), then each step is ``out, lse = step()``. On GPUs the whole step (the local kernel,
+    the merge kernel, NCCL's sends and receives or all-reduces, the output copies) is one graph
+    replay; on CPU ranks it runs eagerly with the same prepared objects. ``out [B, Hq, D]`` (q's
+    dtype) and ``lse [B, Hq]`` float32 are static too: overwritten by the next step.
+
+    Building is collective (warm-up steps, and the shape check): every rank builds its step at the
+    same point. ``captured`` says whether the graph is in use, ``why_eager`` why not.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        scale: float | None = None,
+        group=None,
+        plan: ReductionPlan | None = None,
+        impl: str = "auto",
+        config=None,
+        check_shapes: bool = True,
+        cuda_graph: bool = True,
+    ) -> None:
+        comm.require_initialized()
+        group = group if group is not None else dist.group.WORLD
+        plan = plan or default_plan(dist.get_world_size(group))
+        self.tensors = (q, k, v, seq_lens)
+        shape = check_decode_inputs(q, k, v, seq_lens)
+        local = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED)
+        self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes))
+        self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
+
+    @property
+    def traffic(self):
+        """Messages and bytes this rank sends per step (from the plan)."""
+        return self.decoder.merge.traffic
+
+    @property
+    def captured(self) -> bool:
+        return self.graph.captured
+
+    @property
+    def why_eager(self) -> str | None:
+        return self.graph.why_eager
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out.numel() == 0:
+            return self.out, self.lse
+        out, lse = self.decoder(*self.tensors)
+        self.out.copy_(out)
+        self.lse.copy_(lse)
+        return self.out, self.lse
+
+    def __call__(self, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        result = self.graph()
+        if stats is not None:
+            stats.add(self.traffic)
+        return result

@@ -30,6 +30,12 @@ class CommStats:
     def reset(self) -> None:
         self.messages = self.bytes_sent = self.collectives = 0
 
+    def add(self, traffic) -> None:
+        """Count one call of a prepared merge (its ``Traffic``, known from the plan)."""
+        self.messages += traffic.messages
+        self.bytes_sent += traffic.bytes_sent
+        self.collectives += traffic.collectives
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

@@ -13,6 +13,7 @@ A plan never touches torch.distributed; ``reduce.collectives`` executes it. Stra
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -167,6 +168,7 @@ class ReductionPlan:
         return cls(**d)
 
 
+@functools.lru_cache(maxsize=None)
 def default_plan(world_size: int) -> ReductionPlan:
     """The plan used when none is given and no profile applies.
 

@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from ..kernels.dispatch import decode_attention
+from ..kernels.layout import FLOAT32
+from ..kernels.prepared import prepared_decode
 from ..kernels.shapes import check_decode_inputs
+from ..merge import merge_two
 from . import comm
 from .collectives import exchange_shapes
 from .comm import CommStats
-from ..merge import merge_two
 
 
 def ring_decode(
@@ -82,10 +83,12 @@ def ring_decode(
             sends = [(cur_len, succ)] + ([(cur_k, succ), (cur_v, succ)] if fwd_len > 0 else [])
             recvs = [(nxt_len, pred)] + ([(nxt_k, pred), (nxt_v, pred)] if n_src > 0 else [])
             reqs = comm.batch_p2p(sends, recvs, group, stats)
-        # Compute on the block in hand while it travels on.
-        o_blk, lse_blk = decode_attention(q, cur_k, cur_v, seq_lens=cur_len, scale=scale, impl=impl, config=config)
+        # Compute on the block in hand while it travels on; float32 partials (no rounding to q's
+        # dtype before the merge), the local kernel resolved once per block shape.
+        local = prepared_decode(q, cur_k, cur_v, cur_len, scale=scale, impl=impl, config=config, out_layout=FLOAT32)
+        o_blk, lse_blk = local(q, cur_k, cur_v, cur_len)
         if out is None:
-            out, lse = o_blk.float(), lse_blk
+            out, lse = o_blk, lse_blk
         else:
             out, lse = merge_two(out, lse, o_blk, lse_blk)
         if reqs:

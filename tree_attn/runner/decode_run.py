@@ -18,7 +18,7 @@ import torch
 from ..dtypes import parse_dtype, torch_dtype
 from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv
+from ..ranks.launch import RankEnv, barrier
 
 if TYPE_CHECKING:  # pragma: no cover
     from .run_setup import ProfileChoice
@@ -152,7 +152,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
         with MemoryMonitor(env.device) as mem:
             for s in range(spec.steps):
                 stats.reset()
-                dist.barrier()
+                barrier(env)
                 t0 = time.perf_counter()
                 out, lse = step(queries[s], first=False)
                 if device.type == "cuda":

@@ -8,6 +8,7 @@ broadcasts its choice, so every rank runs the same plan even if timings were noi
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class PlanTiming:
     median_us: float
     p95_us: float
     iterations: int
+    method: str = "host-clock"  # cuda-graph (replays between events), cuda-events, host-clock
 
 
 @dataclass(frozen=True)
@@ -44,37 +46,47 @@ def time_plans_rank(
     iterations: int,
     warmup: int,
 ) -> PlanTuneResult:
-    """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision."""
+    """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision.
+
+    Each candidate is the prepared merge ``decode_run`` runs (static buffers, peers resolved
+    once), replayed as a CUDA graph on GPUs, eager on CPU ranks. Iterations start together
+    (barrier); on GPUs the time of one is taken by CUDA events around the replay, on CPU by the
+    host clock; an iteration lasts as long as its slowest rank.
+    """
     import torch.distributed as dist
 
-    from ..reduce.collectives import merge_allreduce, merge_tree
+    from ..graphs import CapturedStep
+    from ..ranks.launch import barrier
+    from ..reduce.merges import build_merge
 
     device = torch.device(env.device)
     g = torch.Generator().manual_seed(1234 + env.rank)
     o = torch.randn(batch, q_heads, head_dim, generator=g).to(device)
     lse = torch.randn(batch, q_heads, generator=g).to(device)
+    cuda = device.type == "cuda"
     timings = []
     for plan in candidates:
-        tree = plan.tree(env.world_size) if plan.strategy == "tree" else None
-
-        def merge() -> None:
-            if tree is None:
-                merge_allreduce(o, lse, None)
-            else:
-                merge_tree(o, lse, tree, None)
-
+        merge = build_merge(plan, None, batch, q_heads, head_dim, device)
+        merge.local[..., :head_dim].copy_(o)
+        merge.local[..., head_dim].copy_(lse)
+        step = CapturedStep(merge, device, warmup=max(1, warmup))  # collective: every rank builds it here
         for _ in range(warmup):
-            merge()
+            step()
         mine = []
         for _ in range(iterations):
-            dist.barrier()
-            if device.type == "cuda":
+            barrier(env)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            merge()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            mine.append(time.perf_counter() - t0)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                mine.append(start.elapsed_time(end) * 1e-3)
+            else:
+                t0 = time.perf_counter()
+                step()
+                mine.append(time.perf_counter() - t0)
         # Each iteration lasts as long as its slowest rank: gather everyone's times.
         local = torch.tensor(mine, dtype=torch.float64, device=device if env.backend == "nccl" else "cpu")
         every = [torch.empty_like(local) for _ in range(env.world_size)]
@@ -86,6 +98,7 @@ def time_plans_rank(
                 median_us=1e6 * statistics.median(slowest),
                 p95_us=1e6 * percentile(slowest, 0.95),
                 iterations=iterations,
+                method="cuda-graph" if step.captured else ("cuda-events" if cuda else "host-clock"),
             )
         )
     # Rank 0 decides; the broadcast makes the choice identical everywhere by construction.
@@ -96,51 +109,62 @@ def time_plans_rank(
 
 @dataclass(frozen=True)
 class KernelTiming:
+    """One kernel config's timing at a bucket's shape.
+
+    ``median_us``: device time of one launch (see :mod:`tree_attn.timing`); ``gbps``: KV bytes
+    over that time; ``host_us``: host time to issue one launch of the prepared launch;
+    ``copy_fraction``: ``gbps`` over the measured device-to-device copy bandwidth (GPUs);
+    ``method``: how the time was taken; ``host_bound``: the timing measured the host (rejected).
+    """
+
     config: object  # DecodeConfig
     predicted_us: float
     median_us: float | None
     gbps: float | None
+    host_us: float | None = None
+    copy_fraction: float | None = None
+    method: str = "host-clock"
+    host_bound: bool = False
 
 
-def time_kernel_configs(shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int) -> list[KernelTiming]:
-    """Time the Triton kernel for each ranked config on one device; median of ``iterations``.
+def time_kernel_configs(
+    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int, copy_gbps: float | None = None
+) -> list[KernelTiming]:
+    """Time the Triton kernel for each ranked config on one device.
 
-    On a GPU: CUDA events around each launch, and several KV buffers rotated when they fit so the
-    L2 cache does not serve repeated reads of one buffer (a 128K-token bf16 shard is 512 MiB, far
-    above any L2; small shards are not). On CPU (Triton's interpreter, for tests) a host clock.
+    On a GPU every config is captured as a CUDA graph of back-to-back launches over rotated KV
+    buffers (together at least 3x the L2 cache, within 40% of free memory) and replayed between
+    CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
+    interpreter, for tests) a host clock.
     """
     from ..kernels.perf_model import kv_bytes
-    from ..kernels.triton_launch import decode_attention_triton
+    from ..kernels.triton_launch import TritonDecodeLaunch
+    from ..timing import rotation_count, time_calls
 
     dev = torch.device(device)
     nbytes = kv_bytes(shape, dtype)
     copies = 1
     if dev.type == "cuda":
+        from ..kernels.device_info import device_spec_for
+
         free, _ = torch.cuda.mem_get_info(dev)
-        copies = max(1, min(4, int(0.4 * free // max(1, nbytes))))
+        copies = rotation_count(nbytes, device_spec_for(dev).l2_bytes, free)
     q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=dev, dtype=dtype)
     kv_shape = (shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim)
     kvs = [(torch.randn(kv_shape, device=dev, dtype=dtype), torch.randn(kv_shape, device=dev, dtype=dtype)) for _ in range(copies)]
 
-    def timed(cfg, k, v) -> float:
-        if dev.type != "cuda":
-            t0 = time.perf_counter()
-            decode_attention_triton(q, k, v, config=cfg)
-            return (time.perf_counter() - t0) * 1e6
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        decode_attention_triton(q, k, v, config=cfg)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3
-
     out = []
     for ranked in configs_ranked:
         cfg = ranked.config
-        for i in range(warmup):
-            decode_attention_triton(q, *kvs[i % copies], config=cfg)
-        med = statistics.median(timed(cfg, *kvs[i % copies]) for i in range(iterations))
-        out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=med, gbps=nbytes / med / 1e3))
+        launch = TritonDecodeLaunch(q, *kvs[0], None, config=cfg)
+        o, lse = launch.new_outputs()
+        calls = [functools.partial(launch, q, k, v, None, o, lse) for k, v in kvs]
+        t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
+        gbps = nbytes / t.device_us / 1e3
+        out.append(KernelTiming(
+            config=cfg, predicted_us=ranked.predicted_us, median_us=t.device_us, gbps=gbps, host_us=t.host_us,
+            copy_fraction=gbps / copy_gbps if copy_gbps else None, method=t.method, host_bound=t.host_bound,
+        ))
     del kvs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -191,6 +215,8 @@ class BucketResult:
     max_shard_len: int
     timings: list[KernelTiming]
     chosen: KernelTiming
+    chosen_by: str = "measured"  # "model" when every timing was host-bound
+    copy_gbps: float | None = None  # measured device-to-device copy bandwidth (GPUs)
 
 
 def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
@@ -230,6 +256,13 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
 
     dtype = torch_dtype(options.dtype)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
+    copy_gbps = None
+    if device.startswith("cuda"):
+        from ..timing import measure_copy_bandwidth
+
+        copy_gbps = measure_copy_bandwidth(device)
+        if progress:
+            progress(f"device-to-device copy: {copy_gbps:,.0f} GB/s (read + write), the ceiling for a streaming kernel")
     out = []
     iters, warm = (10, 3) if options.quick else (50, 10)
     for n in options.shard_buckets:
@@ -240,9 +273,21 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
                 progress(f"kernel bucket {n} tokens: skipped (KV of {need / 2**30:.1f} GiB does not fit comfortably)")
             continue
         ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec, top_k=options.kernel_survivors)
-        timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm)
-        best = min(timings, key=lambda t: t.median_us)
+        timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps)
+        # A host-bound timing measured Python, not the kernel: it cannot rank configs.
+        trusted = [t for t in timings if not t.host_bound]
+        if trusted:
+            best, chosen_by = min(trusted, key=lambda t: t.median_us), "measured"
+        else:
+            best, chosen_by = timings[0], "model"
         if progress:
-            progress(f"kernel bucket {n} tokens: best {best.config.describe()} {best.median_us:.1f} us, {best.gbps:.0f} GB/s")
-        out.append(BucketResult(options.dtype, options.head_dim, options.q_heads // options.kv_heads, n, timings, best))
+            if chosen_by == "measured":
+                frac = f", {100 * best.copy_fraction:.0f}% of copy bandwidth" if best.copy_fraction else ""
+                progress(f"kernel bucket {n} tokens: best {best.config.describe()} {best.median_us:.1f} us "
+                         f"({best.method}), {best.gbps:.0f} GB/s{frac}")
+            else:
+                progress(f"kernel bucket {n} tokens: every timing was host-bound (issue time >= device time); "
+                         f"keeping the model's choice {best.config.describe()}")
+        out.append(BucketResult(options.dtype, options.head_dim, options.q_heads // options.kv_heads, n, timings, best,
+                                chosen_by=chosen_by, copy_gbps=copy_gbps))
     return out

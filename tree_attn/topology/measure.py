@@ -127,6 +127,8 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     import torch
     import torch.distributed as dist
 
+    from ..ranks.launch import barrier
+
     dev = torch.device(env.device)
 
     def sync() -> None:
@@ -137,7 +139,7 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     small = torch.zeros(max(1, latency_bytes // 4), dtype=torch.float32, device=dev)
     out: dict[str, Any] = {"pairs": {}}
     for a, b in pairs:
-        dist.barrier()
+        barrier(env)
         if env.rank not in (a, b):
             continue
         peer = b if env.rank == a else a
@@ -158,7 +160,7 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
         if env.rank == a:
             out["pairs"][(a, b)] = (big.numel() * 4 / statistics.median(times[0]) / 1e9,
                                     statistics.median(times[1]) * 1e6)
-    dist.barrier()
+    barrier(env)
     msg = torch.ones(max(1, allreduce_bytes // 4), dtype=torch.float32, device=dev)
     ts = []
     for it in range(WARMUP + iterations):

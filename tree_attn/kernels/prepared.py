@@ -1,0 +1,179 @@
+"""Local decode attention resolved once per shape signature (FlashInfer's plan/run split).
+
+A decode loop calls the same shapes thousands of times. :class:`PreparedDecode` resolves what
+depends only on the signature (input checks, the implementation, the Triton config and split
+count, the grid, the split workspace, the launch's constant arguments) when it is built; calling
+it only launches. :func:`prepared_decode` keeps a small cache of them keyed by the signature, which
+``decode_attention`` and the collectives use, so their public contract is unchanged.
+
+The signature is everything the resolution read: shapes, strides, dtypes, device (and on GPUs the
+current stream, because the split workspace is reused call after call and calls on one stream are
+ordered), whether ``seq_lens`` is given and its dtype, ``scale``, ``impl``, ``config`` and where
+the outputs go.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from ..errors import ConfigError
+from .config import DecodeConfig
+from .impl import resolve_impl, triton_interpreter_enabled
+from .layout import OutLayout
+from .shapes import DecodeShape, check_decode_inputs, check_seq_lens_range
+
+# Prepared objects kept per process: a decode loop uses one or two signatures (one per shard
+# length and layer shape); the bound keeps a long-running server from growing without limit.
+CACHE_SIZE = 64
+
+
+class PreparedDecode:
+    """Decode attention of one signature: ``out, lse = prepared(q, k, v, seq_lens)``.
+
+    Args:
+        q: ``[B, Hq, D]``; k, v: ``[B, N, Hkv, D]``; seq_lens: ``[B]`` integer or None (example
+            tensors: later calls pass tensors of the same signature).
+        scale: softmax scale, default ``D ** -0.5``.
+        impl: "auto" | "torch" | "triton".
+        config: a ``DecodeConfig`` for the Triton kernel (ignored by torch).
+        out_layout: where outputs go (default: contiguous out in q's dtype, lse float32); a packed
+            layout writes the ``[B, Hq, D + 1]`` float32 message a reduction sends.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        scale: float | None = None,
+        impl: str = "auto",
+        config: DecodeConfig | None = None,
+        out_layout: OutLayout | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, DecodeConfig):
+            raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
+        self.impl = resolve_impl(impl, q.device)
+        self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens)
+        if self.shape.head_dim == 0:
+            raise ConfigError("head dim D must be at least 1")
+        self.scale = self.shape.head_dim**-0.5 if scale is None else float(scale)
+        if not math.isfinite(self.scale):
+            raise ConfigError(f"scale must be a finite number; got {scale}")
+        self.out_layout = out_layout or OutLayout(q.dtype)
+        self.device = q.device
+        # Value checks of seq_lens need its values on the host: only for CPU tensors (free there);
+        # on GPUs the kernel clamps lengths to 0..N instead of syncing.
+        self._check_lens_values = seq_lens is not None and seq_lens.device.type == "cpu"
+        # The kernel reads int32 lengths; other integer dtypes are converted per call.
+        self._lens_cast = seq_lens is not None and (seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous())
+        self._launch = None
+        if self.impl == "triton":
+            from .triton_launch import TritonDecodeLaunch  # lazy: triton only when it runs
+
+            self._launch = TritonDecodeLaunch(
+                q, k, v, seq_lens, scale=self.scale, config=config, out_layout=self.out_layout
+            )
+
+    @property
+    def config(self) -> DecodeConfig | None:
+        """The resolved Triton config (splits filled in); None on the torch path."""
+        return self._launch.config if self._launch is not None else None
+
+    def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh ``out``/``lse`` in this object's layout."""
+        s = self.shape
+        return self.out_layout.new(s.batch, s.q_heads, s.head_dim, self.device)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q`` over ``k, v``; into ``out``/``lse`` when given (in this object's
+        layout), else into fresh tensors. Returns ``(out, lse)``."""
+        if out is None or lse is None:
+            out, lse = self.new_outputs()
+        if self._check_lens_values:
+            check_seq_lens_range(seq_lens, self.shape.kv_len)
+        if self._launch is None:
+            from .reference import decode_attention_torch
+
+            o, l = decode_attention_torch(q, k, v, seq_lens=seq_lens, scale=self.scale)
+            out.copy_(o)
+            lse.copy_(l)
+            return out, lse
+        if self._lens_cast:
+            seq_lens = seq_lens.to(dtype=torch.int32).contiguous()
+        self._launch(q, k, v, seq_lens, out, lse)
+        return out, lse
+
+
+def signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    scale: float | None,
+    impl: str,
+    config: DecodeConfig | None,
+    out_layout: OutLayout | None,
+) -> tuple:
+    """The cache key of a call: everything :class:`PreparedDecode` resolves from (cheap to build:
+    tensor metadata only, no value read)."""
+    lens = None if seq_lens is None else (seq_lens.dtype, seq_lens.device, tuple(seq_lens.shape), seq_lens.stride())
+    if q.device.type == "cuda":
+        where = torch.cuda.current_stream(q.device).cuda_stream
+    else:  # CPU tensors: whether Triton's interpreter is on decides what impl="triton" does
+        where = triton_interpreter_enabled()
+    return (
+        tuple(q.shape), q.stride(), q.dtype, q.device,
+        tuple(k.shape), k.stride(), k.dtype, k.device,
+        tuple(v.shape), v.stride(), v.dtype, v.device,
+        lens, scale, impl, config, out_layout, where,
+    )
+
+
+_CACHE: OrderedDict[tuple, PreparedDecode] = OrderedDict()
+
+
+def prepared_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+    config: DecodeConfig | None = None,
+    out_layout: OutLayout | None = None,
+) -> PreparedDecode:
+    """The cached :class:`PreparedDecode` for this call's signature (built on first use)."""
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
+    if scale is not None and isinstance(scale, float) and math.isnan(scale):
+        raise ConfigError(f"scale must be a finite number; got {scale}")
+    key = signature(q, k, v, seq_lens, scale, impl, config, out_layout)
+    try:
+        hit = _CACHE[key]
+    except KeyError:
+        hit = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout)
+        _CACHE[key] = hit
+        if len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        return hit
+    _CACHE.move_to_end(key)
+    return hit
+
+
+def clear_cache() -> None:
+    """Drop every cached prepared object (and the GPU workspace they hold)."""
+    _CACHE.clear()

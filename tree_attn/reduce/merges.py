@@ -1,0 +1,197 @@
+"""The cross-rank merge of partial states, prepared once per (group, plan, shapes): static buffers,
+peers and point-to-point operations resolved up front; a call only moves and merges.
+
+Every rank's local kernel writes its state ``(o, lse)`` straight into :attr:`local` of its merge,
+a packed float32 message ``[B, Hq, D + 1]`` (``o`` in ``[..., :D]``, ``lse`` in ``[..., D]``): the
+message a tree edge carries, so nothing is copied before sending. After the call :attr:`final`
+holds the merged state of the whole group, bit-identical on every rank.
+
+Messages and bytes per call are known from the plan (:attr:`traffic`), so a CUDA graph replay,
+which runs no Python, is counted exactly like an eager call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from ..merge import merge_states
+from .plan import ReductionPlan, ReductionTree
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one rank sends per merge: point-to-point messages (an all-reduce counted as the
+    ``2 (p - 1)`` messages of the ring algorithm, ``2 (p - 1) / p`` of its bytes, the convention of
+    NCCL's bus bandwidth), bytes, and collectives joined."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _wait(requests, what: str) -> None:
+    try:
+        for r in requests:
+            r.wait()
+    except RuntimeError as exc:  # gloo/NCCL report a dead or stuck peer as RuntimeError
+        raise DistributedError(f"{what} failed (a peer rank may have died or timed out): {exc}") from exc
+
+
+def _start(ops: list, what: str) -> list:
+    """Start a batch of P2POps as one group: one NCCL group (one launch, all ops progress
+    together; unbatched NCCL p2p between pairs can deadlock in cycles), or gloo's ops in order."""
+    if not ops:
+        return []
+    try:
+        return dist.batch_isend_irecv(ops)
+    except RuntimeError as exc:
+        raise DistributedError(f"{what} failed: {exc}") from exc
+
+
+class PackedState:
+    """Static packed buffers of one rank's merge, shared by both merge kinds."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
+        self.batch, self.heads, self.head_dim = batch, heads, head_dim
+        self.device = torch.device(device)
+        self.message_bytes = batch * heads * (head_dim + 1) * 4
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(self.batch, self.heads, self.head_dim + 1, dtype=torch.float32, device=self.device)
+
+
+class TreeMerge:
+    """Merge up an explicit tree of point-to-point messages, then send the result back down.
+
+    A node receives its children's states concurrently (one batch), merges them with its own in
+    one exact merge, sends the result to its parent and receives the root's result from it (one
+    batch), then sends that to its children (one batch). Each non-root rank sends one message up
+    and its children's count down.
+
+    Buffers: ``states [1 + C, B, H, D + 1]`` (``[0]`` this rank's, ``[1 + i]`` child i's, received
+    in place), ``merged`` (what goes up; ``states[0]`` itself on a leaf) and ``down`` (what comes
+    back; none on the root). The send buffer and the receive buffer of one batch are distinct, so
+    no operation ever reads a buffer another one is writing.
+    """
+
+    def __init__(self, tree: ReductionTree, group, batch: int, heads: int, head_dim: int, device) -> None:
+        self.layout = PackedState(batch, heads, head_dim, device)
+        rank = dist.get_rank(group)
+        self.children = tree.children[rank]
+        self.parent = tree.parent[rank]
+        n = len(self.children)
+        self.states = torch.empty(1 + n, batch, heads, head_dim + 1, dtype=torch.float32, device=self.layout.device)
+        self.local = self.states[0]
+        self.merged = self.states[0] if n == 0 else self.layout.buffer()
+        self.down = self.layout.buffer() if self.parent >= 0 else None
+        self.final = self.down if self.down is not None else self.merged
+        g = {"group": group}
+        self._recv_children = [dist.P2POp(dist.irecv, self.states[1 + i], _global_rank(group, c), **g)
+                               for i, c in enumerate(self.children)]
+        self._up_and_down = [] if self.parent < 0 else [
+            dist.P2POp(dist.isend, self.merged, _global_rank(group, self.parent), **g),
+            dist.P2POp(dist.irecv, self.down, _global_rank(group, self.parent), **g),
+        ]
+        self._send_children = [dist.P2POp(dist.isend, self.final, _global_rank(group, c), **g) for c in self.children]
+        sends = (1 if self.parent >= 0 else 0) + n
+        self.traffic = Traffic(messages=sends, bytes_sent=sends * self.layout.message_bytes)
+        self._use_triton = self.layout.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+    def __call__(self) -> torch.Tensor:
+        """Merge :attr:`local` across the group; returns :attr:`final`."""
+        if self._recv_children:
+            _wait(_start(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}")
+            self._merge_states()
+        if self._up_and_down:
+            _wait(_start(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}")
+        if self._send_children:
+            _wait(_start(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}")
+        return self.final
+
+    def _merge_states(self) -> None:
+        d = self.layout.head_dim
+        if self._use_triton:
+            # One kernel: the split merge of the decode kernel, reading the stacked messages in
+            # place ([S, B, H, D+1] seen as [B, H, S, D]) and writing the packed result.
+            from ..kernels.triton_launch import merge_splits_triton
+
+            merge_splits_triton(
+                self.states[..., :d].permute(1, 2, 0, 3), self.states[..., d].permute(1, 2, 0),
+                faulty_is_empty=False, out=self.merged[..., :d], lse=self.merged[..., d],
+            )
+            return
+        out, lse = merge_states(self.states[..., :d], self.states[..., d])
+        self.merged[..., :d].copy_(out)
+        self.merged[..., d].copy_(lse)
+
+
+class AllReduceMerge:
+    """The paper's Algorithm 3: an all-reduce (max) of the lse, then one all-reduce (sum) of the
+    packed rescaled numerator ``exp(lse - m) o`` and denominator ``exp(lse - m)``.
+
+    A NaN or +inf lse (NaN or inf data on some rank) enters the max as +inf, so every rank sees a
+    row max of +inf and gives NaN for that row, as the tree does.
+    """
+
+    def __init__(self, group, batch: int, heads: int, head_dim: int, device) -> None:
+        self.layout = PackedState(batch, heads, head_dim, device)
+        self.group = group
+        self.local = self.layout.buffer()
+        self.packed = self.layout.buffer()
+        self.final = self.layout.buffer()
+        self.row_max = torch.empty(batch, heads, dtype=torch.float32, device=self.layout.device)
+        p = dist.get_world_size(group)
+        nbytes = self.layout.message_bytes + batch * heads * 4
+        self.traffic = Traffic(
+            messages=4 * (p - 1) if p > 1 else 0,
+            bytes_sent=(2 * (p - 1) * nbytes) // p if p > 1 else 0,
+            collectives=2 if p > 1 else 0,
+        )
+
+    def __call__(self) -> torch.Tensor:
+        d = self.layout.head_dim
+        o, lse = self.local[..., :d], self.local[..., d]
+        faulty = ~(lse < float("inf"))
+        self.row_max.copy_(lse).masked_fill_(faulty, float("inf"))
+        self._all_reduce(self.row_max, dist.ReduceOp.MAX)
+        m = self.row_max
+        m_safe = torch.where(torch.isfinite(m), m, 0.0)  # all-empty rows: weights 0, not NaN
+        w = torch.exp(torch.where(faulty, float("-inf"), lse) - m_safe)  # 0 for empty states
+        self.packed[..., :d].copy_(torch.where(w.unsqueeze(-1) > 0, w.unsqueeze(-1) * o, 0.0))
+        self.packed[..., d].copy_(w)
+        self._all_reduce(self.packed, dist.ReduceOp.SUM)
+        num, den = self.packed[..., :d], self.packed[..., d]
+        nonempty = den > 0
+        safe = torch.where(nonempty, den, 1.0)
+        poisoned = m == float("inf")
+        out = torch.where(nonempty.unsqueeze(-1), num / safe.unsqueeze(-1), 0.0)
+        self.final[..., :d].copy_(torch.where(poisoned.unsqueeze(-1), float("nan"), out))
+        lse_out = torch.where(nonempty, m_safe + torch.log(safe), float("-inf"))
+        self.final[..., d].copy_(torch.where(poisoned, float("nan"), lse_out))
+        return self.final
+
+    def _all_reduce(self, t: torch.Tensor, op) -> None:
+        try:
+            dist.all_reduce(t, op=op, group=self.group)
+        except RuntimeError as exc:
+            raise DistributedError(f"all_reduce failed (a peer rank may have died or timed out): {exc}") from exc
+
+
+def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int, device) -> TreeMerge | AllReduceMerge:
+    """The merge ``plan`` asks for on this rank (no communication: peers come from the plan)."""
+    world = dist.get_world_size(group)
+    plan.check(world)
+    if plan.strategy == "allreduce":
+        return AllReduceMerge(group, batch, heads, head_dim, device)
+    return TreeMerge(plan.tree(world), group, batch, heads, head_dim, device)
