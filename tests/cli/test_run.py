@@ -41,7 +41,10 @@ def test_run_json_small(capsys):
     assert rows["ring"]["bytes_sent_per_step"] >= 2 * 2 * 333 * 2 * 32 * 4
     assert rows["ring"]["bytes_sent_per_step"] <= 2 * 2 * kv_shard + 2 * 4 + 3 * 6 * 8
     assert report["config"]["shard_sizes"] == [334, 333, 333]
-    assert report["speedup_vs_ring"] > 0
+    assert report["speedup_vs_ring"] > 0 and report["compared"] == "tree k=2"  # the tree row, named
+    # CPU ranks: the prepared steps run eagerly and say why; the ring baseline is always eager
+    assert all(r["execution"] == "eager" and r["why_eager"] for r in rows.values())
+    assert all(r["device_ms_median"] is None for r in rows.values())
     assert "spawning 3 CPU ranks" in captured.err
     # which profile: structured, not a sentence (4 CPU ranks have a built-in one, 3 have none)
     assert report["profile"]["chosen_by"] == "default" and report["profile"]["name"] is None
@@ -84,6 +87,16 @@ def test_world_size_beyond_the_gpus_is_one_clear_line(capsys):
     code = main(["run", "--device", "cuda", "--world-size", str(N_GPUS + 1), "--seq-len", "64", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 1 and f"larger than the {N_GPUS} GPUs" in err and "Traceback" not in err
+
+
+def test_no_speedup_line_where_nothing_is_compared(capsys):
+    """One rank sends nothing: no "faster than ring" line, no speedup in the JSON."""
+    code = main(["run", "--device", "cpu", "-w", "1", "-n", "300", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--steps", "2", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert report["speedup_vs_ring"] is None and report["compared"] is None
 
 
 def test_debug_shows_traceback(capsys):
@@ -132,3 +145,20 @@ def test_run_on_the_gpus(capsys):
     assert report["config"]["dtype"] == "bfloat16" and report["backend"] == "nccl"
     assert {r["strategy"] for r in report["results"]} == {"tree", "allreduce", "ring"}
     assert all(r["max_abs_err"] < 2e-2 for r in report["results"])  # the bf16 limit of `run` itself
+    rows = {r["strategy"]: r for r in report["results"]}
+    # the tree and allreduce steps are replayed CUDA graphs; the ring baseline stays eager
+    assert rows["tree"]["execution"] == rows["allreduce"]["execution"] == "cuda graph", rows
+    assert rows["ring"]["execution"] == "eager"
+    assert all(r["device_ms_median"] > 0 for r in rows.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(N_GPUS == 0, reason="needs a GPU")
+def test_run_on_the_gpus_without_graphs(capsys):
+    code = main(["run", "--device", "cuda", "--seq-len", "5000", "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+                 "--steps", "2", "--warmup", "1", "--strategy", "tree,allreduce", "--no-cuda-graph", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert all(r["execution"] == "eager" and "turned off" in r["why_eager"] for r in report["results"])
+    assert all(r["max_abs_err"] < 2e-2 for r in report["results"])

@@ -39,6 +39,7 @@ def run_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the random query and KV cache."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else built-in defaults."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs eagerly."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     from ..runner.decode_run import run_decode
@@ -47,7 +48,7 @@ def run_command(
     setup = plan_run(RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
-        seed=seed, timeout_s=timeout, profile=profile_ref,
+        seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     ))
     for n in setup.notices:
         notice(n)
@@ -83,38 +84,46 @@ def _fmt_bytes(n: float) -> str:
 
 
 def render_run(result) -> None:
+    from rich import box
     from rich.table import Table
 
     cfg = result.config if hasattr(result, "config") else result.spec
+    # Fits 80 columns: no vertical rules, units in the headers.
     table = Table(
         title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens over {cfg['world_size']} ranks, {result.device} ({result.backend})"),
-        title_justify="left",
+        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
-    for col, just in (
-        ("strategy", "left"),
-        ("median", "right"),
-        ("p95", "right"),
-        ("sent/rank", "right"),
-        ("msgs", "right"),
-        ("peak mem", "right"),
-        ("max err", "right"),
-    ):
-        table.add_column(col, justify=just)
+    gpu = any(r.device_ms_median is not None for r in result.results)
+    columns = [("strategy", "left"), ("step", "left"), ("median", "right"), ("p95", "right"),
+               ("sent/rank", "right"), ("msgs", "right"), ("peak mem", "right"), ("max err", "right")]
+    if gpu:
+        columns.append(("device", "right"))
+    for col, just in columns:
+        table.add_column(col, justify=just, no_wrap=True)
     for r in result.results:
-        table.add_row(
+        cells = [
             styled(r.plan),
+            "graph" if r.execution == "cuda graph" else "eager",
             f"{r.step_ms_median:.2f} ms",
             f"{r.step_ms_p95:.2f} ms",
             _fmt_bytes(r.bytes_sent_per_step),
             str(r.messages_per_step),
             _fmt_bytes(r.peak_mem_bytes),
-            f"{r.max_abs_err:.2e}",
-        )
+            f"{r.max_abs_err:.1e}",
+        ]
+        if gpu:
+            cells.append(f"{r.device_ms_median:.3f} ms" if r.device_ms_median is not None else "-")
+        table.add_row(*cells)
     out_console.print(table)
     out_console.print(
-        "per decode step: median / p95 latency (slowest rank), bytes and messages each rank sends (max over ranks), "
-        "peak memory of a rank (max), max abs error against the single-process reference",
+        "per decode step: graph = the step replayed as one CUDA graph, eager = issued op by op; median / p95 "
+        "latency from a barrier to the end of the step's device work (slowest rank); bytes and messages each rank "
+        "sends (max over ranks); peak memory of a rank (max; on CPU ranks the whole process, interpreter and torch "
+        "included); max abs error against a float64 computation of the whole cache"
+        + ("; device = CUDA-event time of the step (slowest rank)" if gpu else ""),
         style="dim",
     )
     if result.speedup_vs_ring is not None:
-        out_console.print(line("tree attention is ", (f"{result.speedup_vs_ring:.1f}x", "bold"), " faster per decode step than ring"))
+        x = result.speedup_vs_ring
+        verdict = ((f"{x:.1f}x", "bold"), " faster") if x >= 1 else ((f"{1 / x:.1f}x", "bold"), " slower")
+        out_console.print(line(f"{result.compared}: ", *verdict, " per decode step than ring (median step, slowest rank)"))

@@ -47,6 +47,7 @@ class RunSpec:
     kernel_config: dict | None = None
     seed: int = 0
     timeout_s: float = 120.0
+    cuda_graph: bool = True  # GPU ranks: replay the tree/allreduce step as a CUDA graph
 
     def __post_init__(self) -> None:
         for name in ("world_size", "batch", "q_heads", "kv_heads", "head_dim", "steps"):
@@ -104,6 +105,9 @@ class RankReport:
     peak_mem_above_start_bytes: int
     out: torch.Tensor  # last step, CPU
     lse: torch.Tensor
+    device_step_s: list[float] = field(default_factory=list)  # GPUs: CUDA events around each step
+    execution: str = "eager"  # "cuda graph" or "eager"
+    why_eager: str | None = None
 
 
 def _progress(env: RankEnv, text: str) -> None:
@@ -111,18 +115,29 @@ def _progress(env: RankEnv, text: str) -> None:
         print(f"[rank 0] {text}", file=sys.stderr, flush=True)
 
 
-def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
-    """Run every strategy of ``spec`` on this rank; returns one report per strategy label."""
-    import torch.distributed as dist
+# Why the ring baseline stays eager: each of its steps passes whole KV shards around and allocates
+# their receive buffers per step; capturing it would pin p - 1 shards of graph memory per rank for a
+# baseline whose time is dominated by moving those bytes, not by Python.
+RING_EAGER = "the ring baseline runs eagerly (whole KV shards travel each step)"
 
-    from ..reduce.collectives import tree_decode
+
+def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
+    """Run every strategy of ``spec`` on this rank; returns one report per strategy label.
+
+    tree / allreduce: one :class:`reduce.collectives.TreeDecodeStep` per strategy, built once on
+    static buffers (the shape check and the merge's peers resolved there), replayed as a CUDA
+    graph on GPUs unless ``spec.cuda_graph`` is off; each step writes the new query into the
+    static query buffer and runs. ring: the eager baseline. A step's time runs from a barrier to
+    the end of its device work (synchronised); on GPUs CUDA events also give its device time.
+    """
+    from ..reduce.collectives import TreeDecodeStep
     from ..reduce.comm import CommStats
     from ..reduce.ring import ring_decode
     from .memory import MemoryMonitor
 
     device = torch.device(env.device)
+    cuda = device.type == "cuda"
     k, v = (t.to(device) for t in make_shard(spec, env.rank))
-    queries = [make_query(spec, s).to(device) for s in range(spec.steps)]
     config = None
     if spec.kernel_config:
         from ..kernels.config import DecodeConfig
@@ -132,34 +147,54 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     for name, plan in spec.plans:
         label = plan.label if plan is not None else "ring"
         stats = CommStats()
+        q_static = make_query(spec, 0).to(device)
+        why_eager = RING_EAGER
+        if name == "ring":
+            # The first call checks shapes and learns the shard lengths; timed calls are given them.
+            ring_decode(q_static, k, v, impl=spec.impl, config=config)
 
-        def step(q: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            # Shapes are checked (and the ring's shard lengths learned) on the first warm-up step
-            # only: every rank runs the same loop, so timed steps carry no extra collective.
-            if name == "ring":
-                lengths = None if first else spec.shard_sizes()
-                return ring_decode(q, k, v, impl=spec.impl, config=config, lengths=lengths, stats=stats)
-            return tree_decode(q, k, v, plan=plan, impl=spec.impl, config=config, check_shapes=first, stats=stats)
+            def step() -> tuple[torch.Tensor, torch.Tensor]:
+                return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(), stats=stats)
+        else:
+            # Collective: every rank builds its step here (shape check, warm-up, capture).
+            prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
+                                      cuda_graph=spec.cuda_graph and cuda)
+            why_eager = prepared.why_eager
 
-        _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps")
+            def step() -> tuple[torch.Tensor, torch.Tensor]:
+                return prepared(stats)
+
+        _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
+                       + ("" if why_eager is None else f" ({why_eager})"))
         for w in range(spec.warmup):
-            step(queries[w % len(queries)], first=(w == 0))
-        if spec.warmup == 0:
-            step(queries[0], first=True)  # the shape check must still happen once
+            q_static.copy_(make_query(spec, w).to(device))
+            step()
         times: list[float] = []
+        device_times: list[float] = []
         per_step_bytes: list[int] = []
         per_step_msgs: list[int] = []
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         with MemoryMonitor(env.device) as mem:
             for s in range(spec.steps):
+                q_next = make_query(spec, s).to(device)  # made before the step: a real loop has it on the device
                 stats.reset()
                 barrier(env)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    events[0].record()
                 t0 = time.perf_counter()
-                out, lse = step(queries[s], first=False)
-                if device.type == "cuda":
+                q_static.copy_(q_next)
+                out, lse = step()
+                if cuda:
+                    events[1].record()
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
+                if cuda:
+                    device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
                 per_step_bytes.append(stats.bytes_sent)
                 per_step_msgs.append(stats.messages)
+                if s % max(1, spec.steps // 10) == 0 and s:
+                    _progress(env, f"{label}: step {s}/{spec.steps}")
         reports[label] = RankReport(
             step_s=times,
             bytes_sent_per_step=max(per_step_bytes),
@@ -168,6 +203,9 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             peak_mem_above_start_bytes=mem.result.above_start_bytes,
             out=out.cpu(),
             lse=lse.cpu(),
+            device_step_s=device_times,
+            execution="eager" if why_eager is not None else "cuda graph",
+            why_eager=why_eager,
         )
         _progress(env, f"{label}: median step {1e3 * statistics.median(times):.2f} ms")
     return reports
@@ -189,6 +227,9 @@ class StrategyResult:
     max_abs_err: float
     max_lse_err: float
     ranks_agree: bool
+    execution: str = "eager"  # "cuda graph" (the step replayed as one graph) or "eager"
+    why_eager: str | None = None
+    device_ms_median: float | None = None  # GPUs: CUDA-event time of a step (slowest rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,7 +241,8 @@ class RunResult:
     device: str
     backend: str
     results: list[StrategyResult] = field(default_factory=list)
-    speedup_vs_ring: float | None = None
+    speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
+    compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
     profile: "ProfileChoice | None" = None  # which profile the run used (runner.run_setup.ProfileChoice)
 
     def to_dict(self) -> dict:
@@ -210,6 +252,7 @@ class RunResult:
             "backend": self.backend,
             "results": [r.to_dict() for r in self.results],
             "speedup_vs_ring": self.speedup_vs_ring,
+            "compared": self.compared,
             "profile": self.profile.to_dict() if self.profile is not None else None,
         }
 
@@ -226,27 +269,37 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-process reference for the last step: the whole cache on CPU, torch reference."""
-    from ..kernels.reference import decode_attention_torch
+    """The last step's attention over the whole cache, in float64 on CPU: each shard's exact state
+    in turn, merged in float64, so the parent never holds more than one shard (and its float64
+    copy) at a time. Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
+    from ..kernels.reference import decode_attention_float64
 
-    shards = [make_shard(spec, r) for r in range(spec.world_size)]
-    k = torch.cat([s[0] for s in shards], dim=1)
-    v = torch.cat([s[1] for s in shards], dim=1)
-    del shards
-    return decode_attention_torch(make_query(spec, spec.steps - 1), k, v)
+    q = make_query(spec, spec.steps - 1)
+    out = torch.zeros(spec.batch, spec.q_heads, spec.head_dim, dtype=torch.float64)
+    lse = torch.full((spec.batch, spec.q_heads), float("-inf"), dtype=torch.float64)
+    for rank in range(spec.world_size):
+        k, v = make_shard(spec, rank)
+        o_r, l_r = decode_attention_float64(q, k, v)
+        del k, v
+        new = torch.logaddexp(lse, l_r)
+        safe = torch.where(torch.isinf(new), 0.0, new)
+        w_old = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
+        w_new = torch.where(torch.isinf(l_r), 0.0, torch.exp(l_r - safe))
+        out = w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * o_r
+        lse = new
+    return out, lse
 
 
 def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str, backend: str) -> RunResult:
     """Combine the ranks' reports with the reference into the run's table rows."""
     ref_out, ref_lse = reference_last_step(spec)
-    ref_out = ref_out.float()
     rows: list[StrategyResult] = []
     for name, plan in spec.plans:
         label = plan.label if plan is not None else "ring"
         reps = [r[label] for r in per_rank]
         # A step takes as long as its slowest rank.
         step_s = [max(rep.step_s[i] for rep in reps) for i in range(spec.steps)]
-        errs = [float((rep.out.float() - ref_out).abs().max()) if rep.out.numel() else 0.0 for rep in reps]
+        errs = [float((rep.out.double() - ref_out).abs().max()) if rep.out.numel() else 0.0 for rep in reps]
         lse_errs = [_lse_err(rep.lse, ref_lse) for rep in reps]
         first = reps[0]
         agree = all(torch.equal(rep.out, first.out) and torch.equal(rep.lse, first.lse) for rep in reps)
@@ -264,13 +317,19 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 max_abs_err=max(errs),
                 max_lse_err=max(lse_errs),
                 ranks_agree=agree,
+                execution=first.execution,
+                why_eager=first.why_eager,
+                device_ms_median=(1e3 * statistics.median(max(rep.device_step_s[i] for rep in reps) for i in range(spec.steps))
+                                  if first.device_step_s else None),
             )
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
+    # Tree vs ring, named: the tree row (else allreduce's), and only where something was sent.
     ring = [r for r in rows if r.strategy == "ring"]
-    trees = [r for r in rows if r.strategy != "ring"]
-    if ring and trees:
-        result.speedup_vs_ring = ring[0].step_ms_median / min(r.step_ms_median for r in trees)
+    other = [r for r in rows if r.strategy == "tree"] or [r for r in rows if r.strategy == "allreduce"]
+    if ring and other and spec.world_size > 1 and spec.seq_len > 0:
+        result.speedup_vs_ring = ring[0].step_ms_median / other[0].step_ms_median
+        result.compared = other[0].plan
     return result
 
 

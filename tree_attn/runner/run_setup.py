@@ -74,6 +74,7 @@ class RunOptions:
     seed: int = 0
     timeout_s: float = 120.0
     profile: str | None = None
+    cuda_graph: bool = True
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,7 @@ def plan_run(options: RunOptions) -> RunSetup:
         backend=backend,
         seed=options.seed,
         timeout_s=options.timeout_s,
+        cuda_graph=options.cuda_graph,
         kernel_config=kernel_config_for(profile, dtype, options.heads, options.kv_heads, options.head_dim,
                                         options.seq_len, world_size),
     )
