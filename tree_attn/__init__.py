@@ -6,6 +6,8 @@ Public API (stable names):
 - :func:`merge_partials` — exact merge of partial ``(out, lse)`` states.
 - :func:`tree_decode` — the collective: every rank gets attention over the union of KV shards.
 - :func:`ring_decode` — the Ring Attention baseline with the same contract.
+- :class:`DecodeStep`, :class:`TreeDecodeStep` — the same on static buffers, prepared once and
+  replayed as a CUDA graph on GPUs (for decode loops and serving engines).
 
 Names are resolved on first use (PEP 562), so ``import tree_attn`` and ``tree-attn --help`` do not
 import torch.
@@ -35,6 +37,8 @@ _LAZY = {
     "tree_decode": ".reduce.collectives",
     "ring_decode": ".reduce.ring",
     "ReductionPlan": ".reduce.plan",
+    "DecodeStep": ".kernels.prepared",
+    "TreeDecodeStep": ".reduce.collectives",
 }
 
 __all__ = [
@@ -43,6 +47,8 @@ __all__ = [
     "tree_decode",
     "ring_decode",
     "ReductionPlan",
+    "DecodeStep",
+    "TreeDecodeStep",
     "TreeAttnError",
     "ShapeError",
     "ConfigError",
@@ -69,7 +75,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kernels.dispatch import decode_attention
+    from .kernels.prepared import DecodeStep
     from .merge import merge_partials
-    from .reduce.collectives import tree_decode
+    from .reduce.collectives import TreeDecodeStep, tree_decode
     from .reduce.plan import ReductionPlan
     from .reduce.ring import ring_decode

@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 H100 = ("cuda", 90, 32)
@@ -146,4 +145,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Compiled mode: only when run as a script (importing this module for its case tables must not
+    # change the importing process's Triton mode).
+    os.environ.pop("TRITON_INTERPRET", None)
     main()

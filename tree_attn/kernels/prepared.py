@@ -177,3 +177,48 @@ def prepared_decode(
 def clear_cache() -> None:
     """Drop every cached prepared object (and the GPU workspace they hold)."""
     _CACHE.clear()
+
+
+class DecodeStep:
+    """Local decode attention on static tensors, replayed as a CUDA graph on GPUs.
+
+    For decode loops and serving engines that keep static buffers: build it once from the
+    tensors the loop updates in place (``q [B, Hq, D]``; ``k, v [B, N, Hkv, D]`` the cache, N its
+    capacity; ``seq_lens [B]`` the valid lengths), then ``out, lse = step()`` each step. On GPUs a
+    step is one graph replay (the kernel's one or two launches); on CPU it runs eagerly. ``out``
+    (q's dtype) and ``lse`` (float32) are static: overwritten by the next step. ``captured``
+    says whether the graph is in use, ``why_eager`` why not.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        scale: float | None = None,
+        impl: str = "auto",
+        config: DecodeConfig | None = None,
+        cuda_graph: bool = True,
+    ) -> None:
+        from ..graphs import CapturedStep
+
+        self.tensors = (q, k, v, seq_lens)
+        self.prepared = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config)
+        self.out, self.lse = self.prepared.new_outputs()
+        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph.captured
+
+    @property
+    def why_eager(self) -> str | None:
+        return self.graph.why_eager
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.prepared(*self.tensors, self.out, self.lse)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.graph()
