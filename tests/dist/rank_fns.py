@@ -136,9 +136,11 @@ def static_step_loop(env, strategy: str, capacity: int, steps: int, seed: int):
         vr = torch.randn(2, capacity, 2, 16, generator=g)
         if r == env.rank:
             k, v = kr, vr
+    dev = torch.device(env.device)  # CPU ranks, or this rank's GPU (then the step is a CUDA graph)
+    k, v = k.to(dev), v.to(dev)
     lens = torch.tensor([[capacity // 3, 0]] * world)  # [rank, row]; row 1 starts empty everywhere
-    q = torch.zeros(2, 8, 16)
-    seq_lens = lens[env.rank].clone()
+    q = torch.zeros(2, 8, 16, device=dev)
+    seq_lens = lens[env.rank].clone().to(dev)
     plan = ReductionPlan(strategy, 2)
     step = TreeDecodeStep(q, k, v, seq_lens, plan=plan)
     stats = CommStats()
@@ -149,8 +151,13 @@ def static_step_loop(env, strategy: str, capacity: int, steps: int, seed: int):
         lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
         seq_lens.copy_(lens[env.rank])
         out, lse = step(stats)
-        history.append((q.clone(), lens.clone(), out.clone(), lse.clone()))
+        history.append(tuple(t.to("cpu", copy=True) for t in (q, lens, out, lse)))
     return history, (stats.messages, stats.bytes_sent), (step.traffic.messages, step.traffic.bytes_sent), step.captured
+
+
+def gpu_static_loops(env, capacity: int, steps: int):
+    """static_step_loop for both merge strategies on GPU ranks (one launch)."""
+    return {s: static_step_loop(env, s, capacity, steps, 40 + env.world_size) for s in ("tree", "allreduce")}
 
 
 def growing_shard_on_one_rank(env, steps: int):

@@ -1,8 +1,8 @@
 """Plan once, step many times, across spawned CPU ranks (gloo): the static-buffer step, the caches
 behind the public collectives, bitwise repeatability, and NaN inputs.
 
-CPU ranks on purpose (gloo; on GPU machines the same code runs eagerly on CPU tensors here, and
-the graph-captured GPU step is tested in tests/gpu).
+CPU ranks on purpose (gloo; on GPU machines too), except the tests marked ``gpu``: the same loop
+on one rank per GPU (NCCL), each step a replayed CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tree_attn.ranks.launch import launch_ranks
-from tests.dist.rank_fns import _shard_inputs, prepared_checks
+from tests.dist.rank_fns import _shard_inputs, gpu_static_loops, prepared_checks
 from tests.tolerances import assert_state_close
 
 
@@ -127,3 +127,28 @@ def test_nan_in_the_data_is_nan_in_that_row_on_every_rank_and_strategy(world):
             assert torch.isnan(ref_out).any(), label  # the case does poison something
             ok = ~torch.isnan(ref_out)
             assert (out[ok].double() - ref_out[ok]).abs().max() < 2e-5, label
+
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gpu_step_is_a_replayed_graph_and_exact(world):
+    """The graph-captured step (local kernel, merge kernel, NCCL messages or all-reduces, output
+    copies) follows in-place updates of q and seq_lens exactly, on every rank, bit-identically."""
+    if N_GPUS < world:
+        pytest.skip(f"needs {world} GPUs" if world > 1 else "needs a GPU")
+    per_rank = launch_ranks(gpu_static_loops, world, args=(CAPACITY, STEPS), backend="nccl", device_kind="cuda",
+                            timeout_s=120)
+    caches = _caches(world, CAPACITY, 40 + world)
+    for strategy in ("tree", "allreduce"):
+        for rank, r in enumerate(per_rank):
+            history, counted, traffic, captured = r[strategy]
+            assert captured, f"{strategy}: rank {rank} ran eagerly"
+            assert counted == (STEPS * traffic[0], STEPS * traffic[1])
+            for s, (q, lens, out, lse) in enumerate(history):
+                ref_out, ref_lse = _float64(q, [c[0] for c in caches], [c[1] for c in caches], lens)
+                assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+                first = per_rank[0][strategy][0][s]
+                assert torch.equal(out, first[2]) and torch.equal(lse, first[3])
