@@ -50,6 +50,7 @@ def test_tune_quick_writes_a_measured_profile_that_run_uses(profile_dir, capsys)
     assert "allreduce" in labels and "tree k=2" in labels
     assert all(c.median_us > 0 and c.p95_us >= c.median_us for c in profile.reduction.candidates)
     assert sum(c.selected for c in profile.reduction.candidates) == 1
+    assert all(c.timing == "host-clock" for c in profile.reduction.candidates)  # CPU ranks: the host is the device
     fastest = min(profile.reduction.candidates, key=lambda c: c.median_us)
     assert profile.reduction.plan == fastest.plan  # rank 0's decision: the lowest median
     assert profile.machine.world_size == 3 and profile.machine.device_kind == "cpu"

@@ -31,12 +31,20 @@ def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest(device):
         assert len(r.timings) == options.kernel_survivors
         assert all(t.median_us > 0 and t.gbps > 0 for t in r.timings)
         # the fastest timing that measured the kernel (not the host's issue time) wins
-        trusted = [t for t in r.timings if not getattr(t, "host_bound", False)]
+        trusted = [t for t in r.timings if not t.host_bound]
         assert r.chosen == (min(trusted, key=lambda t: t.median_us) if trusted else r.timings[0])
         # the survivors are the model's best, in the model's order
         predicted = [t.predicted_us for t in r.timings]
         assert predicted == sorted(predicted)
         assert r.group == 2 and r.head_dim == 16
+        # how each time was taken: graph replays on GPUs (device time, never host-bound), the
+        # host clock under the interpreter; GPUs also relate the bandwidth to a measured copy
+        if device.type == "cuda":
+            assert all(t.method == "cuda-graph" and not t.host_bound for t in r.timings), r.timings
+            assert r.copy_gbps > 0 and all(0 < t.copy_fraction for t in r.timings)
+            assert all(t.host_us > 0 for t in r.timings)
+        else:
+            assert all(t.method == "host-clock" and t.copy_fraction is None for t in r.timings)
     per_bucket = [m for m in messages if m.startswith("kernel bucket")]  # GPUs may also report a copy bandwidth
     assert len(per_bucket) == 2 and "64 tokens" in per_bucket[0]
 
@@ -60,3 +68,17 @@ def test_a_chosen_config_computes_the_same_attention(device):
     assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=cfg.describe())
     assert (out.cpu().double() - ref_out).abs().max() < 1e-5
     assert (lse.cpu().double() - ref_lse).abs().max() < 1e-5
+
+
+def test_timing_flags_a_host_bound_measurement():
+    """A timing whose issue time reaches its device time measured Python: it must not rank configs."""
+    from tree_attn.timing import CallTiming, rotation_count
+
+    assert CallTiming(device_us=5.0, host_us=40.0, method="cuda-events", samples=3).host_bound
+    assert not CallTiming(device_us=50.0, host_us=40.0, method="cuda-events", samples=3).host_bound
+    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound  # replays: device time
+    # rotated inputs: 3x L2 (50 MiB) in 4 MiB inputs -> 39 + 1, capped by 40% of free memory and by `cap`
+    assert rotation_count(4 << 20, 50 << 20, 10 << 30) == 39
+    assert rotation_count(4 << 20, 50 << 20, 40 << 20) == 4
+    assert rotation_count(1 << 30, 50 << 20, 80 << 30) == 2
+    assert rotation_count(1 << 10, 50 << 20, 80 << 30, cap=256) == 256

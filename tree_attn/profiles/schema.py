@@ -63,6 +63,8 @@ CHOSEN_BY = ("measured", "model", "default")
 # A plan candidate's latency is either timed or predicted; "default" does not apply to a number.
 CANDIDATE_CHOSEN_BY = ("measured", "model")
 DEVICE_KINDS = ("cpu", "cuda", "rocm")
+# How a measured time was taken (tree_attn.timing).
+TIMING_METHODS = ("cuda-graph", "cuda-events", "host-clock")
 DTYPES = _dtypes.NAMES
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}$")
 _VENDOR_KIND = {"nvidia": "cuda", "amd": "rocm", "cpu": "cpu"}
@@ -306,9 +308,14 @@ class KernelBucket:
 
     A bucket covers calls with this ``dtype``, ``head_dim`` and ``group`` (Hq / Hkv) and a per-rank
     KV shard of at most ``max_shard_len`` positions (a power of two). ``time_us`` / ``gbps``: the
-    measured median time of one launch at ``max_shard_len`` and the KV bandwidth it reached (null
-    when not measured); ``predicted_us``: the napkin model's estimate; ``candidates_tried``: how
-    many configs were considered (ranked by the model, timed when ``chosen_by`` is measured).
+    measured median device time of one launch at ``max_shard_len`` and the KV bandwidth it reached
+    (null when not measured); ``copy_fraction``: ``gbps`` over the device-to-device copy bandwidth
+    measured on the same card (the practical ceiling of a streaming kernel); ``host_us``: the host
+    time to issue one launch; ``timing``: how ``time_us`` was taken (``cuda-graph``: CUDA events
+    around graph replays of back-to-back launches over rotated buffers; ``cuda-events``: the same
+    around eager launches; ``host-clock``: CPU); ``predicted_us``: the napkin model's estimate;
+    ``candidates_tried``: how many configs were considered (ranked by the model, timed when
+    ``chosen_by`` is measured).
     """
 
     dtype: str
@@ -321,9 +328,13 @@ class KernelBucket:
     gbps: float | None = None
     predicted_us: float | None = None
     candidates_tried: int | None = None
+    copy_fraction: float | None = None
+    host_us: float | None = None
+    timing: str | None = None
     where: InitVar[str] = "kernel.buckets[]"
 
-    FIELDS = ("dtype", "head_dim", "group", "max_shard_len", "config", "chosen_by", "time_us", "gbps", "predicted_us", "candidates_tried")
+    FIELDS = ("dtype", "head_dim", "group", "max_shard_len", "config", "chosen_by", "time_us", "gbps", "predicted_us",
+              "candidates_tried", "copy_fraction", "host_us", "timing")
 
     def __post_init__(self, where: str) -> None:
         self.dtype = normalize_dtype(self.dtype, join(where, "dtype"))
@@ -335,10 +346,11 @@ class KernelBucket:
         if not isinstance(self.config, DecodeConfig):
             raise FieldError(join(where, "config"), f"expected a DecodeConfig, got {type(self.config).__name__}")
         check_str(self.chosen_by, join(where, "chosen_by"), choices=CHOSEN_BY)
-        for name in ("time_us", "gbps", "predicted_us"):
+        for name in ("time_us", "gbps", "predicted_us", "copy_fraction", "host_us"):
             check_number(getattr(self, name), join(where, name), optional=True)
             setattr(self, name, as_float(getattr(self, name)))
         check_int(self.candidates_tried, join(where, "candidates_tried"), minimum=0, optional=True)
+        check_str(self.timing, join(where, "timing"), choices=TIMING_METHODS, optional=True)
         if self.chosen_by == "measured" and self.time_us is None:
             raise FieldError(join(where, "time_us"), "chosen_by is 'measured' but no measured time is given")
         if self.chosen_by != "measured" and (self.time_us is not None or self.gbps is not None):
@@ -360,6 +372,9 @@ class KernelBucket:
             "gbps": self.gbps,
             "predicted_us": self.predicted_us,
             "candidates_tried": self.candidates_tried,
+            "copy_fraction": self.copy_fraction,
+            "host_us": self.host_us,
+            "timing": self.timing,
         }
 
     @classmethod
@@ -423,9 +438,10 @@ class PlanCandidate:
     p95_us: float | None = None
     predicted_us: float | None = None
     selected: bool = False
+    timing: str | None = None
     where: InitVar[str] = "reduction.candidates[]"
 
-    FIELDS = ("label", "plan", "chosen_by", "median_us", "p95_us", "predicted_us", "selected")
+    FIELDS = ("label", "plan", "chosen_by", "median_us", "p95_us", "predicted_us", "selected", "timing")
 
     def __post_init__(self, where: str) -> None:
         check_str(self.label, join(where, "label"))
@@ -435,6 +451,7 @@ class PlanCandidate:
             check_number(getattr(self, name), join(where, name), optional=True)
             setattr(self, name, as_float(getattr(self, name)))
         check_bool(self.selected, join(where, "selected"))
+        check_str(self.timing, join(where, "timing"), choices=TIMING_METHODS, optional=True)
         if self.chosen_by == "measured" and self.median_us is None:
             raise FieldError(join(where, "median_us"), "chosen_by is 'measured' but no measured median is given")
         if self.chosen_by == "model" and self.predicted_us is None:
@@ -451,6 +468,7 @@ class PlanCandidate:
             "p95_us": self.p95_us,
             "predicted_us": self.predicted_us,
             "selected": self.selected,
+            "timing": self.timing,
         }
 
     @classmethod

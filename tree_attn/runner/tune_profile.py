@@ -194,7 +194,7 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
         message_bytes=decode_message_bytes(options.batch, options.q_heads, options.head_dim),
         candidates=[
             PlanCandidate(label=t.plan.label, plan=t.plan, chosen_by="measured", median_us=t.median_us,
-                          p95_us=t.p95_us, selected=t.plan == plans.chosen)
+                          p95_us=t.p95_us, selected=t.plan == plans.chosen, timing=t.method)
             for t in plans.timings
         ],
     )
@@ -221,12 +221,14 @@ def _kernel_bucket(b):
     (``chosen_by == "model"``), and the profile records no time for it."""
     from ..profiles import KernelBucket
 
-    chosen_by = getattr(b, "chosen_by", "measured")
-    measured = chosen_by == "measured"
+    measured = b.chosen_by == "measured"
+    t = b.chosen
     return KernelBucket(dtype=b.dtype, head_dim=b.head_dim, group=b.group, max_shard_len=b.max_shard_len,
-                        config=b.chosen.config, chosen_by=chosen_by,
-                        time_us=b.chosen.median_us if measured else None, gbps=b.chosen.gbps if measured else None,
-                        predicted_us=b.chosen.predicted_us, candidates_tried=len(b.timings))
+                        config=t.config, chosen_by=b.chosen_by,
+                        time_us=t.median_us if measured else None, gbps=t.gbps if measured else None,
+                        predicted_us=t.predicted_us, candidates_tried=len(b.timings),
+                        copy_fraction=t.copy_fraction if measured else None, host_us=t.host_us,
+                        timing=t.method if measured else None)
 
 
 def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
