@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -98,7 +99,7 @@ def rank_main(env, lens: list[int], steps: int, warmup: int) -> list[dict]:
                 row[f"{strategy}_{'graph' if graph else 'eager'}"] = t
                 del step
         lengths = [n] * env.world_size
-        row["ring_eager"] = _time_steps(env, lambda: ring_decode(q, k, v, lengths=lengths), steps, warmup)
+        row["ring_eager"] = _time_steps(env, functools.partial(ring_decode, q, k, v, lengths=lengths), steps, warmup)
         rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()

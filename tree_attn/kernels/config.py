@@ -84,6 +84,11 @@ class DecodeConfig:
         _check_int("num_stages", self.num_stages, 1, MAX_NUM_STAGES)
         _check_int("num_splits", self.num_splits, 1, MAX_NUM_SPLITS, optional=True)
         _check_int("waves_per_eu", self.waves_per_eu, 0, MAX_WAVES_PER_EU, optional=True)
+        # Configs key the prepared-launch cache on every eager call: hash the fields once.
+        object.__setattr__(self, "_hash", hash((self.block_n, self.num_warps, self.num_stages, self.num_splits, self.waves_per_eu)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def to_dict(self) -> dict[str, int | None]:
         """Plain dict in field order (stable for YAML/JSON)."""

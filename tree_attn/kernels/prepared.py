@@ -135,9 +135,9 @@ def signature(
     else:  # CPU tensors: whether Triton's interpreter is on decides what impl="triton" does
         where = triton_interpreter_enabled()
     return (
-        tuple(q.shape), q.stride(), q.dtype, q.device,
-        tuple(k.shape), k.stride(), k.dtype, k.device,
-        tuple(v.shape), v.stride(), v.dtype, v.device,
+        q.shape, q.stride(), q.dtype, q.device,
+        k.shape, k.stride(), k.dtype, k.device,
+        v.shape, v.stride(), v.dtype, v.device,
         lens, scale, impl, config, out_layout, where,
     )
 
