@@ -132,15 +132,17 @@ def test_tune_bad_options(tmp_path):
 
 
 def test_profile_buckets_keep_how_the_kernel_search_chose():
-    from types import SimpleNamespace
-
     from tree_attn.kernels.config import DecodeConfig
+    from tree_attn.runner.tune import BucketResult, KernelTiming
     from tree_attn.runner.tune_profile import _kernel_bucket
 
     cfg = DecodeConfig(block_n=64, num_splits=4)
-    timing = SimpleNamespace(config=cfg, median_us=20.0, gbps=900.0, predicted_us=18.0)
+    timing = KernelTiming(config=cfg, predicted_us=18.0, median_us=20.0, gbps=900.0, host_us=35.0,
+                          copy_fraction=0.3, method="cuda-graph")
     base = dict(dtype="bfloat16", head_dim=128, group=4, max_shard_len=16384, timings=[timing] * 3, chosen=timing)
-    measured = _kernel_bucket(SimpleNamespace(**base))  # a result without chosen_by: measured
+    measured = _kernel_bucket(BucketResult(**base, copy_gbps=3000.0))
     assert (measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried) == ("measured", 20.0, 900.0, 3)
-    model = _kernel_bucket(SimpleNamespace(**base, chosen_by="model"))  # every timing host-bound
+    assert (measured.copy_fraction, measured.host_us, measured.timing) == (0.3, 35.0, "cuda-graph")
+    model = _kernel_bucket(BucketResult(**base, chosen_by="model"))  # every timing host-bound
     assert (model.chosen_by, model.time_us, model.gbps, model.predicted_us) == ("model", None, None, 18.0)
+    assert model.copy_fraction is None and model.timing is None
