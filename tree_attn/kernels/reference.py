@@ -1,8 +1,13 @@
-"""Torch reference of decode attention: the specification, and the CPU fast path.
+"""Torch decode attention: the float64 truth, and the torch path ``decode_attention(impl="torch")`` runs.
 
-The KV sequence is processed in chunks, each chunk's state merged into a running state with the
-exact merge of ``tree_attn.merge``; only one chunk is ever converted to float32, so memory stays
-bounded however long N is.
+- :func:`decode_attention_float64`: straightforward, unchunked, float64: the ground truth of tests.
+- :func:`decode_attention_torch`: the torch implementation, exact in float32 arithmetic. CPU tensors
+  go to :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu` (tuned for one core's read
+  bandwidth); other devices to the device-agnostic chunked form below, which processes the KV
+  sequence in chunks and merges each chunk's state into a running state with the exact merge of
+  ``tree_attn.merge``, without host synchronisation.
+
+Both forms convert only one chunk to float32 at a time, so memory stays bounded however long N is.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..merge import merge_two
+from .cpu_decode import decode_attention_cpu
 from .shapes import check_decode_inputs
 
 # Elements of one float32 K (or V) chunk: 4 Mi elements = 16 MiB, small enough to stay in a CPU's
@@ -34,16 +40,44 @@ def decode_attention_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one new query per row against a KV cache.
 
+    CPU tensors run :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu`; others, and inputs
+    that need gradients, the chunked einsum form (:func:`decode_attention_chunked`).
+
     Args:
         q: ``[B, Hq, D]``.
         k, v: ``[B, N, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: query head h reads KV head h // (Hq/Hkv)).
         seq_lens: optional int ``[B]``: valid keys per row (0..N); later positions are ignored.
         scale: softmax scale, default ``D ** -0.5``.
-        chunk_tokens: KV positions per chunk (default: about 16 MiB of float32 per chunk).
+        chunk_tokens: KV positions per chunk (default: ~1 MiB of K as stored per chunk on CPU, see
+            ``cpu_decode``; about 16 MiB of float32 per chunk elsewhere).
 
     Returns:
         ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log). Rows with no
         valid keys give out 0 and lse -inf.
+    """
+    # The CPU path writes into preallocated buffers (bmm out=, in-place exp): not differentiable.
+    # Inputs that need gradients take the chunked form, which autograd can follow.
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if q.device.type == "cpu" and not needs_grad:
+        return decode_attention_cpu(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens)
+    return decode_attention_chunked(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens)
+
+
+def decode_attention_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device-agnostic chunked form of :func:`decode_attention_torch` (same contract).
+
+    No host synchronisation (seq_lens become a mask), so it suits GPU tensors. On CPU it is the
+    slower form: its einsums read the interleaved ``[N, Hkv, D]`` cache head by head, and each chunk
+    adds a logsumexp and a stacked merge: ~8 GB/s at 8 x 128 fp32 on one Zen 4 core, 21-31% of a
+    sequential ``torch.sum`` (``benchmarks/RESULTS.md``).
     """
     shape = check_decode_inputs(q, k, v, seq_lens)
     b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
