@@ -83,3 +83,20 @@ class CapturedStep:
             return self.fn()
         self.graph.replay()
         return self.outputs
+
+
+class StaticStep:
+    """Base of the static-buffer steps (``DecodeStep``, ``TreeDecodeStep``): ``self.graph`` is
+    their :class:`CapturedStep`."""
+
+    graph: CapturedStep
+
+    @property
+    def captured(self) -> bool:
+        """Whether each step is a graph replay."""
+        return self.graph.captured
+
+    @property
+    def why_eager(self) -> str | None:
+        """Why the step runs eagerly (None when it is captured)."""
+        return self.graph.why_eager

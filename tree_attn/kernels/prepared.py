@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import ConfigError
+from ..graphs import CapturedStep, StaticStep
 from .config import DecodeConfig
 from .impl import resolve_impl, triton_interpreter_enabled
 from .layout import OutLayout
@@ -55,8 +56,7 @@ class PreparedDecode:
         config: DecodeConfig | None = None,
         out_layout: OutLayout | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, DecodeConfig):
-            raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
+        _check_config(config)
         self.impl = resolve_impl(impl, q.device)
         self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens)
         if self.shape.head_dim == 0:
@@ -117,6 +117,11 @@ class PreparedDecode:
         return out, lse
 
 
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
+
+
 def signature(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,10 +162,7 @@ def prepared_decode(
     out_layout: OutLayout | None = None,
 ) -> PreparedDecode:
     """The cached :class:`PreparedDecode` for this call's signature (built on first use)."""
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
-    if scale is not None and isinstance(scale, float) and math.isnan(scale):
-        raise ConfigError(f"scale must be a finite number; got {scale}")
+    _check_config(config)  # before hashing it into the key (a dict would raise TypeError)
     key = signature(q, k, v, seq_lens, scale, impl, config, out_layout)
     try:
         hit = _CACHE[key]
@@ -179,7 +181,7 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-class DecodeStep:
+class DecodeStep(StaticStep):
     """Local decode attention on static tensors, replayed as a CUDA graph on GPUs.
 
     For decode loops and serving engines that keep static buffers: build it once from the
@@ -202,20 +204,10 @@ class DecodeStep:
         config: DecodeConfig | None = None,
         cuda_graph: bool = True,
     ) -> None:
-        from ..graphs import CapturedStep
-
         self.tensors = (q, k, v, seq_lens)
         self.prepared = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config)
         self.out, self.lse = self.prepared.new_outputs()
         self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
-
-    @property
-    def captured(self) -> bool:
-        return self.graph.captured
-
-    @property
-    def why_eager(self) -> str | None:
-        return self.graph.why_eager
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.prepared(*self.tensors, self.out, self.lse)

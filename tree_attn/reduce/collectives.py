@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import dtypes
 from ..errors import DistributedError
-from ..graphs import CapturedStep
+from ..graphs import CapturedStep, StaticStep
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
 from ..kernels.prepared import PreparedDecode, prepared_decode
@@ -169,7 +169,7 @@ def tree_decode(
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
 
 
-class TreeDecodeStep:
+class TreeDecodeStep(StaticStep):
     """A prepared ``tree_decode`` on static tensors, replayed as a CUDA graph on GPUs.
 
     For decode loops and serving engines that keep static buffers: build it once from the tensors
@@ -213,14 +213,6 @@ class TreeDecodeStep:
     def traffic(self):
         """Messages and bytes this rank sends per step (from the plan)."""
         return self.decoder.merge.traffic
-
-    @property
-    def captured(self) -> bool:
-        return self.graph.captured
-
-    @property
-    def why_eager(self) -> str | None:
-        return self.graph.why_eager
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out.numel() == 0:

@@ -56,18 +56,6 @@ def require_initialized() -> None:
         )
 
 
-def all_reduce(t: torch.Tensor, op, group, stats: CommStats | None) -> None:
-    p = dist.get_world_size(group)
-    if stats is not None and p > 1:
-        stats.collectives += 1
-        stats.messages += 2 * (p - 1)
-        stats.bytes_sent += (2 * (p - 1) * _nbytes(t)) // p
-    try:
-        dist.all_reduce(t, op=op, group=group)
-    except RuntimeError as exc:  # gloo/NCCL report a dead or stuck peer as RuntimeError
-        raise DistributedError(f"all_reduce failed: {exc}") from exc
-
-
 def all_gather(t: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
     """Gather ``t`` from every rank: returns ``[p, *t.shape]``."""
     p = dist.get_world_size(group)
@@ -84,28 +72,10 @@ def all_gather(t: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
     return out
 
 
-def isend(t: torch.Tensor, dst: int, group, stats: CommStats | None):
-    """Start sending ``t`` to group rank ``dst``; returns the request."""
-    if stats is not None:
-        stats.messages += 1
-        stats.bytes_sent += _nbytes(t)
-    return dist.isend(t, dst=global_rank(group, dst), group=group)
-
-
-def irecv(t: torch.Tensor, src: int, group):
-    """Start receiving into ``t`` from group rank ``src``; returns the request."""
-    return dist.irecv(t, src=global_rank(group, src), group=group)
-
-
 def batch_p2p(sends, recvs, group, stats: CommStats | None) -> list:
     """Start a batch of point-to-point operations as one group; returns the requests.
 
     ``sends`` and ``recvs`` are ``(tensor, group_rank)`` pairs. Each send counts one message.
-    Batched, not one by one: NCCL creates a two-rank communicator lazily on the first unbatched
-    send/recv between a pair, and that creation blocks until both ranks reach it; in a ring (rank r
-    sends to r+1 while r+1 sends to r+2, ...) the creations wait on each other in a cycle and never
-    finish for 3 or more ranks. ``batch_isend_irecv`` issues the whole batch as one NCCL group on
-    the group's own communicator. (Gloo sends and receives each op on its own, in order.)
     """
     ops = []
     for t, dst in sends:
@@ -115,12 +85,25 @@ def batch_p2p(sends, recvs, group, stats: CommStats | None) -> list:
         ops.append(dist.P2POp(dist.isend, t, global_rank(group, dst), group))
     for t, src in recvs:
         ops.append(dist.P2POp(dist.irecv, t, global_rank(group, src), group))
+    return start_batch(ops, "point-to-point batch")
+
+
+def start_batch(ops: list, what: str) -> list:
+    """Start ``dist.P2POp`` operations as one batch; returns the requests.
+
+    Batched, not one by one: NCCL creates a two-rank communicator lazily on the first unbatched
+    send/recv between a pair, and that creation blocks until both ranks reach it; in a ring (rank r
+    sends to r+1 while r+1 sends to r+2, ...) the creations wait on each other in a cycle and never
+    finish for 3 or more ranks. ``batch_isend_irecv`` issues the whole batch as one NCCL group on
+    the group's own communicator, where its operations progress together. (Gloo sends and
+    receives each op on its own, in order.)
+    """
     if not ops:
         return []
     try:
         return dist.batch_isend_irecv(ops)
     except RuntimeError as exc:
-        raise DistributedError(f"point-to-point batch failed: {exc}") from exc
+        raise DistributedError(f"{what} failed: {exc}") from exc
 
 
 def wait_all(requests, what: str) -> None:

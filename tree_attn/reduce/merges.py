@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 from ..merge import merge_states
+from .comm import global_rank, start_batch, wait_all
 from .plan import ReductionPlan, ReductionTree
 
 
@@ -34,41 +35,9 @@ class Traffic:
     collectives: int = 0
 
 
-def _global_rank(group, group_rank: int) -> int:
-    if group is None or group is dist.GroupMember.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
-def _wait(requests, what: str) -> None:
-    try:
-        for r in requests:
-            r.wait()
-    except RuntimeError as exc:  # gloo/NCCL report a dead or stuck peer as RuntimeError
-        raise DistributedError(f"{what} failed (a peer rank may have died or timed out): {exc}") from exc
-
-
-def _start(ops: list, what: str) -> list:
-    """Start a batch of P2POps as one group: one NCCL group (one launch, all ops progress
-    together; unbatched NCCL p2p between pairs can deadlock in cycles), or gloo's ops in order."""
-    if not ops:
-        return []
-    try:
-        return dist.batch_isend_irecv(ops)
-    except RuntimeError as exc:
-        raise DistributedError(f"{what} failed: {exc}") from exc
-
-
-class PackedState:
-    """Static packed buffers of one rank's merge, shared by both merge kinds."""
-
-    def __init__(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
-        self.batch, self.heads, self.head_dim = batch, heads, head_dim
-        self.device = torch.device(device)
-        self.message_bytes = batch * heads * (head_dim + 1) * 4
-
-    def buffer(self) -> torch.Tensor:
-        return torch.empty(self.batch, self.heads, self.head_dim + 1, dtype=torch.float32, device=self.device)
+def _message(batch: int, heads: int, head_dim: int, device) -> torch.Tensor:
+    """One packed state: float32 ``[B, H, D + 1]``."""
+    return torch.empty(batch, heads, head_dim + 1, dtype=torch.float32, device=device)
 
 
 class TreeMerge:
@@ -86,41 +55,41 @@ class TreeMerge:
     """
 
     def __init__(self, tree: ReductionTree, group, batch: int, heads: int, head_dim: int, device) -> None:
-        self.layout = PackedState(batch, heads, head_dim, device)
+        self.head_dim = head_dim
         rank = dist.get_rank(group)
         self.children = tree.children[rank]
         self.parent = tree.parent[rank]
         n = len(self.children)
-        self.states = torch.empty(1 + n, batch, heads, head_dim + 1, dtype=torch.float32, device=self.layout.device)
+        self.states = torch.empty(1 + n, batch, heads, head_dim + 1, dtype=torch.float32, device=device)
         self.local = self.states[0]
-        self.merged = self.states[0] if n == 0 else self.layout.buffer()
-        self.down = self.layout.buffer() if self.parent >= 0 else None
+        self.merged = self.states[0] if n == 0 else _message(batch, heads, head_dim, device)
+        self.down = _message(batch, heads, head_dim, device) if self.parent >= 0 else None
         self.final = self.down if self.down is not None else self.merged
         g = {"group": group}
-        self._recv_children = [dist.P2POp(dist.irecv, self.states[1 + i], _global_rank(group, c), **g)
+        self._recv_children = [dist.P2POp(dist.irecv, self.states[1 + i], global_rank(group, c), **g)
                                for i, c in enumerate(self.children)]
         self._up_and_down = [] if self.parent < 0 else [
-            dist.P2POp(dist.isend, self.merged, _global_rank(group, self.parent), **g),
-            dist.P2POp(dist.irecv, self.down, _global_rank(group, self.parent), **g),
+            dist.P2POp(dist.isend, self.merged, global_rank(group, self.parent), **g),
+            dist.P2POp(dist.irecv, self.down, global_rank(group, self.parent), **g),
         ]
-        self._send_children = [dist.P2POp(dist.isend, self.final, _global_rank(group, c), **g) for c in self.children]
+        self._send_children = [dist.P2POp(dist.isend, self.final, global_rank(group, c), **g) for c in self.children]
         sends = (1 if self.parent >= 0 else 0) + n
-        self.traffic = Traffic(messages=sends, bytes_sent=sends * self.layout.message_bytes)
-        self._use_triton = self.layout.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.traffic = Traffic(messages=sends, bytes_sent=sends * self.local.numel() * 4)
+        self._use_triton = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
     def __call__(self) -> torch.Tensor:
         """Merge :attr:`local` across the group; returns :attr:`final`."""
         if self._recv_children:
-            _wait(_start(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}")
+            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}")
             self._merge_states()
         if self._up_and_down:
-            _wait(_start(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}")
+            wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}")
         if self._send_children:
-            _wait(_start(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}")
+            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}")
         return self.final
 
     def _merge_states(self) -> None:
-        d = self.layout.head_dim
+        d = self.head_dim
         if self._use_triton:
             # One kernel: the split merge of the decode kernel, reading the stacked messages in
             # place ([S, B, H, D+1] seen as [B, H, S, D]) and writing the packed result.
@@ -145,14 +114,14 @@ class AllReduceMerge:
     """
 
     def __init__(self, group, batch: int, heads: int, head_dim: int, device) -> None:
-        self.layout = PackedState(batch, heads, head_dim, device)
+        self.head_dim = head_dim
         self.group = group
-        self.local = self.layout.buffer()
-        self.packed = self.layout.buffer()
-        self.final = self.layout.buffer()
-        self.row_max = torch.empty(batch, heads, dtype=torch.float32, device=self.layout.device)
+        self.local = _message(batch, heads, head_dim, device)
+        self.packed = _message(batch, heads, head_dim, device)
+        self.final = _message(batch, heads, head_dim, device)
+        self.row_max = torch.empty(batch, heads, dtype=torch.float32, device=device)
         p = dist.get_world_size(group)
-        nbytes = self.layout.message_bytes + batch * heads * 4
+        nbytes = (self.packed.numel() + self.row_max.numel()) * 4  # the two all-reduces' payloads
         self.traffic = Traffic(
             messages=4 * (p - 1) if p > 1 else 0,
             bytes_sent=(2 * (p - 1) * nbytes) // p if p > 1 else 0,
@@ -160,7 +129,7 @@ class AllReduceMerge:
         )
 
     def __call__(self) -> torch.Tensor:
-        d = self.layout.head_dim
+        d = self.head_dim
         o, lse = self.local[..., :d], self.local[..., d]
         faulty = ~(lse < float("inf"))
         self.row_max.copy_(lse).masked_fill_(faulty, float("inf"))
