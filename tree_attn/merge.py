@@ -22,12 +22,6 @@ import torch
 from .errors import ShapeError
 
 
-def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
-    """Return ``lse`` as float32 with +inf and NaN replaced by -inf (empty state)."""
-    lse = lse.float()
-    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
-
-
 def merge_states(
     outs: torch.Tensor, lses: torch.Tensor, *, faulty_is_empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

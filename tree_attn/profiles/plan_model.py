@@ -7,8 +7,8 @@ only its ordering of plans is used, and a profile says ``chosen_by: model`` wher
 The model is LogP-like. A message over a link costs a per-message software overhead ``o`` at the
 sender and the receiver (posting the send/recv: a NCCL/RCCL launch on GPUs, a gloo TCP write on
 CPU ranks), a wire latency ``L``, and ``bytes / bw`` on the link. A tree node receives its children
-concurrently (``merge_tree`` posts all receives, then merges once) and posts its downward sends
-one after the other. The all-reduce form is two ring all-reduces (max of lse, then sum of the
+concurrently (``reduce.merges.TreeMerge`` posts all receives as one batch, then merges once) and
+posts its downward sends one after the other. The all-reduce form is two ring all-reduces (max of lse, then sum of the
 packed state), ``2 (p-1)`` steps each at the slowest link's per-step latency.
 """
 
@@ -122,5 +122,5 @@ def predict_plan_us(plan: ReductionPlan, topology: Topology, message_bytes: int)
 
 
 def decode_message_bytes(batch: int, q_heads: int, head_dim: int) -> int:
-    """Bytes of one packed partial state: float32 ``[B, Hq, D + 1]`` (``collectives.pack_state``)."""
+    """Bytes of one packed partial state: float32 ``[B, Hq, D + 1]`` (``reduce.merges``)."""
     return 4 * batch * q_heads * (head_dim + 1)
