@@ -8,7 +8,7 @@ The model is LogP-like. A message over a link costs a per-message software overh
 sender and the receiver (posting the send/recv: a NCCL/RCCL launch on GPUs, a gloo TCP write on
 CPU ranks), a wire latency ``L``, and ``bytes / bw`` on the link. A tree node receives its children
 concurrently (``reduce.merges.TreeMerge`` posts all receives as one batch, then merges once) and
-posts its downward sends one after the other. The all-reduce form is two ring all-reduces (max of lse, then sum of the
+posts its downward sends as one batch. The all-reduce form is two ring all-reduces (max of lse, then sum of the
 packed state), ``2 (p-1)`` steps each at the slowest link's per-step latency.
 """
 
