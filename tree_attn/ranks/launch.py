@@ -86,7 +86,8 @@ def _init_process_group(backend: str, device: str, **kwargs) -> None:
     if device.startswith("cuda"):
         dev = torch.device(device)
         torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
+        if backend == "nccl":
+            kwargs["device_id"] = dev
     dist.init_process_group(backend, **kwargs)
 
 
