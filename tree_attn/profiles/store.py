@@ -1,8 +1,10 @@
 """Reading and writing profile files, and where saved profiles live.
 
-Profiles are YAML, read with ``yaml.safe_load`` and written in a stable key order, atomically (a
-temporary file in the target folder, then a rename) so that a crash or a full disk never leaves
-half a profile behind, and an existing profile is never replaced unless asked (``--force``).
+Profiles are YAML, read with :func:`tree_attn.files.load_yaml` (``yaml.safe_load`` without anchors
+or aliases) and written in a stable key order, atomically (:func:`tree_attn.files.atomic_write_text`:
+a temporary file in the target folder, then a rename, with the mode the umask gives) so that a
+crash or a full disk never leaves half a profile behind, and an existing profile is never replaced
+unless asked (``--force``).
 
 Saved profiles live in the user's cache folder, one file per machine, named by the topology
 fingerprint: ``$TREE_ATTN_PROFILE_DIR`` if set, else ``$XDG_CACHE_HOME/tree-attn/profiles``, else
@@ -12,7 +14,6 @@ fingerprint: ``$TREE_ATTN_PROFILE_DIR`` if set, else ``$XDG_CACHE_HOME/tree-attn
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from ..errors import ProfileError
+from ..files import atomic_write_text, load_yaml
 from .schema import Profile
 
 PROFILE_DIR_ENV = "TREE_ATTN_PROFILE_DIR"
@@ -52,7 +54,7 @@ def profile_to_yaml(profile: Profile) -> str:
 def profile_from_yaml(text: str, *, source: str = "<profile>") -> Profile:
     """Parse and validate profile YAML; errors are ProfileErrors that start with ``source``."""
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
@@ -93,33 +95,11 @@ def save_profile(profile: Profile, path: str | os.PathLike, *, force: bool = Fal
     if target.exists() and not force:
         raise _exists_error(target)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        atomic_write_text(target, text, replace=force)
+    except FileExistsError:
+        raise _exists_error(target) from None
     except OSError as exc:
         raise ProfileError(f"cannot write profile {target}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, target)
-        else:
-            # A hard link fails if the target appeared since the check above, so two writers never
-            # clobber each other; file systems without hard links fall back to a checked rename.
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise _exists_error(target) from None
-            except OSError:
-                if target.exists():
-                    raise _exists_error(target) from None
-                os.replace(tmp, target)
-    except OSError as exc:
-        raise ProfileError(f"cannot write profile {target}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 

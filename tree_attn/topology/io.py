@@ -1,38 +1,30 @@
 """YAML save/load of topologies, and reading an "expected" topology from any file a user has.
 
-Files are written atomically (a temporary file in the same folder, then ``os.replace``) so that a
-crash never leaves half a topology behind; read with ``yaml.safe_load``.
+Files are written atomically (a temporary file in the same folder, then a rename) so that a crash
+never leaves half a topology behind, with the mode the umask gives; read with
+:func:`tree_attn.files.load_yaml` (``yaml.safe_load`` without anchors or aliases).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import yaml
 
 from ..errors import TopologyError
+from ..files import YAMLAliasError, atomic_write_text as _atomic_write_text, load_yaml, yaml_problem
 from .model import Topology
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+def atomic_write_text(path: str | os.PathLike, text: str, *, force: bool = True) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`tree_attn.files.atomic_write_text`); an
+    existing file is replaced only with ``force``. Failures are TopologyErrors."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _atomic_write_text(path, text, replace=force)
+    except FileExistsError:
+        raise TopologyError(f"{path} already exists; pass --force to overwrite it") from None
     except OSError as exc:
         raise TopologyError(f"cannot write {path!r}: {exc.strerror or exc}") from None
 
@@ -42,19 +34,19 @@ def topology_to_yaml(topo: Topology) -> str:
     return yaml.safe_dump(topo.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 
 
-def save_topology(topo: Topology, path: str | os.PathLike) -> None:
-    """Write a topology as YAML, atomically."""
-    atomic_write_text(path, topology_to_yaml(topo))
+def save_topology(topo: Topology, path: str | os.PathLike, *, force: bool = True) -> None:
+    """Write a topology as YAML, atomically; an existing file is replaced only with ``force``."""
+    atomic_write_text(path, topology_to_yaml(topo), force=force)
 
 
 def _read_yaml(path: str | os.PathLike) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return load_yaml(f)
     except OSError as exc:
         raise TopologyError(f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise TopologyError(f"{os.fspath(path)}: not valid YAML: {exc}") from None
+        raise TopologyError(f"{os.fspath(path)}: not valid YAML ({yaml_problem(exc)})") from None
 
 
 def load_topology(path: str | os.PathLike) -> Topology:
@@ -87,7 +79,9 @@ def load_expected(path: str | os.PathLike) -> Topology:
         raise TopologyError(f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
     data: Any = None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except YAMLAliasError as exc:
+        raise TopologyError(f"{os.fspath(path)}: {yaml_problem(exc)}") from None
     except yaml.YAMLError:
         data = None  # a dump is usually not YAML; fall through to the dump parsers
     if isinstance(data, dict) and ("topology" in data or "schema_version" in data):

@@ -1,0 +1,109 @@
+"""Reading and writing the files tree-attn owns: YAML read safely, text written atomically.
+
+One helper each, used by every reader and writer (topologies, dumps, profiles, JUnit reports):
+
+- :func:`load_yaml`: ``yaml.safe_load`` that refuses anchors and aliases (``&a``, ``*a``). None of
+  our files needs them, and an alias "bomb" (a few lines whose aliases expand to billions of
+  nodes) would otherwise cost minutes and gigabytes before any field is checked. It raises
+  :class:`YAMLAliasError`, a ``yaml.YAMLError`` with the line and column, at the first anchor.
+- :func:`atomic_write_text`: a temporary file in the target folder, fsynced, then renamed over the
+  target (or hard-linked, when an existing file must not be replaced), so a crash or a full disk
+  never leaves half a file. ``mkstemp`` creates the file with mode 0600; it is given the mode a
+  plain ``open()`` would (0666 less the umask) before the rename, so that a CI uploader running
+  as another user can read a JUnit report written under umask 022.
+
+Callers turn ``OSError`` and ``yaml.YAMLError`` into their own :class:`TreeAttnError` subclasses.
+Imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import IO, Any
+
+import yaml
+from yaml.composer import ComposerError
+
+
+class YAMLAliasError(ComposerError):
+    """A YAML anchor or alias where tree-attn reads plain data."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``SafeLoader`` that stops at the first anchor or alias, before anything is expanded."""
+
+    def compose_node(self, parent, index):  # noqa: D401 - PyYAML's hook
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise YAMLAliasError(
+                None, None,
+                f"YAML {kind}{event.anchor} is not accepted: tree-attn files hold plain values, write them out",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+def load_yaml(stream: str | bytes | IO[str]) -> Any:
+    """``yaml.safe_load(stream)`` without anchors or aliases (:class:`YAMLAliasError`)."""
+    loader = _NoAliasLoader(stream)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: ``line L, column C: what`` (PyYAML's own text spans lines)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or ["not valid YAML"])[0]
+    context = getattr(exc, "context", None)
+    what = f"{context}, {problem}" if context and not isinstance(exc, YAMLAliasError) else problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; set it straight back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, replace: bool = True) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically, with the mode ``open()`` would give it.
+
+    The folder is created if needed. With ``replace=False`` an existing ``path`` is never
+    touched: ``FileExistsError`` (also when the file appears while writing: the final step is a
+    hard link, which fails on an existing name; file systems without hard links fall back to a
+    checked rename). Raises ``OSError`` on any failure; the temporary file is removed.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:  # a file where the folder should be: not "the target exists"
+        raise NotADirectoryError(20, "Not a directory", folder) from None
+    if not replace and os.path.lexists(path):
+        raise FileExistsError(17, "File exists", path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:
+                if os.path.lexists(path):
+                    raise FileExistsError(17, "File exists", path) from None
+                os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
