@@ -68,5 +68,6 @@ def warn(message: str) -> None:
 
 
 def error(message: str) -> None:
-    """The one red error line on stderr."""
+    """The one red error line on stderr (a message that spans lines is joined into one)."""
+    message = " ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())
     err_console.print(line(("error:", "bold red"), " ", message))

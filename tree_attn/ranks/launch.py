@@ -2,27 +2,114 @@
 
 ``launch_ranks(fn, world_size)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
 processes with torch.distributed initialised (file:// rendezvous in a private temp dir, so no
-ports are needed) and returns each rank's result in rank order. If a rank raises or dies, the
-others are terminated and a :class:`DistributedError` names the rank and its error: the parent
-never hangs waiting for a dead peer.
+ports are needed; gloo bound to the loopback interface, so a single-host job opens no socket on
+the network) and returns each rank's result in rank order. If a rank raises or dies, the others
+are stopped and a :class:`DistributedError` names the rank and its error: the parent never hangs
+waiting for a dead peer.
+
+Faults, and how each ends:
+
+- A hung or stopped peer: collectives inside the ranks fail after ``timeout_s``. The parent
+  bounds silence, not work: each rank beats a heartbeat (a thread, every 0.5 s) and the parent
+  gives up on a rank only after ``timeout_s`` + :data:`SILENCE_MARGIN_S` without one (a
+  SIGSTOPped rank), however long a healthy run takes.
+- The parent dies (kill -9, a crash): every rank watches its parent (Linux: the parent-death
+  signal, ``prctl(PR_SET_PDEATHSIG)``; everywhere: a thread polling ``os.getppid()``), removes the
+  rendezvous folder and exits.
+- The parent stops early (an error, Ctrl-C, SIGTERM turned into KeyboardInterrupt by the CLI):
+  its ``finally`` kills every rank (SIGKILL: a rank blocked in a collective or on a full result
+  pipe cannot run a handler) and removes the folder. Until then it keeps draining the result
+  queue, so no rank blocks writing a large result.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import queue
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import DistributedError, TreeAttnError
+from ..errors import ConfigError, DistributedError, TreeAttnError
+
+# Spawned ranks import this module before torch (it holds their entry point): without numpy (an
+# optional dependency) torch would warn "Failed to initialize NumPy" once per rank. Ranks never
+# hand torch numpy arrays. (The CLI sets the same filter for its own process.)
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 BACKENDS = ("auto", "gloo", "nccl")
+
+HEARTBEAT_S = 0.5  # how often a rank beats (and checks that its parent lives)
+# Silence the parent tolerates beyond the collective timeout before it gives a rank up.
+SILENCE_MARGIN_S = 30.0
+# Before its first heartbeat a rank is still starting: spawning and importing torch take seconds,
+# more with many ranks on few cores. This much more silence is allowed then.
+STARTUP_S = 120.0
+# A rank quiet this long when another rank fails is named in the error (likely the cause).
+QUIET_S = 3.0
+
+# CPU ranks: each is a process with its own torch (about 250 MiB) and at least one thread.
+# Beyond a few per core they only queue for the cores; 64 bounds the process count anywhere.
+CPU_RANKS_PER_CORE = 4
+MAX_CPU_RANKS = 64
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def max_cpu_ranks() -> int:
+    """The most CPU ranks tree-attn starts on this machine: 4 per core, at least 8, at most 64."""
+    return min(MAX_CPU_RANKS, max(8, CPU_RANKS_PER_CORE * usable_cores()))
+
+
+def check_cpu_ranks(n: int, what: str = "--world-size") -> None:
+    """Refuse a CPU rank count that is not a positive integer or beyond :func:`max_cpu_ranks`,
+    before anything is built for it (a topology of n ranks has n (n - 1) / 2 links)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{what} must be an integer >= 1; got {n!r}")
+    limit = max_cpu_ranks()
+    if n > limit:
+        cores = usable_cores()
+        raise ConfigError(
+            f"{what} {n}: at most {limit} CPU ranks on this machine ({cores} core{'s' if cores != 1 else ''}; "
+            f"each rank is a process with its own torch, and beyond {CPU_RANKS_PER_CORE} per core, or "
+            f"{MAX_CPU_RANKS} in all, they only wait for the cores); use {what} {min(limit, cores)}"
+        )
+
+
+def check_timeout(timeout_s: float, what: str = "--timeout") -> None:
+    """A collective timeout must be a positive, finite number of seconds (at most ~11 days)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or not 0 < timeout_s <= 1e6:
+        raise ConfigError(f"{what} must be a number of seconds in (0, 1e6]; got {timeout_s!r}")
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    for name in names:
+        if name == "lo":
+            return name
+    return next((name for name in names if name.startswith("lo")), None)
 
 
 @dataclass(frozen=True)
@@ -56,16 +143,35 @@ def resolve_backend(backend: str, device_kind: str) -> str:
     return backend
 
 
+def _env_int(name: str, default: str | None = None) -> int:
+    raw = os.environ.get(name, default)
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{name}={raw!r} is not an integer; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: outside torchrun "
+            "unset them (they make tree-attn join a torchrun job)"
+        ) from None
+
+
 def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankEnv | None:
     """The rank environment set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK), or None.
 
     ``device_kind`` ("cpu" / "cuda"; None = a GPU when one is visible) and ``backend`` are the
     run's own choices, so ``--device cpu`` under torchrun on a GPU host runs CPU ranks over gloo.
+    A variable that is not an integer or out of range is a ConfigError naming it (stale
+    variables left in a shell are the usual cause).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local = _env_int("LOCAL_RANK", "0")
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} must be at least 1 (torchrun sets it; outside torchrun unset it)")
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} must lie in 0..WORLD_SIZE-1={world - 1} (torchrun sets it; outside torchrun unset it)")
+    if local < 0:
+        raise ConfigError(f"LOCAL_RANK={local} must be >= 0 (torchrun sets it; outside torchrun unset it)")
     kind = device_kind if device_kind is not None else ("cuda" if gpu_count() > 0 else "cpu")
     device = f"cuda:{local}" if kind == "cuda" else "cpu"
     return RankEnv(rank=rank, world_size=world, backend=resolve_backend(backend, kind), device=device, local_rank=local)
@@ -101,9 +207,117 @@ def barrier(env: RankEnv) -> None:
         dist.barrier()
 
 
+def torchrun_rendezvous(env: RankEnv) -> tuple[str, int]:
+    """``(MASTER_ADDR, MASTER_PORT)`` of a torchrun job; a ConfigError naming the variable when
+    one is missing or not a port (RANK and WORLD_SIZE left in a shell without torchrun)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ConfigError(
+                f"{name} is not set, but RANK={env.rank} and WORLD_SIZE={env.world_size} are: torchrun sets all of "
+                "them; outside torchrun unset RANK and WORLD_SIZE"
+            )
+    port = _env_int("MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+    return os.environ["MASTER_ADDR"], port
+
+
+def _reach_store(addr: str, port: int, timeout_s: float) -> bool:
+    """Whether the job's store at ``addr:port`` accepts a connection within ``timeout_s``.
+    torch's own client retries past its timeout (about 3x) and logs C++ stack traces on the way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def init_torchrun(env: RankEnv, timeout_s: float) -> None:
-    """Initialise the default process group from torchrun's environment (env:// rendezvous)."""
-    _init_process_group(env.backend, env.device, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    """Initialise the default process group from torchrun's environment (env:// rendezvous).
+
+    Missing MASTER_ADDR / MASTER_PORT, or a job whose other ranks never come (within
+    ``timeout_s``), are errors naming the variables, not torch's tracebacks.
+    """
+    addr, port = torchrun_rendezvous(env)
+    where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
+    hint = "are the other ranks running? Outside torchrun unset RANK and WORLD_SIZE"
+    # Rank 0 hosts the store, unless torchrun's agent does (then every rank is a client).
+    client = env.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if client and not _reach_store(addr, port, timeout_s):
+        raise DistributedError(
+            f"no torchrun job answers at {where} (RANK={env.rank} of WORLD_SIZE={env.world_size}) within {timeout_s:g} s; {hint}"
+        )
+    try:
+        _init_process_group(env.backend, env.device, init_method="env://",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    except TreeAttnError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError, RuntimeError, ValueError...
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise DistributedError(
+            f"could not join the torchrun job at {where} as RANK={env.rank} of WORLD_SIZE={env.world_size} within "
+            f"{timeout_s:g} s ({type(exc).__name__}: {first}); {hint}"
+        ) from exc
+
+
+def _remove_rendezvous(rdzv_dir: str) -> None:
+    """Remove the rendezvous folder (a peer's store may still be writing in it: try again)."""
+    for _ in range(5):
+        shutil.rmtree(rdzv_dir, ignore_errors=True)
+        if not os.path.exists(rdzv_dir):
+            return
+        time.sleep(0.05)
+
+
+def _orphaned(rdzv_dir: str) -> None:
+    """The parent is gone: remove the rendezvous folder it can no longer remove, and exit now."""
+    _remove_rendezvous(rdzv_dir)
+    os._exit(1)
+
+
+def _watch_parent(parent_pid: int, rdzv_dir: str) -> None:
+    """Die with the parent (kill -9 of ``tree-attn run`` must not leave ranks behind).
+
+    Linux: the parent-death signal (SIGTERM, handled below) arrives the moment the parent exits;
+    everywhere: the heartbeat thread polls ``os.getppid()``. A rank blocked in a collective does
+    not run Python signal handlers, but its heartbeat thread still runs (torch releases the GIL
+    while it waits).
+    """
+    def on_term(signum, frame):  # the parent's death signal, or a plain SIGTERM
+        # The death signal comes when the thread that started this rank ends: under kill -9 the
+        # parent's other threads may still be dying, and getppid() still names it for a moment.
+        deadline = time.monotonic() + 1.0
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if os.getppid() != parent_pid:
+            _orphaned(rdzv_dir)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the heartbeat thread's poll remains
+            pass
+    if os.getppid() != parent_pid:  # died before the signal was armed
+        _orphaned(rdzv_dir)
+
+
+def _heartbeat(rank: int, beats, parent_pid: int, rdzv_dir: str) -> None:
+    """Beat every HEARTBEAT_S into ``beats[rank]`` (monotonic seconds) and check the parent."""
+    while True:
+        if os.getppid() != parent_pid:
+            _orphaned(rdzv_dir)
+        beats[rank] = time.monotonic()
+        time.sleep(HEARTBEAT_S)
 
 
 def _child(
@@ -116,7 +330,21 @@ def _child(
     fn: Callable,
     args: tuple,
     results,
+    beats,
+    parent_pid: int,
 ) -> None:
+    rdzv_dir = os.path.dirname(init_file)
+    _watch_parent(parent_pid, rdzv_dir)
+    beats[rank] = time.monotonic()  # started: from now on the silence limit applies
+    threading.Thread(target=_heartbeat, args=(rank, beats, parent_pid, rdzv_dir), name="tree-attn-heartbeat",
+                     daemon=True).start()
+    # A self-launched job lives on this host: gloo listens on the loopback interface only (by
+    # default it binds to whatever the host name resolves to, possibly an outside address).
+    # torchrun jobs keep the user's settings (init_torchrun does not come here).
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+
     import torch
     import torch.distributed as dist
 
@@ -148,6 +376,8 @@ def _child(
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+        if os.getppid() != parent_pid:  # the parent died while this rank was failing or finishing
+            _remove_rendezvous(rdzv_dir)
 
 
 def launch_ranks(
@@ -165,57 +395,91 @@ def launch_ranks(
         fn: a module-level (picklable) function.
         backend: "gloo" or "nccl" (or "auto").
         device_kind: "cpu" or "cuda" (one GPU per rank).
-        timeout_s: the collective timeout inside the ranks; the parent gives up at 3x this.
+        timeout_s: the collective timeout inside the ranks; the parent gives a rank up after
+            ``timeout_s`` + :data:`SILENCE_MARGIN_S` without a heartbeat from it (not after a
+            total time: a long healthy run is never cut).
 
     Raises:
-        DistributedError: a rank raised or died; the message names the rank and the cause.
+        DistributedError: a rank raised, died or fell silent; the message names the rank and the cause.
     """
     import torch.multiprocessing as mp
 
-    from ..errors import ConfigError
-
-    if world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be at least 1; got {world_size}")
+    check_timeout(timeout_s, "timeout_s")
     backend = resolve_backend(backend, device_kind)
     if device_kind == "cuda":
         n = gpu_count()
         if world_size > n:
             raise ConfigError(f"world size {world_size} needs {world_size} GPUs; this machine has {n}")
+    else:
+        check_cpu_ranks(world_size, "world size")
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tree-attn-rdzv-")
     init_file = os.path.join(tmp, "rendezvous")
     results = ctx.Queue()
+    beats = ctx.Array("d", world_size, lock=False)  # last heartbeat per rank (time.monotonic)
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, backend, device_kind, init_file, timeout_s, fn, args, results),
+            args=(r, world_size, backend, device_kind, init_file, timeout_s, fn, args, results, beats, os.getpid()),
             daemon=True,
         )
         for r in range(world_size)
     ]
     try:
+        started = time.monotonic()
         for p in procs:
             p.start()
-        return _collect(procs, results, world_size, deadline=time.monotonic() + 3 * timeout_s + 60)
+        return _collect(procs, results, world_size, beats, started, silence_s=timeout_s + SILENCE_MARGIN_S)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        _stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _raise_rank_error(msg: tuple) -> None:
+def _stop(procs) -> None:
+    """Kill every rank still alive and reap them all (a stopped rank too: SIGKILL ends it)."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            try:
+                p.kill()
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + 10
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def _quiet_ranks(beats, started: float, values: dict, limit: float) -> list[tuple[int, float]]:
+    """``(rank, seconds since its last heartbeat)`` of unfinished ranks quiet for over ``limit``
+    (``limit`` + :data:`STARTUP_S` for a rank that has not beaten yet: it is still starting)."""
+    now = time.monotonic()
+    quiet = []
+    for r in range(len(beats)):
+        if r in values:
+            continue
+        last = beats[r] if beats[r] > 0 else started
+        if now - last > limit + (0.0 if beats[r] > 0 else STARTUP_S):
+            quiet.append((r, now - last))
+    return quiet
+
+
+def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
     _, rank, kind, text, tb = msg
-    err = DistributedError(f"rank {rank} failed: {text}")
+    text = " ".join(text.split())  # one line: torch's messages span several
+    hint = ""
+    if beats is not None:
+        quiet = [(r, s) for r, s in _quiet_ranks(beats, started, values or {}, QUIET_S) if r != rank]
+        if quiet:
+            names = ", ".join(f"rank {r} ({s:.0f} s)" for r, s in quiet)
+            hint = f"; no heartbeat from {names}: stopped or hung?"
+    err = DistributedError(f"rank {rank} failed: {text}{hint}")
     err.remote_traceback = tb  # shown by the CLI with --debug
     raise err
 
 
-def _collect(procs, results, world_size: int, deadline: float) -> list[Any]:
+def _collect(procs, results, world_size: int, beats, started: float, silence_s: float) -> list[Any]:
     values: dict[int, Any] = {}
     while len(values) < world_size:
         try:
@@ -224,7 +488,7 @@ def _collect(procs, results, world_size: int, deadline: float) -> list[Any]:
             msg = None
         if msg is not None:
             if msg[0] != "ok":
-                _raise_rank_error(msg)
+                _raise_rank_error(msg, beats, started, values)
             values[msg[1]] = pickle.loads(msg[2])
             continue
         dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
@@ -238,10 +502,14 @@ def _collect(procs, results, world_size: int, deadline: float) -> list[Any]:
                     "the other ranks were stopped"
                 ) from None
             if msg[0] != "ok":
-                _raise_rank_error(msg)
+                _raise_rank_error(msg, beats, started, values)
             values[msg[1]] = pickle.loads(msg[2])
             continue
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(world_size)) - set(values))
-            raise DistributedError(f"ranks {missing} did not finish in time; they were stopped")
+        silent = _quiet_ranks(beats, started, values, silence_s)
+        if silent:
+            names = ", ".join(f"rank {r}" for r, _ in silent)
+            raise DistributedError(
+                f"{names} sent no heartbeat for {silent[0][1]:.0f} s (the limit is the timeout, {silence_s - SILENCE_MARGIN_S:g} s, "
+                f"+ {SILENCE_MARGIN_S:g} s): stopped or hung; all ranks were stopped"
+            )
     return [values[r] for r in range(world_size)]
