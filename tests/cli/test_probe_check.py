@@ -111,7 +111,8 @@ def test_check_lost_nvlink_fails_with_plain_words(tmp_path, h100_expected, capsy
     code = main(["check", "--expect", str(h100_expected), "--from", str(actual), "--junit", str(junit)])
     assert code == 1
     out = capsys.readouterr().out
-    assert "GPU3-GPU5: expected NV18, found NV17 (an NVLink is down)" in out
+    # the 7 identical pair differences of one GPU read as one line (the JUnit report keeps each)
+    assert "GPU5 with GPUs 0-4,6-7 (7 pairs): expected NV18, found NV17 (an NVLink is down)" in out
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite.get("failures") == "1"
     failed = [tc for tc in suite.findall("testcase") if tc.find("failure") is not None]

@@ -25,7 +25,8 @@ def probe_command(
     from_: Optional[list[Path]] = typer.Option(
         None, "--from", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo -m / -p2p, "
         "nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo. Repeat to combine dumps of one machine."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); an existing file is refused unless --force."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     measure: bool = typer.Option(False, "--measure", help="Measure per-pair bandwidth and latency and the decode all-reduce."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
@@ -35,6 +36,15 @@ def probe_command(
     from ..errors import TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings
 
+    if cpu_ranks is not None:  # before a topology of that many ranks is built
+        from ..ranks.launch import check_cpu_ranks
+
+        check_cpu_ranks(cpu_ranks, "--cpu-ranks")
+    if output is not None:  # before probing or measuring, not after
+        if output.is_dir():
+            raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
+        if output.exists() and not force:
+            raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
@@ -51,7 +61,7 @@ def probe_command(
     for w in topology_warnings(topo):
         warn(w)
     if output is not None:
-        save_topology(topo, output)
+        save_topology(topo, output, force=force)
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
     if json_out:
         print_json(topo.to_dict())
@@ -95,16 +105,22 @@ def render_topology(topo) -> None:
                   styled("" if d.numa_node is None else d.numa_node))
     out_console.print(t)
     out_console.print()
+    from ..topology import UNKNOWN
+
+    known = 0
     for d in topo.devices:
-        facts = [d.name]
+        facts = [d.name] if d.name != UNKNOWN else []
         if d.pci_bus_id:
             facts.append(d.pci_bus_id)
         if d.memory_bytes:
             facts.append(f"{d.memory_bytes / 2**30:.0f} GiB")
         if d.pcie_gen and d.pcie_width:
             facts.append(f"PCIe {d.pcie_gen}.0 x{d.pcie_width}")
-        out_console.print(styled(f"  {prefix}{d.index}: " + ", ".join(facts)))
-    out_console.print()
+        if facts:  # a dump that names nothing (topo -m) gets no "GPU0: unknown" lines
+            out_console.print(styled(f"  {prefix}{d.index}: " + ", ".join(facts)))
+            known += 1
+    if known:
+        out_console.print()
     out_console.print(line(("hierarchy", "bold"), " (fastest first):"))
     for k, lv in enumerate(topo.hierarchy, 1):
         groups = "  ".join(f"[{format_ranges(g)}]" for g in lv.groups)

@@ -8,12 +8,13 @@ checked.
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Any
 
 from .io import atomic_write_text
-from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology
+from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology, format_ranges
 
 
 @dataclass
@@ -159,6 +160,43 @@ def compare_topologies(
                              f"{min_bandwidth_ratio:g} x the expected {e.bandwidth_gbps:.1f} GB/s ({e.bandwidth_source})")
         results.append(_result("bandwidth", diffs, checked, "no measured bandwidth to compare (run with --measure)"))
     return CheckReport(expected.fingerprint, actual.fingerprint, results)
+
+
+def summarize_differences(differences: list[str], pairs: int | None = None, *, shown: int = 3) -> list[str]:
+    """Differences for people: pair lines that say the same thing (``GPU0-GPU1: expected NV18,
+    found NV12``, 28 times) become one line naming how many pairs and the first few; others stay
+    as they are, in their order. ``pairs``: the machine's pair count (to say "all N pairs")."""
+    groups: dict[str, list[str]] = {}
+    order: list[tuple[str, str]] = []  # ("pair", what) or ("line", text)
+    for d in differences:
+        m = re.match(r"^(GPU\d+-GPU\d+): (.*)$", d)
+        if m is None:
+            order.append(("line", d))
+            continue
+        what = m.group(2)
+        if what not in groups:
+            groups[what] = []
+            order.append(("pair", what))
+        groups[what].append(m.group(1))
+    out = []
+    for kind, text in order:
+        if kind == "line":
+            out.append(text)
+            continue
+        names = groups[text]
+        ends = [tuple(int(x) for x in re.findall(r"\d+", n)) for n in names]
+        common = set(ends[0]).intersection(*map(set, ends[1:]))
+        if len(names) <= shown + 1:
+            out.extend(f"{n}: {text}" for n in names)
+        elif pairs is not None and len(names) == pairs:
+            out.append(f"all {pairs} GPU pairs: {text}")
+        elif len(common) == 1:  # one GPU's links (a GPU with NVLinks down)
+            g = common.pop()
+            others = sorted(x for e in ends for x in e if x != g)
+            out.append(f"GPU{g} with GPUs {format_ranges(others)} ({len(names)} pairs): {text}")
+        else:
+            out.append(f"{len(names)} GPU pairs ({', '.join(names[:shown])} and {len(names) - shown} more): {text}")
+    return out
 
 
 def junit_xml(report: CheckReport, *, suite: str = "tree-attn check") -> str:

@@ -193,7 +193,23 @@ def parse_nvidia_topo_m(text: str) -> Topology:
              "(add the output of `nvidia-smi -L` and `nvidia-smi topo -p2p rw` to --from to fill them in)"]
     if nics:
         notes.append(f"{len(nics)} NIC(s) in the dump ({', '.join(nics)}) are not GPUs and are left out")
+    if _is_topo_mp(text, lines, [c for c, _ in cell.values()]):
+        notes.append("this is the `nvidia-smi topo -mp` form (its legend has no NV# entry): PCIe paths only, so "
+                     "NVLinks, if the GPUs have any, are not shown; record `nvidia-smi topo -m` to plan over them")
     return Topology(devices=devices, links=links, source="dump:nvidia-smi-topo-m", notes=notes)
+
+
+def _is_topo_mp(text: str, lines: list[_Line], cells: list[str]) -> bool:
+    """Whether a PCIe matrix is ``nvidia-smi topo -mp`` rather than ``-m``: a prompt line says so,
+    or the legend is there (through its PIX entry) without the NV# entry ``-m`` always prints
+    and no cell is an NVLink (a ``-m`` legend cut short still shows its NV# cells)."""
+    if re.search(r"^\s*\$\s*nvidia-smi\s+topo\s+-mp\b", text, re.M):
+        return True
+    if any(_NV_RE.match(c) for c in cells):
+        return False
+    body = [ln.text.strip() for ln in lines]
+    has_legend = any(t.rstrip(":").endswith("Legend") for t in body)
+    return has_legend and any(t.startswith("PIX") and "=" in t for t in body) and not any(t.startswith("NV#") for t in body)
 
 
 def _nv_link(a: int, b: int, c: str, devices: list[Device]) -> Link:
@@ -570,12 +586,13 @@ def _saved_topology(text: str, where: str) -> Topology | None:
         return None
     import yaml
 
+    from ..files import load_yaml, yaml_problem
     from .io import topology_from_obj
 
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise TopologyError(f"{where}: not valid YAML: {exc}") from None
+        raise TopologyError(f"{where}: not valid YAML ({yaml_problem(exc)})") from None
     return topology_from_obj(data, where=where)
 
 

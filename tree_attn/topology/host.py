@@ -7,19 +7,19 @@ over loopback TCP); there is no device peer-to-peer, and all pairs are alike.
 
 from __future__ import annotations
 
-import os
-
 from ..errors import TopologyError
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 
 
+# The one default number of CPU ranks, for probe, check, tune and run alike: their topologies,
+# hence their fingerprints and the profile a run finds, must agree (the built-in CPU profile is
+# for 4 ranks). On fewer cores `run` warns that the ranks share them.
+DEFAULT_CPU_RANKS = 4
+
+
 def default_cpu_ranks() -> int:
-    """A sensible number of CPU ranks: the usable CPUs, at least 1, at most 8."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    """The default number of CPU ranks: :data:`DEFAULT_CPU_RANKS`, whatever the core count."""
+    return DEFAULT_CPU_RANKS
 
 
 def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
@@ -32,6 +32,9 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
         n = default_cpu_ranks()
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise TopologyError(f"cpu ranks: expected an integer >= 1, got {n!r}")
+    from ..ranks.launch import check_cpu_ranks
+
+    check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built
     devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]
     links = [
         Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED, p2p_reason="CPU ranks: messages go through host memory (gloo)")
