@@ -64,10 +64,13 @@ def test_device_cuda_needs_a_visible_gpu(monkeypatch):
 
 
 def test_under_torchrun_the_world_is_torchruns(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # torchrun sets these too
+    monkeypatch.setenv("MASTER_PORT", "29500")
     setup = plan_run(RunOptions(device="cpu"))
     assert setup.under_torchrun and setup.spec.world_size == 2 and setup.notices == ()
+    assert setup.rank == 1  # only rank 0 prints the notices
 
 
 def test_an_explicit_profile_for_another_machine_is_refused():

@@ -6,16 +6,18 @@ import typer
 
 from .common import err_console, error, line, notice, out_console, print_json, styled, warn
 
-HELP = """Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.
-
-Without a GPU (or with --device cpu) it spawns CPU ranks (gloo); with GPUs one rank per GPU (NCCL,
-RCCL on ROCm).
-Under torchrun it joins the job instead of spawning. Each strategy runs warm-up and timed decode
-steps; the table shows per-step latency (median, p95; a step lasts as long as its slowest rank),
-bytes each rank sends per step, peak memory per rank, and the max abs error against a
-single-process reference. Defaults: Llama-3.1-8B attention (32 query heads, 8 KV heads, head dim
-128), batch 1, 65,536 tokens, 4 ranks on CPU.
-"""
+HELP = (
+    "Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.\n\n"
+    "Without a GPU (or with --device cpu) it spawns CPU ranks (gloo); with GPUs one rank per GPU (NCCL, RCCL "
+    "on ROCm). Under torchrun it joins the job instead of spawning. Each strategy runs warm-up and timed "
+    "decode steps; the table shows per-step latency (median, p95; a step lasts as long as its slowest rank), "
+    "bytes each rank sends per step, peak memory per rank, and the max abs error against a float64 "
+    "reference. Defaults: Llama-3.1-8B attention (32 query heads, 8 KV heads, head dim 128), batch 1, "
+    "65,536 tokens, 4 ranks on CPU.\n\n"
+    "Sizes are checked before anything is allocated: at most 4 CPU ranks per core (64 in all), and a KV "
+    "cache that fits in memory. --timeout bounds how long a rank may wait for a peer (or stay silent), not "
+    "how long the run takes."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -50,18 +52,19 @@ def run_command(
         dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
         seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     ))
-    for n in setup.notices:
-        notice(n)
-    for w in setup.warnings:
-        warn(w)
-    err_console.print(setup.profile.text, markup=False)
     spec = setup.spec
-    err_console.print(
-        f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
-        f"{spec.seq_len:,} tokens over {spec.world_size} ranks ({spec.backend}); "
-        f"strategies: {', '.join(p.label if p else 'ring' for _, p in spec.plans)}",
-        markup=False,
-    )
+    if setup.rank == 0:  # under torchrun every rank runs this: one voice is enough
+        for n in setup.notices:
+            notice(n)
+        for w in setup.warnings:
+            warn(w)
+        err_console.print(setup.profile.text, markup=False)
+        err_console.print(
+            f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
+            f"{spec.seq_len:,} tokens over {spec.world_size} ranks ({spec.backend}); "
+            f"strategies: {', '.join(p.label if p else 'ring' for _, p in spec.plans)}",
+            markup=False,
+        )
     result = run_decode(spec)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return

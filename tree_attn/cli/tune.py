@@ -10,17 +10,17 @@ import typer
 
 from .common import err_console, line, notice, out_console, print_json, styled, warn
 
-HELP = """Tune tree attention for this machine and write a profile that `tree-attn run` uses.
-
-Probes the fabric (or reads --topology FILE), then (a) on GPUs searches the Triton kernel's config
-space per shape bucket, pruned by the napkin performance model, timing each survivor (warm-up,
-CUDA events, median); (b) times every candidate reduction plan (all-reduce, trees of fan-out
-2/4/8/world, the topology's hierarchical trees) at the decode message size across all ranks,
-each iteration as slow as its slowest rank; rank 0 decides and broadcasts the choice. The
-profile goes to the user's cache folder, named by the fabric fingerprint, or to --output (an
-existing file is refused before anything is timed, unless --force).
-With a --topology of another machine, nothing can be timed here: the profile is model-derived.
-"""
+HELP = (
+    "Tune tree attention for this machine and write a profile that `tree-attn run` uses.\n\n"
+    "Probes the fabric (or reads --topology FILE), then (a) on GPUs searches the Triton kernel's config space "
+    "per shape bucket, pruned by the napkin performance model, timing each survivor (warm-up, CUDA events, "
+    "median); (b) times every candidate reduction plan (all-reduce, trees of fan-out 2/4/8/world, the "
+    "topology's hierarchical trees) at the decode message size across all ranks, each iteration as slow as "
+    "its slowest rank; rank 0 decides and broadcasts the choice. The profile goes to the user's cache "
+    "folder, named by the fabric fingerprint, or to --output (an existing file is refused before anything "
+    "is timed, unless --force).\n\n"
+    "With a --topology of another machine, nothing can be timed here: the profile is model-derived."
+)
 
 
 def register(app: typer.Typer) -> None:

@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .run_setup import ProfileChoice
 
 STRATEGY_NAMES = ("tree", "allreduce", "ring")
+MAX_SEED = 2**40
+PROGRESS_S = 10.0  # the longest a run's timed steps go without a progress line on stderr
+
+# Why ring's ranks may disagree in the last bits while tree's and allreduce's never do.
+RING_ORDER_NOTE = ("ring ranks merge the KV blocks in different orders (each starts from its own), so "
+                   "their results may differ in the last bits, within rounding")
 
 
 
@@ -58,6 +64,9 @@ class RunSpec:
             raise ConfigError(f"sequence length must be >= 0; got {self.seq_len}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0; got {self.warmup}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            # make_query/make_shard derive generator seeds from it: they must stay within 64 bits
+            raise ConfigError(f"seed must be an integer in 0..2**40; got {self.seed!r}")
         if self.q_heads % self.kv_heads:
             raise ConfigError(
                 f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads}) for grouped-query attention"
@@ -173,6 +182,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
         device_times: list[float] = []
         per_step_bytes: list[int] = []
         per_step_msgs: list[int] = []
+        last_note = time.monotonic()
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         with MemoryMonitor(env.device) as mem:
             for s in range(spec.steps):
@@ -193,8 +203,10 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
                 per_step_bytes.append(stats.bytes_sent)
                 per_step_msgs.append(stats.messages)
-                if s % max(1, spec.steps // 10) == 0 and s:
+                # A progress line every tenth of the steps, and at least every PROGRESS_S seconds.
+                if s and (s % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S):
                     _progress(env, f"{label}: step {s}/{spec.steps}")
+                    last_note = time.monotonic()
         reports[label] = RankReport(
             step_s=times,
             bytes_sent_per_step=max(per_step_bytes),
@@ -228,6 +240,7 @@ class StrategyResult:
     max_lse_err: float
     ranks_agree: bool
     execution: str = "eager"  # "cuda graph" (the step replayed as one graph) or "eager"
+    ranks_agree_note: str | None = None  # why ranks_agree may be false (ring), else None
     why_eager: str | None = None
     device_ms_median: float | None = None  # GPUs: CUDA-event time of a step (slowest rank)
 
@@ -317,6 +330,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 max_abs_err=max(errs),
                 max_lse_err=max(lse_errs),
                 ranks_agree=agree,
+                ranks_agree_note=RING_ORDER_NOTE if name == "ring" and not agree else None,
                 execution=first.execution,
                 why_eager=first.why_eager,
                 device_ms_median=(1e3 * statistics.median(max(rep.device_step_s[i] for rep in reps) for i in range(spec.steps))

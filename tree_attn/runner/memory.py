@@ -18,6 +18,22 @@ from dataclasses import dataclass
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def available_host_bytes() -> int | None:
+    """Memory the OS can give without swapping (``MemAvailable`` of /proc/meminfo), else the free
+    physical pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemAvailable:"):
+                    return int(ln.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def current_rss_bytes() -> int:
     """Resident set size of this process in bytes (0 where /proc is unavailable)."""
     try:

@@ -10,6 +10,7 @@ module level (``tree-attn --help`` imports this package's CLI without torch).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,41 @@ class RunSetup:
     under_torchrun: bool = False
     notices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    rank: int = 0  # this process's rank under torchrun (only rank 0 prints), else 0
+
+
+# Per CPU process: the interpreter and torch (the peak-memory caption measures about 240 MiB).
+PROCESS_BYTES = 300 * 2**20
+
+
+def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool) -> int:
+    """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
+    float32, then cast), ring's shards in flight (two more) and a process; the parent's float64
+    reference of one shard at a time."""
+    from ..dtypes import torch_dtype
+
+    elem = torch_dtype(dtype).itemsize
+    shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
+    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + PROCESS_BYTES
+    parent = 2 * shard * (4 + 8) + PROCESS_BYTES
+    return world_size * per_rank + parent
+
+
+def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool) -> None:
+    """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
+    before any rank allocates it."""
+    from .memory import available_host_bytes
+
+    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring)
+    have = available_host_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"--seq-len {seq_len:,} (batch {batch}, {kv_heads} KV heads, head dim {head_dim}, {dtype}) over {world_size} "
+            f"CPU ranks needs about {need / 2**30:,.1f} GiB (K and V shards, {'ring shards in flight, ' if ring else ''}"
+            f"one process each); this machine has {have / 2**30:,.1f} GiB available: use a smaller --seq-len or --batch"
+        )
 
 
 def resolve_device_kind(device: str) -> tuple[str, int]:
@@ -186,6 +222,25 @@ def _where(ref: str) -> str | None:
     return ref
 
 
+def _saved_for_other_sizes(topo: "Topology", device_kind: str) -> str:
+    """`` ; the saved profile X is for N ranks ...`` when profiles saved for this kind of device
+    exist, but for another number of ranks (a tune for 4 ranks does not serve a run of 2)."""
+    from ..profiles import list_saved_profiles
+
+    n = len(topo)
+    others = [e for e in list_saved_profiles()
+              if e.profile is not None and e.profile.machine.world_size != n
+              and e.profile.machine.device_kind == ("cpu" if device_kind == "cpu" else e.profile.machine.device_kind)
+              and e.profile.machine.device_name == topo.devices[0].name]
+    if not others:
+        return ""
+    sizes = ", ".join(sorted({str(e.profile.machine.world_size) for e in others}, key=int))
+    names = ", ".join(e.profile.name for e in others[:3])
+    device = " --device cpu" if device_kind == "cpu" else ""
+    return (f"; the saved profile{'s' if len(others) > 1 else ''} {names} {'are' if len(others) > 1 else 'is'} for "
+            f"{sizes} ranks, not {n}: `tree-attn tune{device} -w {n}` writes one for {n}")
+
+
 def select_profile(ref: str | None, world_size: int, device_kind: str) -> tuple["Profile | None", ProfileChoice, list[str]]:
     """The profile to run under, how it was chosen, and warnings (versions that differ).
 
@@ -223,9 +278,11 @@ def select_profile(ref: str | None, world_size: int, device_kind: str) -> tuple[
             builtin.name, builtin.origin, builtin_path(builtin.name), CHOSEN_BUILTIN,
             f"using built-in profile {builtin.name} (model-derived, not measured); `tree-attn tune` measures this machine",
         ), []
+    other = _saved_for_other_sizes(topo, device_kind)
     return None, ProfileChoice(
         None, None, None, CHOSEN_DEFAULT,
-        f"no profile for this machine (fingerprint {topo.fingerprint}): built-in defaults; `tree-attn tune` writes one",
+        f"no profile for this machine (fingerprint {topo.fingerprint}): built-in defaults"
+        + (other or "; `tree-attn tune` writes one"),
     ), []
 
 
@@ -236,28 +293,47 @@ def plan_run(options: RunOptions) -> RunSetup:
     not apply. Nothing is launched.
     """
     from ..dtypes import parse_dtype
-    from ..ranks.launch import resolve_backend, torchrun_env
+    from ..ranks.launch import (
+        check_cpu_ranks, check_timeout, resolve_backend, torchrun_env, torchrun_rendezvous, usable_cores,
+    )
+    from ..topology.host import default_cpu_ranks
     from .decode_run import RunSpec
 
+    # Sizes first: nothing below may build anything in proportion to a bad number.
+    check_timeout(options.timeout_s)
     device_kind, n_gpus = resolve_device_kind(options.device)
     trun = torchrun_env(device_kind, options.backend)
+    if trun is not None:
+        torchrun_rendezvous(trun)  # MASTER_ADDR / MASTER_PORT, before anything is printed
     world_size = options.world_size
     if world_size is None:
-        world_size = trun.world_size if trun else (n_gpus if device_kind == "cuda" else 4)
+        world_size = trun.world_size if trun else (n_gpus if device_kind == "cuda" else default_cpu_ranks())
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"--world-size must be an integer >= 1; got {world_size!r}")
     if device_kind == "cuda" and trun is None and world_size > n_gpus:
         raise ConfigError(f"world size {world_size} is larger than the {n_gpus} GPUs of this machine")
+    if device_kind == "cpu" and trun is None:
+        check_cpu_ranks(world_size)
     dtype = options.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device_kind == "cuda" else "float32"
     dtype = parse_dtype(dtype)
     backend = resolve_backend(options.backend, device_kind)
+    names = parse_strategies(options.strategy)
     notices: list[str] = []
+    run_warnings: list[str] = []
     if device_kind == "cpu" and trun is None:
         why = "no GPU in use" if options.device == "auto" else "--device cpu"
         notices.append(f"{why}: spawning {world_size} CPU rank{'s' if world_size != 1 else ''} (gloo)")
+        cores = usable_cores()
+        if world_size > cores:
+            run_warnings.append(
+                f"{world_size} CPU ranks share {cores} core{'s' if cores != 1 else ''}: ranks wait for each other's "
+                f"cores, so step times swing widely from run to run; -w {cores} gives steadier timings"
+            )
 
-    names = parse_strategies(options.strategy)
     profile, choice, warnings = select_profile(options.profile, world_size, device_kind)
+    warnings = run_warnings + list(warnings)
     plans = build_plans(names, options.fanout, world_size, profile)
     spec = RunSpec(
         world_size=world_size,
@@ -275,11 +351,13 @@ def plan_run(options: RunOptions) -> RunSetup:
         seed=options.seed,
         timeout_s=options.timeout_s,
         cuda_graph=options.cuda_graph,
-        kernel_config=kernel_config_for(profile, dtype, options.heads, options.kv_heads, options.head_dim,
-                                        options.seq_len, world_size),
-    )
+    )  # validates the sizes (positive heads, ...) before anything computes with them
+    if device_kind == "cpu" and trun is None:
+        check_host_memory(world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, dtype, "ring" in names)
+    spec = dataclasses.replace(spec, kernel_config=kernel_config_for(
+        profile, dtype, options.heads, options.kv_heads, options.head_dim, options.seq_len, world_size))
     return RunSetup(spec=spec, profile=choice, under_torchrun=trun is not None,
-                    notices=tuple(notices), warnings=tuple(warnings))
+                    notices=tuple(notices), warnings=tuple(warnings), rank=trun.rank if trun else 0)
 
 
 def error_limit(dtype: str) -> float:

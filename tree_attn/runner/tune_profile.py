@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import ConfigError, ProfileError, TopologyError
+from ..ranks.launch import check_cpu_ranks, check_timeout
+from ..topology.host import DEFAULT_CPU_RANKS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..profiles import Profile
     from ..topology import Topology
     from .tune import TuneOptions
-
-DEFAULT_CPU_RANKS = 4
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ def _topology(request: TuneRequest, device_kind: str, notices: list[str]) -> "To
     if request.topology_file:
         return load_expected(request.topology_file)
     if device_kind == "cpu":
-        n = request.world_size or DEFAULT_CPU_RANKS
+        n = request.world_size if request.world_size is not None else DEFAULT_CPU_RANKS
+        check_cpu_ranks(n)
         why = "no GPU" if request.device == "auto" else "--device cpu"
         notices.append(f"{why}: tuning for {n} CPU rank{'s' if n != 1 else ''} (gloo)")
         return host_topology(n)
@@ -114,6 +115,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     from .run_setup import resolve_device_kind
     from .tune import TuneOptions
 
+    check_timeout(request.timeout_s)
     if request.kv_heads < 1 or request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
