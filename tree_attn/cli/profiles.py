@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.table import Table
 
 from .common import line, out_console, print_json, styled, warn
@@ -55,22 +56,19 @@ def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OP
     if json_out:
         print_json({"profile_dir": str(folder), "profiles": [e.to_dict() for e in entries]})
         return
-    table = Table(title="tree-attn profiles", title_justify="left")
-    for col in ("name", "kind", "origin", "devices", "fingerprint", "plan", "created", "path"):
-        table.add_column(col, overflow="fold")
-    # Names, paths and labels are Texts, never markup (a profile may be named "evil[/x]").
+    # One block per profile, not a table: at 80 columns eight columns wrap every cell to a few
+    # characters. Names, paths and labels are Texts, never markup (a profile may be named "evil[/x]").
     for e in entries:
         p = e.profile
         if p is None:
-            table.add_row(styled(e.name), styled(e.kind), styled("invalid", "red"), "", "", "", "", styled(e.path))
+            out_console.print(line((e.name, "bold"), "  ", (e.kind, ""), ", ", ("invalid", "red")))
+            out_console.print(styled(f"    {e.path}"))
             continue
         m = p.machine
-        plan = line(p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by))
-        table.add_row(
-            styled(p.name), styled(e.kind), styled(p.origin), styled(f"{m.world_size}x {m.device_name} ({m.device_kind})"),
-            styled(m.fingerprint[:8]), plan, styled(p.created), styled(e.path),
-        )
-    out_console.print(table)
+        out_console.print(line((p.name, "bold"), f"  {e.kind}, {p.origin}, created {p.created}"))
+        out_console.print(line(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint[:8]}, plan ",
+                               p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by)))
+        out_console.print(styled(f"    {e.path}"))
     saved = [e for e in entries if e.kind == "saved"]
     if not saved:
         out_console.print(f"no saved profiles in {folder} (write one with `tree-attn tune`)", markup=False)
@@ -99,6 +97,18 @@ def _chosen(text: str, how: str | None = None):
     return styled(text, CHOSEN_STYLE.get(how if how is not None else text, ""))
 
 
+def _short_dtype(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+def _tokens(n: int) -> str:
+    """8192 -> 8K, 1048576 -> 1M (exact powers of two), else the number with separators."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n:,}"
+
+
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -120,13 +130,15 @@ def render_profile(prof) -> None:
     out_console.print(styled("versions: " + ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS)))
 
     if prof.kernel.buckets:
-        t = Table(title=styled(f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})"), title_justify="left")
-        for col in ("dtype", "D", "group", "shard <=", "config", "chosen by", "time us", "GB/s", "model us", "tried"):
-            t.add_column(col, justify="right" if col not in ("dtype", "config", "chosen by") else "left")
+        # Fits 80 columns without cutting a config: the bucket in one cell, no vertical rules.
+        t = Table(title=styled(f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})"),
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        for col in ("bucket", "config", "by", "time us", "GB/s", "model us", "tried"):
+            t.add_column(col, justify="left" if col in ("bucket", "config", "by") else "right", no_wrap=True)
         for b in prof.kernel.buckets:
             t.add_row(
-                styled(b.dtype), str(b.head_dim), str(b.group), f"{b.max_shard_len:,}", styled(b.config.describe()),
-                _chosen(b.chosen_by), _us(b.time_us), _us(b.gbps), _us(b.predicted_us),
+                styled(f"{_short_dtype(b.dtype)} D{b.head_dim} G{b.group} N<={_tokens(b.max_shard_len)}"),
+                styled(b.config.describe()), _chosen(b.chosen_by), _us(b.time_us), _us(b.gbps), _us(b.predicted_us),
                 "-" if b.candidates_tried is None else str(b.candidates_tried),
             )
         out_console.print(t)
@@ -139,7 +151,8 @@ def render_profile(prof) -> None:
         f", message {red.message_bytes:,} bytes" if red.message_bytes else "",
     ))
     if red.candidates:
-        t = Table(title="reduction candidates", title_justify="left")
+        t = Table(title="reduction candidates", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0))
         for col in ("", "plan", "by", "median us", "p95 us", "model us"):
             t.add_column(col, justify="right" if col.endswith("us") else "left")
         for c in red.candidates:
