@@ -84,6 +84,11 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
         ``(out, lse)``: out ``[*batch, D]`` float32, lse ``[*batch]`` float32. Rows where every
         state is empty give out 0 and lse -inf.
     """
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise ShapeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64); got {t.dtype}")
     return merge_states(outs, lses, faulty_is_empty=True)
 
 

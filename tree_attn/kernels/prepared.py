@@ -24,7 +24,7 @@ from ..graphs import CapturedStep, StaticStep
 from .config import DecodeConfig
 from .impl import resolve_impl, triton_interpreter_enabled
 from .layout import OutLayout
-from .shapes import DecodeShape, check_decode_inputs, check_seq_lens_range
+from .shapes import DecodeShape, check_arg_types, check_decode_inputs, check_seq_lens_range
 
 # Prepared objects kept per process: a decode loop uses one or two signatures (one per shard
 # length and layer shape); the bound keeps a long-running server from growing without limit.
@@ -122,6 +122,17 @@ def _check_config(config) -> None:
         raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
 
 
+def _check_scale(scale) -> None:
+    """A scale that is not a number at all (a string, a list) is a ConfigError, not float()'s
+    ValueError; numbers (and tensors) are range-checked once per signature by PreparedDecode."""
+    if scale is None or isinstance(scale, (int, float, torch.Tensor)):
+        return
+    try:
+        float(scale)
+    except (TypeError, ValueError):
+        raise ConfigError(f"scale must be a finite number or None; got {type(scale).__name__} {scale!r}") from None
+
+
 def signature(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,6 +174,8 @@ def prepared_decode(
 ) -> PreparedDecode:
     """The cached :class:`PreparedDecode` for this call's signature (built on first use)."""
     _check_config(config)  # before hashing it into the key (a dict would raise TypeError)
+    _check_scale(scale)
+    check_arg_types(q, k, v, seq_lens)  # before the key reads their attributes
     key = signature(q, k, v, seq_lens, scale, impl, config, out_layout)
     try:
         hit = _CACHE[key]

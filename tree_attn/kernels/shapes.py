@@ -30,6 +30,16 @@ class DecodeShape:
         return self.q_heads // self.kv_heads
 
 
+def check_arg_types(q, k, v, seq_lens) -> None:
+    """Raise :class:`ShapeError` unless q, k, v are tensors and seq_lens a tensor or None (cheap:
+    run on every call, before anything reads their attributes)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if seq_lens is not None and not isinstance(seq_lens, torch.Tensor):
+        raise ShapeError(f"seq_lens must be an integer torch.Tensor [B] or None; got {type(seq_lens).__name__}")
+
+
 def check_decode_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None
 ) -> DecodeShape:
@@ -37,6 +47,7 @@ def check_decode_inputs(
 
     Raises :class:`ShapeError` naming the offending tensor and its shape.
     """
+    check_arg_types(q, k, v, seq_lens)
     if q.dim() != 3:
         raise ShapeError(f"q must be [B, Hq, D]; got shape {tuple(q.shape)}")
     if k.dim() != 4 or v.dim() != 4:
@@ -61,7 +72,7 @@ def check_decode_inputs(
     if seq_lens is not None:
         if seq_lens.dim() != 1 or seq_lens.shape[0] != b:
             raise ShapeError(f"seq_lens must be [B]=[{b}]; got shape {tuple(seq_lens.shape)}")
-        if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
+        if seq_lens.dtype.is_floating_point or seq_lens.dtype.is_complex or seq_lens.dtype == torch.bool:
             raise ShapeError(f"seq_lens must be an integer tensor; got {seq_lens.dtype}")
         if seq_lens.device != q.device:
             raise ShapeError(f"seq_lens must be on {q.device}; got {seq_lens.device}")
