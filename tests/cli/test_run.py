@@ -46,6 +46,13 @@ def test_run_json_small(capsys):
     assert all(r["execution"] == "eager" and r["why_eager"] for r in rows.values())
     assert all(r["device_ms_median"] is None for r in rows.values())
     assert "spawning 3 CPU ranks" in captured.err
+    from tree_attn.ranks.launch import usable_cores
+
+    if usable_cores() < 3:  # oversubscribed: said, with a world size that fits
+        assert f"share {usable_cores()} core" in captured.err and f"-w {usable_cores()}" in captured.err
+    # ring ranks may disagree in the last bits: when they do, the JSON says why
+    assert rows["ring"]["ranks_agree"] or "different orders" in rows["ring"]["ranks_agree_note"]
+    assert rows["tree"]["ranks_agree_note"] is None
     # which profile: structured, not a sentence (4 CPU ranks have a built-in one, 3 have none)
     assert report["profile"]["chosen_by"] == "default" and report["profile"]["name"] is None
     assert "no profile for this machine" in report["profile"]["text"]

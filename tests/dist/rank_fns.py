@@ -229,3 +229,52 @@ def prepared_checks(env, capacity: int, steps: int, calls: int):
         results[("repeat", strategy)] = repeated_identical_calls(env, strategy, calls, 7 + env.world_size)
     results["nan"] = nan_inputs(env)
     return results
+
+
+# -- faults (tests/dist/test_faults.py) ------------------------------------------------------------
+
+
+def big_result(env, nbytes: int) -> bytes:
+    """A result far larger than a pipe's buffer: the parent must drain the queue as it comes."""
+    return bytes([env.rank]) * nbytes
+
+
+def sleeps(env, seconds: float) -> int:
+    """Busy longer than the parent's old total deadline would have allowed (heartbeats go on)."""
+    time.sleep(seconds)
+    return env.rank
+
+
+def stops_itself(env) -> None:
+    """SIGSTOP: no heartbeat, no exit; the parent must give up after its silence limit."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def own_tcp_addresses(env) -> tuple[str | None, list[str]]:
+    """``(GLOO_SOCKET_IFNAME, local IPv4/IPv6 addresses of this process's TCP sockets)`` after a
+    collective, so that gloo's listening and connected sockets exist (Linux /proc only)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[9] in inodes:
+                addresses.append(cols[1].split(":")[0])  # hex, in the kernel's byte order
+    return os.environ.get("GLOO_SOCKET_IFNAME"), addresses
