@@ -94,6 +94,7 @@ CASES = [
     ("run-profile-missing", ["run", *CPU, "--profile", "{d}/nope.yaml"], {}, 1, "no such profile"),
     ("run-profile-markup-name", ["run", *CPU, "-w", "2", "--profile", "{d}/evil.yaml"], {}, 1, "evil[/x]"),
     ("run-profile-alias-bomb", ["run", *CPU, "--profile", "{d}/profile-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),
+    ("run-profile-a-folder", ["run", *CPU, "--profile", "{d}/a-folder"], {}, 1, "a-folder"),
     ("run-profile-broken-yaml", ["run", *CPU, "--profile", "{d}/broken.yaml"], {}, 1, "not valid YAML"),
     ("run-profile-other-machine", ["run", *CPU, "-w", "2", "--profile", "h100-8x-nvswitch"], {}, 1, "h100-8x-nvswitch"),
     # -- run: stale torchrun variables (item 6) -------------------------------------------------------------
@@ -114,6 +115,7 @@ CASES = [
     ("probe-from-markup-path", ["probe", "--from", "{d}/nope[/bold]"], {}, 1, "nope[/bold]"),
     ("probe-from-alias-bomb", ["probe", "--from", "{d}/topo-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),
     ("probe-from-anchor", ["probe", "--from", "{d}/anchored.yaml"], {}, 1, "anchor &d is not accepted"),
+    ("probe-from-a-folder", ["probe", "--from", "{d}/a-folder"], {}, 1, "a-folder"),
     ("probe-from-garbage", ["probe", "--from", "{d}/garbage.txt"], {}, 1, "unrecognised topology dump"),
     ("probe-from-truncated", ["probe", "--from", "{d}/truncated.txt"], {}, 1, "truncated"),
     ("probe-output-exists", ["probe", "--backend", "host", "--output", "{d}/existing.yaml"], {}, 1, "pass --force"),
@@ -126,6 +128,7 @@ CASES = [
     ("check-expect-missing", ["check", "--expect", "{d}/nope.yaml"], {}, 1, "cannot read"),
     ("check-expect-alias-bomb", ["check", "--expect", "{d}/topo-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),
     ("check-expect-broken-yaml", ["check", "--expect", "{d}/broken.yaml", "--from", str(H100)], {}, 1, "broken.yaml"),
+    ("check-expect-anchor", ["check", "--expect", "{d}/anchored.yaml"], {}, 1, "anchor &d is not accepted"),
     ("check-ratio-0", ["check", "--expect", str(H100), "--min-bandwidth-ratio", "0"], {}, 1, "--min-bandwidth-ratio"),
     ("check-cpu-ranks-100000", ["check", "--expect", str(H100), "--cpu-ranks", "100000"], {}, 1, "at most"),
     ("check-junit-into-a-folder", ["check", "--expect", str(H100), "--from", str(H100), "--junit", "{d}/a-folder"], {}, 1,
