@@ -281,10 +281,16 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+# Tokens of one shard the reference takes at a time (their float64 copy is what it holds beyond
+# the shard itself): 8192 tokens of Llama-3.1-8B attention are 16 MiB of K and V in float64.
+REFERENCE_CHUNK = 8192
+
+
 def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last step's attention over the whole cache, in float64 on CPU: each shard's exact state
-    in turn, merged in float64, so the parent never holds more than one shard (and its float64
-    copy) at a time. Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
+    """The last step's attention over the whole cache, in float64 on CPU: the exact state of each
+    chunk of :data:`REFERENCE_CHUNK` tokens of each shard in turn, merged in float64, so the parent
+    holds one shard and the float64 copy of one chunk at a time (a rank holds its shard too).
+    Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
     from ..kernels.reference import decode_attention_float64
 
     q = make_query(spec, spec.steps - 1)
@@ -292,14 +298,15 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.full((spec.batch, spec.q_heads), float("-inf"), dtype=torch.float64)
     for rank in range(spec.world_size):
         k, v = make_shard(spec, rank)
-        o_r, l_r = decode_attention_float64(q, k, v)
+        for start in range(0, k.shape[1], REFERENCE_CHUNK):
+            o_r, l_r = decode_attention_float64(q, k[:, start:start + REFERENCE_CHUNK], v[:, start:start + REFERENCE_CHUNK])
+            new = torch.logaddexp(lse, l_r)
+            safe = torch.where(torch.isinf(new), 0.0, new)
+            w_old = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
+            w_new = torch.where(torch.isinf(l_r), 0.0, torch.exp(l_r - safe))
+            out = w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * o_r
+            lse = new
         del k, v
-        new = torch.logaddexp(lse, l_r)
-        safe = torch.where(torch.isinf(new), 0.0, new)
-        w_old = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
-        w_new = torch.where(torch.isinf(l_r), 0.0, torch.exp(l_r - safe))
-        out = w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * o_r
-        lse = new
     return out, lse
 
 

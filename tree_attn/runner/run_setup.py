@@ -97,14 +97,14 @@ PROCESS_BYTES = 300 * 2**20
 def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
                       ring: bool) -> int:
     """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
-    float32, then cast), ring's shards in flight (two more) and a process; the parent's float64
-    reference of one shard at a time."""
+    float32, then cast), ring's shards in flight (two more) and a process; the parent's reference
+    holds one shard (float32) at a time."""
     from ..dtypes import torch_dtype
 
     elem = torch_dtype(dtype).itemsize
     shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
     per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + PROCESS_BYTES
-    parent = 2 * shard * (4 + 8) + PROCESS_BYTES
+    parent = 2 * shard * 4 + PROCESS_BYTES
     return world_size * per_rank + parent
 
 
