@@ -128,6 +128,7 @@ def test_run_under_torchrun_joins_the_job():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)  # only rank 0 prints
+    assert proc.stderr.count("decoding B=") == 1  # the notices too, not once per rank
     assert report["config"]["world_size"] == 2
     assert {r["strategy"] for r in report["results"]} == {"tree", "ring"}
     assert all(r["max_abs_err"] < 1e-4 for r in report["results"])
