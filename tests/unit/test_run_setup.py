@@ -96,7 +96,13 @@ def test_tune_cpu_ranks_is_measurable(tmp_path):
     setup = plan_tune(TuneRequest(device="cpu", world_size=3, output=str(tmp_path / "p.yaml")))
     assert setup.measurable and len(setup.topology) == 3
     assert (setup.options.device_kind, setup.options.backend, setup.options.dtype) == ("cpu", "gloo", "bfloat16")
-    assert setup.notices == ("--device cpu: tuning for 3 CPU ranks (gloo)",)
+    assert setup.notices[0] == "--device cpu: tuning for 3 CPU ranks (gloo)"
+    from tree_attn.ranks.launch import usable_cores
+
+    # more ranks than cores: said, with a world size that fits
+    crowded = [n for n in setup.notices[1:] if "CPU ranks share" in n]
+    assert len(crowded) == (1 if usable_cores() < 3 else 0)
+    assert not crowded or crowded[0].endswith(f"-w {usable_cores()} gives steadier timings")
 
 
 def test_tune_checks_its_output_before_anything_else(tmp_path):

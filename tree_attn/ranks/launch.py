@@ -93,6 +93,16 @@ def check_cpu_ranks(n: int, what: str = "--world-size") -> None:
         )
 
 
+def oversubscription_warning(n: int) -> str | None:
+    """Plain words when ``n`` CPU ranks outnumber the usable cores (their timings then swing
+    widely between runs: each rank waits for the others' cores), with a world size that fits."""
+    cores = usable_cores()
+    if n <= cores:
+        return None
+    return (f"{n} CPU ranks share {cores} core{'s' if cores != 1 else ''}: ranks wait for each other's cores, so "
+            f"step times swing widely from run to run; -w {cores} gives steadier timings")
+
+
 def check_timeout(timeout_s: float, what: str = "--timeout") -> None:
     """A collective timeout must be a positive, finite number of seconds (at most ~11 days)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \

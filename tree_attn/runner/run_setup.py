@@ -294,7 +294,7 @@ def plan_run(options: RunOptions) -> RunSetup:
     """
     from ..dtypes import parse_dtype
     from ..ranks.launch import (
-        check_cpu_ranks, check_timeout, resolve_backend, torchrun_env, torchrun_rendezvous, usable_cores,
+        check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_rendezvous,
     )
     from ..topology.host import default_cpu_ranks
     from .decode_run import RunSpec
@@ -325,12 +325,9 @@ def plan_run(options: RunOptions) -> RunSetup:
     if device_kind == "cpu" and trun is None:
         why = "no GPU in use" if options.device == "auto" else "--device cpu"
         notices.append(f"{why}: spawning {world_size} CPU rank{'s' if world_size != 1 else ''} (gloo)")
-        cores = usable_cores()
-        if world_size > cores:
-            run_warnings.append(
-                f"{world_size} CPU ranks share {cores} core{'s' if cores != 1 else ''}: ranks wait for each other's "
-                f"cores, so step times swing widely from run to run; -w {cores} gives steadier timings"
-            )
+        crowded = oversubscription_warning(world_size)
+        if crowded:
+            run_warnings.append(crowded)
 
     profile, choice, warnings = select_profile(options.profile, world_size, device_kind)
     warnings = run_warnings + list(warnings)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import ConfigError, ProfileError, TopologyError
-from ..ranks.launch import check_cpu_ranks, check_timeout
+from ..ranks.launch import check_cpu_ranks, check_timeout, oversubscription_warning
 from ..topology.host import DEFAULT_CPU_RANKS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,6 +87,9 @@ def _topology(request: TuneRequest, device_kind: str, notices: list[str]) -> "To
         check_cpu_ranks(n)
         why = "no GPU" if request.device == "auto" else "--device cpu"
         notices.append(f"{why}: tuning for {n} CPU rank{'s' if n != 1 else ''} (gloo)")
+        crowded = oversubscription_warning(n)
+        if crowded and not request.topology_file:
+            notices.append(crowded.replace("step times", "plan timings"))
         return host_topology(n)
     topo = probe_topology("auto")
     notices.extend(topo.notes)
