@@ -131,9 +131,10 @@ def render_profile(prof) -> None:
 
     if prof.kernel.buckets:
         # Fits 80 columns without cutting a config: the bucket in one cell, no vertical rules.
-        t = Table(title=styled(f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'})"),
+        t = Table(title=styled(f"kernel configs (ranked for {prof.kernel.device_spec or 'this device'}; "
+                               "time: measured, model: predicted, in us)"),
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-        for col in ("bucket", "config", "by", "time us", "GB/s", "model us", "tried"):
+        for col in ("bucket", "config", "by", "time", "GB/s", "model", "tried"):
             t.add_column(col, justify="left" if col in ("bucket", "config", "by") else "right", no_wrap=True)
         for b in prof.kernel.buckets:
             t.add_row(
