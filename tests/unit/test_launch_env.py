@@ -37,3 +37,40 @@ def test_resolve_backend():
     assert resolve_backend("auto", "cpu") == "gloo"
     with pytest.raises(ConfigError, match="backend must be one of"):
         resolve_backend("mpi", "cpu")
+
+
+_REINIT_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from tree_attn import tree_decode
+from tree_attn.reduce import collectives
+from tree_attn.ranks.launch import close_process_group
+
+def init(path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
+
+q = torch.randn(1, 4, 16); k = torch.randn(1, 9, 2, 16); v = torch.randn(1, 9, 2, 16)
+init(sys.argv[1])
+first = dist.group.WORLD
+out1, _ = tree_decode(q, k, v)
+assert len(collectives._MERGES) == 1 and next(iter(collectives._MERGES))[0] is first
+close_process_group()
+assert not collectives._MERGES and not dist.is_initialized()
+init(sys.argv[2])
+out2, _ = tree_decode(q, k, v)
+# a new default group is a new key: the merge is rebuilt, never reused from the destroyed group
+assert len(collectives._MERGES) == 1 and next(iter(collectives._MERGES))[0] is dist.group.WORLD is not first
+assert torch.equal(out1, out2)
+close_process_group()
+print("ok")
+"""
+
+
+def test_close_process_group_drops_merges_and_a_new_group_builds_its_own(tmp_path):
+    """CPU ranks (gloo, world size 1, one subprocess). Cached merges are keyed by the group object
+    and dropped by close_process_group, so none outlives (or is reused after) its group."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _REINIT_SCRIPT, str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -106,10 +106,23 @@ _MERGES: OrderedDict[tuple, TreeMerge | AllReduceMerge] = OrderedDict()
 MERGE_CACHE_SIZE = 16
 
 
+def clear_merge_cache() -> None:
+    """Drop the cached merges (and with them their references to process groups and buffers).
+
+    Call before ``destroy_process_group``: a cached merge keeps its gloo group alive past it, and a
+    gloo group destroyed only at interpreter exit can abort the process (SIGABRT) while it tears
+    down its worker threads.
+    """
+    _MERGES.clear()
+
+
 def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool):
     """The cached merge for this call; inputs are checked whenever a merge is built."""
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
-    key = (group, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream)
+    # The group object itself, not None: after destroy_process_group and a new init the default
+    # group is a new object, so a merge (and its shape exchange) is never reused across groups.
+    resolved = group if group is not None else dist.group.WORLD
+    key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream)
     merge = _MERGES.get(key)
     if merge is None:
         shape = check_decode_inputs(q, k, v, seq_lens)

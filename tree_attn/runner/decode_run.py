@@ -18,7 +18,7 @@ import torch
 from ..dtypes import parse_dtype, torch_dtype
 from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv, barrier
+from ..ranks.launch import RankEnv, barrier, close_process_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from .run_setup import ProfileChoice
@@ -402,7 +402,7 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(reports, gathered, dst=0)
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     if env.rank != 0:
         return None
     return summarize(spec, gathered, _device_name(spec.device_kind), env.backend)
