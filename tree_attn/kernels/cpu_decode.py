@@ -35,6 +35,12 @@ the public peer's numbers are in ``benchmarks/RESULTS.md``):
 * GQA: the G query heads of a KV head are the M = G rows of one per-head product, so K and V are
   read once per KV head. MKL's small-M kernels reach only ~14 GB/s on cache-resident data at
   G = 4, so GQA 32/8 runs at ~30% of the read bandwidth (still ahead of a per-head einsum).
+* Several query tokens per row (``q [B, Sq, Hq, D]``, speculative decoding's verify step): the
+  Sq tokens join the G heads as the M = Sq * G rows of the same products, so K and V are still
+  read once. Causal masking touches at most Sq - 1 score columns per row (the new tokens'), set
+  to -inf after the scores are written.
+* A paged cache is gathered into contiguous rows before this runs (``reference.py``): one copy of
+  the pages the rows read, per call (simple and exact; memory: one gathered copy of the shard).
 * Extra memory is bounded: one score block (``SCORE_ELEMENTS`` floats, 4 MiB) and, for fp16/bf16
   inputs, two float32 chunk buffers. The cache is never converted as a whole.
 """
@@ -72,53 +78,86 @@ def decode_attention_cpu(
     scale: float | None = None,
     chunk_tokens: int | None = None,
     block_tokens: int | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one new query per row against a KV cache, for CPU tensors.
+    """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
     Args:
-        q: ``[B, Hq, D]`` float16/bfloat16/float32.
+        q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
         k, v: ``[B, N, Hkv, D]`` float16/bfloat16/float32 (one dtype), any strides (e.g. slices of
             a bigger cache), ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
+            (A paged cache is gathered into this form by ``reference.decode_attention_torch``.)
         seq_lens: optional integer ``[B]``: valid keys per row (0..N); later positions are ignored.
         scale: softmax scale, default ``D ** -0.5``.
         chunk_tokens: KV positions per chunk (default :func:`cpu_chunk_tokens`, ~1 MiB of cache).
-        block_tokens: KV positions per softmax block (default: ``SCORE_ELEMENTS / Hq``, rounded down
-            to whole chunks); rows longer than that merge block states exactly.
+        block_tokens: KV positions per softmax block (default: ``SCORE_ELEMENTS / (Sq Hq)``, rounded
+            down to whole chunks); rows longer than that merge block states exactly.
+        causal: the row's last Sq valid keys are the new tokens; token i sees keys
+            ``[0, seq_len - Sq + 1 + i)`` (see ``reference.key_limits``).
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32, natural log. Rows with no
-        valid keys give out 0 and lse -inf. All arithmetic is float32. Works on any device (it
-        reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use the Triton kernel.
+        ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
+        log). Query tokens with no valid keys give out 0 and lse -inf. All arithmetic is float32.
+        Works on any device (it reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use
+        the Triton kernel.
     """
-    shape = check_decode_inputs(q, k, v, seq_lens)
-    b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
+    shape = check_decode_inputs(q, k, v, seq_lens, None, causal)
+    b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
+    rows = shape.query_rows  # the Sq tokens' G heads of one KV head: the M rows of one product
     if scale is None:
         scale = d**-0.5
     dev = q.device
-    out = torch.zeros(b, hkv, g, d, dtype=torch.float32, device=dev)
-    lse = torch.full((b, hkv, g), float("-inf"), dtype=torch.float32, device=dev)
+    out = torch.zeros(b, hkv, sq, g, d, dtype=torch.float32, device=dev)
+    lse = torch.full((b, hkv, sq, g), float("-inf"), dtype=torch.float32, device=dev)
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
     if n == 0 or max(lens, default=0) == 0:
-        return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+        return _finish(q, out, lse)
 
     step = max(1, int(chunk_tokens)) if chunk_tokens else cpu_chunk_tokens(hkv, d, k.element_size())
-    block = block_tokens or SCORE_ELEMENTS // hq
+    block = block_tokens or SCORE_ELEMENTS // (hq * sq)
     block = max(step, block // step * step)  # whole chunks per block
-    qs = (q.float() * scale).reshape(b, hkv, g, d)
-    work = _Work(k, v, step, hkv, g, d, min(block, max(lens)))
+    # [B, Hkv, Sq * G, D]: row r of a KV head's product is token r // G, head r % G.
+    q4 = q if q.dim() == 4 else q.unsqueeze(1)
+    qs = (q4.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
+    work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)))
+    out_rows = out.view(b, hkv, rows, d)
+    lse_rows = lse.view(b, hkv, rows)
     for row, length in enumerate(lens):
         if length == 0:
             continue
+        # Causal: key t is hidden from tokens i with t >= length - Sq + 1 + i (only the last Sq - 1
+        # keys of the row can be hidden from anyone).
+        causal_from = length - sq + 1 if causal and sq > 1 else None
         state = None
         for s0 in range(0, length, block):
             s1 = min(length, s0 + block)
-            part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work)
+            part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work, _causal_mask(causal_from, s0, s1, sq, g))
             state = part if state is None else _merge(state, part)
         m, l, acc = state
-        torch.div(acc, l, out=out[row])
-        lse[row] = (m + torch.log(l)).squeeze(-1)
-    return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+        # A token that saw no key (causal, a row shorter than Sq) has l == 0: out 0, lse -inf.
+        # NaN data keeps l NaN, and so the row NaN.
+        torch.div(acc, l, out=out_rows[row])
+        out_rows[row].masked_fill_(l == 0, 0.0)
+        lse_rows[row] = (m + torch.log(l)).squeeze(-1)
+    return _finish(q, out, lse)
+
+
+def _finish(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [B, Hkv, Sq, G, D]``, ``lse [B, Hkv, Sq, G]`` to q's layout (``[B, (Sq,) Hq, ...]``)."""
+    b, hkv, sq, g, d = out.shape
+    o = out.transpose(1, 2).reshape(b, sq, hkv * g, d).to(q.dtype)
+    l = lse.transpose(1, 2).reshape(b, sq, hkv * g)
+    return (o, l) if q.dim() == 4 else (o[:, 0], l[:, 0])
+
+
+def _causal_mask(causal_from: int | None, s0: int, s1: int, sq: int, g: int) -> list[tuple[int, int]] | None:
+    """For keys ``s0..s1-1`` of a block: ``(key index in the block, rows hidden from it)`` pairs;
+    the first ``rows`` query rows (tokens ``0..rows/G - 1``) must not see that key. None: nothing
+    hidden in this block."""
+    if causal_from is None or s1 <= causal_from:
+        return None
+    return [(t - s0, min(sq, t - causal_from + 1) * g) for t in range(max(s0, causal_from), s1)]
 
 
 class _Work:
@@ -142,10 +181,11 @@ class _Work:
         self.scores = torch.empty(block * hkv * g, dtype=torch.float32, device=dev)
 
 
-def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work):
+def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work, hidden=None):
     """Exact softmax state of one row's keys ``kb, vb [T, Hkv, D]`` (T <= the block size).
 
-    ``qg [Hkv, G, D]`` float32, pre-scaled. Returns ``m [Hkv, G, 1]`` (the block's max score),
+    ``qg [Hkv, G, D]`` float32, pre-scaled (G: the query rows per KV head, ``Sq * group``);
+    ``hidden``: causal masking, from :func:`_causal_mask`. Returns ``m [Hkv, G, 1]`` (the block's max score),
     ``l [Hkv, G, 1]`` (sum of ``exp(score - m)``), ``acc [Hkv, G, D]`` (sum of
     ``exp(score - m) * v``), all float32.
     """
@@ -174,12 +214,20 @@ def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work):
         elif touch:
             kh.amax()  # reduces in memory order: a sequential read of the chunk
         torch.bmm(qg, kh, out=slab)  # [Hkv, G, D] @ [Hkv, D, c]
+    if hidden:
+        for t, rows in hidden:  # at most Sq - 1 keys
+            j, col = divmod(t, step)
+            slabs[j][:, :rows, col] = float("-inf")
     # Exact softmax over the block: one max, one in-place exp(score - max), one sum.
     m = None
     for p in parts:
         pm = p.amax(dim=(0, 3))
         m = pm if m is None else torch.maximum(m, pm)
     # A NaN score (NaN in q or k) makes m NaN and so the whole row NaN, as the contract asks.
+    if hidden:
+        # A query row that sees no key of this block: shift by 0 (its exp is 0, not NaN); the
+        # state (m 0, l 0, acc 0) then merges as the empty state.
+        m = m.masked_fill(m == float("-inf"), 0.0)
     l = None
     m4 = m[None, :, :, None]
     for p in parts:
