@@ -251,3 +251,20 @@ def test_check_block_table_reads_only_needed_entries():
     check_block_table(table, torch.tensor([5, 3]), num_blocks=6, block_size=3)
     with pytest.raises(ShapeError, match=r"block_table\[1, 1\] = -1"):
         check_block_table(table, torch.tensor([5, 4]), num_blocks=6, block_size=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cpu_path_paged_chunks_and_blocks(dtype):
+    """The CPU path gathers a paged pool chunk by chunk: chunks of 5 tokens over 3-token pages,
+    softmax blocks of 10 tokens (rows merge several blocks), causal Sq=4 masking across a block
+    edge, a row of length 0 and one shorter than Sq."""
+    from tree_attn.kernels.cpu_decode import decode_attention_cpu
+
+    q, k, v = _inputs(4, 4, 8, 2, 16, 33, dtype, seed=13)
+    lens = [33, 0, 2, 21]
+    k, v, kp, vp, table = to_paged(k, v, lens, 3, seed=13, share=True)
+    sl = torch.tensor(lens)
+    for causal in (False, True):
+        out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=5, block_tokens=10)
+        ref_out, ref_lse = _truth(q, k, v, sl, causal)
+        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(dtype), what=f"cpu paged causal={causal}")

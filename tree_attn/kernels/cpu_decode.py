@@ -39,8 +39,10 @@ the public peer's numbers are in ``benchmarks/RESULTS.md``):
   Sq tokens join the G heads as the M = Sq * G rows of the same products, so K and V are still
   read once. Causal masking touches at most Sq - 1 score columns per row (the new tokens'), set
   to -inf after the scores are written.
-* A paged cache is gathered into contiguous rows before this runs (``reference.py``): one copy of
-  the pages the rows read, per call (simple and exact; memory: one gathered copy of the shard).
+* A paged cache (``block_table``): each chunk's tokens are gathered from the pool
+  (``index_select``; a page of a 16-token pool is 64 KiB of contiguous memory at 8 x 128 fp32)
+  into a chunk buffer, which replaces the sequential "touch" read: the per-head products then
+  read it from cache, as for a contiguous cache. No copy of the whole shard is made.
 * Extra memory is bounded: one score block (``SCORE_ELEMENTS`` floats, 4 MiB) and, for fp16/bf16
   inputs, two float32 chunk buffers. The cache is never converted as a whole.
 """
@@ -79,6 +81,7 @@ def decode_attention_cpu(
     chunk_tokens: int | None = None,
     block_tokens: int | None = None,
     causal: bool = False,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
@@ -86,7 +89,8 @@ def decode_attention_cpu(
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
         k, v: ``[B, N, Hkv, D]`` float16/bfloat16/float32 (one dtype), any strides (e.g. slices of
             a bigger cache), ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
-            (A paged cache is gathered into this form by ``reference.decode_attention_torch``.)
+            With ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``, read chunk by chunk
+            (each ~1 MiB chunk's pages gathered into a buffer that stays in cache).
         seq_lens: optional integer ``[B]``: valid keys per row (0..N); later positions are ignored.
         scale: softmax scale, default ``D ** -0.5``.
         chunk_tokens: KV positions per chunk (default :func:`cpu_chunk_tokens`, ~1 MiB of cache).
@@ -94,6 +98,8 @@ def decode_attention_cpu(
             down to whole chunks); rows longer than that merge block states exactly.
         causal: the row's last Sq valid keys are the new tokens; token i sees keys
             ``[0, seq_len - Sq + 1 + i)`` (see ``reference.key_limits``).
+        block_table: integer ``[B, max_blocks]`` for a paged cache (``seq_lens`` required; every
+            entry a row reads must lie in the pool: ``check_decode_inputs`` checks it), or None.
 
     Returns:
         ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
@@ -101,7 +107,7 @@ def decode_attention_cpu(
         Works on any device (it reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use
         the Triton kernel.
     """
-    shape = check_decode_inputs(q, k, v, seq_lens, None, causal)
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
     b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
     rows = shape.query_rows  # the Sq tokens' G heads of one KV head: the M rows of one product
@@ -120,19 +126,31 @@ def decode_attention_cpu(
     # [B, Hkv, Sq * G, D]: row r of a KV head's product is token r // G, head r % G.
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
     qs = (q4.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
-    work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)))
+    paged = block_table is not None
+    work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)), paged)
+    if paged:
+        bs = shape.block_size
+        k, v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)  # [num_blocks * bs, Hkv, D]: a token per row
+        offsets = torch.arange(bs)
     out_rows = out.view(b, hkv, rows, d)
     lse_rows = lse.view(b, hkv, rows)
     for row, length in enumerate(lens):
         if length == 0:
             continue
+        if paged:  # the pool rows of this row's tokens, in order
+            pages = block_table[row, : -(-length // bs)].to(torch.int64)
+            tokens = (pages[:, None] * bs + offsets[None, :]).reshape(-1)[:length]
         # Causal: key t is hidden from tokens i with t >= length - Sq + 1 + i (only the last Sq - 1
         # keys of the row can be hidden from anyone).
         causal_from = length - sq + 1 if causal and sq > 1 else None
         state = None
         for s0 in range(0, length, block):
             s1 = min(length, s0 + block)
-            part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work, _causal_mask(causal_from, s0, s1, sq, g))
+            hidden = _causal_mask(causal_from, s0, s1, sq, g)
+            if paged:
+                part = _block(qs[row], k, v, work, hidden, tokens[s0:s1])
+            else:
+                part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work, hidden)
             state = part if state is None else _merge(state, part)
         m, l, acc = state
         # A token that saw no key (causal, a row shorter than Sq) has l == 0: out 0, lse -inf.
@@ -163,9 +181,14 @@ def _causal_mask(causal_from: int | None, s0: int, s1: int, sq: int, g: int) -> 
 class _Work:
     """Per-call settings and buffers of :func:`decode_attention_cpu` (bounded, N-independent)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int, paged: bool = False):
         dev = k.device
         self.step = step
+        # Paged pools: each chunk's tokens are gathered (index_select, a page = block_size tokens
+        # of contiguous memory) into these buffers, which then stay in cache for the per-head
+        # products, as the "touch" below does for a contiguous cache.
+        self.gk = torch.empty(step, hkv, d, dtype=k.dtype, device=dev) if paged else None
+        self.gv = torch.empty(step, hkv, d, dtype=v.dtype, device=dev) if paged else None
         # fp16/bf16: one float32 chunk buffer per operand. The conversion is the sequential read,
         # and bmm then reads the converted chunk from cache. Converting the whole cache at once
         # would double its memory.
@@ -176,13 +199,23 @@ class _Work:
         # bandwidth; ~10% faster than sum) loads the chunk into L2 before bmm's per-head passes.
         # Only needed where one token's heads interleave ([B, N, Hkv, D] with Hkv > 1); with one
         # KV head, or a head-major cache seen through a transpose, a head's keys are contiguous.
-        self.touch_k = not convert and hkv > 1 and k.stride(2) < k.stride(1)
-        self.touch_v = not convert and hkv > 1 and v.stride(2) < v.stride(1)
+        self.touch_k = not convert and not paged and hkv > 1 and k.stride(2) < k.stride(1)
+        self.touch_v = not convert and not paged and hkv > 1 and v.stride(2) < v.stride(1)
         self.scores = torch.empty(block * hkv * g, dtype=torch.float32, device=dev)
 
 
-def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work, hidden=None):
-    """Exact softmax state of one row's keys ``kb, vb [T, Hkv, D]`` (T <= the block size).
+def _gathered(pool: torch.Tensor, tokens: torch.Tensor, step: int, buf: torch.Tensor, perm: tuple[int, int, int]):
+    """Chunks of ``step`` tokens of a paged pool (``[num_blocks * block_size, Hkv, D]``, rows
+    ``tokens``), each gathered into ``buf`` and yielded permuted by ``perm``; a chunk is valid
+    until the next one is gathered."""
+    for c0 in range(0, tokens.shape[0], step):
+        sel = tokens[c0 : c0 + step]
+        yield torch.index_select(pool, 0, sel, out=buf[: sel.shape[0]]).permute(*perm)
+
+
+def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work, hidden=None, tokens=None):
+    """Exact softmax state of one row's keys ``kb, vb [T, Hkv, D]`` (T <= the block size), or with
+    ``tokens [T]`` (int64), of the rows ``tokens`` of flattened paged pools ``kb, vb``.
 
     ``qg [Hkv, G, D]`` float32, pre-scaled (G: the query rows per KV head, ``Sq * group``);
     ``hidden``: causal masking, from :func:`_causal_mask`. Returns ``m [Hkv, G, 1]`` (the block's max score),
@@ -190,11 +223,17 @@ def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work, hi
     ``exp(score - m) * v``), all float32.
     """
     hkv, g, d = qg.shape
-    step, t = work.step, kb.shape[0]
-    # Chunk views by one split call each: per-chunk Python slicing and permuting cost ~1 us per
-    # view, several per chunk.
-    k_head = kb.permute(1, 2, 0).split(step, dim=2)  # [Hkv, D, c]: bmm's operand, copy-free
-    v_head = vb.permute(1, 0, 2).split(step, dim=1)  # [Hkv, c, D]
+    step = work.step
+    if tokens is None:
+        t = kb.shape[0]
+        # Chunk views by one split call each: per-chunk Python slicing and permuting cost ~1 us per
+        # view, several per chunk.
+        k_head = kb.permute(1, 2, 0).split(step, dim=2)  # [Hkv, D, c]: bmm's operand, copy-free
+        v_head = vb.permute(1, 0, 2).split(step, dim=1)  # [Hkv, c, D]
+    else:
+        t = tokens.shape[0]
+        k_head = _gathered(kb, tokens, step, work.gk, (1, 2, 0))
+        v_head = _gathered(vb, tokens, step, work.gv, (1, 0, 2))
     # The block's scores, chunk after chunk, each chunk's [Hkv, G, c] slab contiguous (bmm writes a
     # contiguous out directly; into a strided column slice of an [Hkv, G, T] buffer it cost ~25%
     # more). Whole chunks form one [nfull, Hkv, G, C] view, a shorter last chunk its own slab.

@@ -69,10 +69,10 @@ def decode_attention_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache.
 
-    CPU tensors run :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu`; others, and inputs
-    that need gradients, the chunked einsum form (:func:`decode_attention_chunked`). A paged cache
-    is gathered into a contiguous one first (a copy of the rows' pages: simple and exact, and the
-    CPU path reads each chunk once more anyway; the Triton kernel reads the pages in place).
+    CPU tensors run :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu` (which reads a paged
+    pool chunk by chunk); others, and inputs that need gradients, the chunked einsum form
+    (:func:`decode_attention_chunked`), for which a paged cache is first gathered into a
+    contiguous one (a copy of the rows' pages; on GPUs the Triton kernel reads pages in place).
 
     Args:
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` for Sq (1..16) new tokens per row.
@@ -93,12 +93,14 @@ def decode_attention_torch(
         give out 0 and lse -inf.
     """
     check_decode_inputs(q, k, v, seq_lens, block_table, causal)
-    k, v = _contiguous_kv(k, v, seq_lens, block_table)
     # The CPU path writes into preallocated buffers (bmm out=, in-place exp): not differentiable.
     # Inputs that need gradients take the chunked form, which autograd can follow.
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.device.type == "cpu" and not needs_grad:
-        return decode_attention_cpu(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal)
+        return decode_attention_cpu(
+            q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal, block_table=block_table
+        )
+    k, v = _contiguous_kv(k, v, seq_lens, block_table)
     return decode_attention_chunked(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal)
 
 
