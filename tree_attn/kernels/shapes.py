@@ -10,9 +10,10 @@ from ..errors import ConfigError, ShapeError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Query tokens per row: speculative decoding verifies a handful of drafted tokens (EAGLE and
-# Medusa draft trees stay at or below 16 in their papers' settings); the Triton kernel folds them
-# into its query-row tile, whose rows stay in registers.
+# Query tokens per row: 1 to 16, the range the feature request for speculative decoding's verify
+# step names (a linear draft checked in one call; tree-shaped drafts need a tree mask, which the
+# causal mask here is not). The Triton kernel folds them into its query-row tile (Sq x the GQA
+# group rows, in blocks of at most 64 rows per program, see kernels.config.group_block).
 MAX_QUERY_TOKENS = 16
 
 

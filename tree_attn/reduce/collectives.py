@@ -242,10 +242,11 @@ class TreeDecodeStep(StaticStep):
     the loop will update in place (``q``, ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``; ``k``, ``v`` the
     shard's cache, or its paged pools with ``block_table``, whose contents may change between
     steps; ``seq_lens`` its valid lengths), then each step is ``out, lse = step()``. Block tables
-    and, under ``causal``, the last rank's lengths are checked here, once (see ``tree_decode``). On GPUs the whole step (the local kernel,
-    the merge kernel, NCCL's sends and receives or all-reduces, the output copies) is one graph
-    replay; on CPU ranks it runs eagerly with the same prepared objects. ``out [B, Hq, D]`` (q's
-    dtype) and ``lse [B, Hq]`` float32 are static too: overwritten by the next step.
+    and, under ``causal``, the last rank's lengths are checked here, once (see ``tree_decode``).
+    On GPUs the whole step (the local kernel, the merge kernel, NCCL's sends and receives or
+    all-reduces, the output copies) is one graph replay; on CPU ranks it runs eagerly with the same
+    prepared objects. ``out`` (q's shape and dtype) and ``lse [B, (Sq,) Hq]`` float32 are static
+    too: overwritten by the next step.
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
     same point. ``captured`` says whether the graph is in use, ``why_eager`` why not.
