@@ -8,10 +8,11 @@ against the tree's ``O(B * Hq * D)`` messages independent of it.
 
 A paged shard is read in place for this rank's own block; the copy that travels is its pages
 gathered into a contiguous ``[B, max_blocks * block_size, Hkv, D]`` block (``kernels.paged``).
-Under ``causal`` the new tokens' KV is on the last rank (as in ``tree_decode``); a travelling
-block carries its origin (each rank knows which rank a block in hand came from: step s holds rank
-``rank - s``'s block), and only the block from rank ``world_size - 1`` is computed with the
-causal mask.
+Under ``causal`` the new tokens' KV is on the last rank (as in ``tree_decode``), and only the
+block that came from rank ``world_size - 1`` is computed with the causal mask. Whether a block is
+that one is not sent with it: at step s every rank holds rank ``rank - s``'s block (the ring's
+order is fixed), so each rank knows it without an extra message or a host read of a flag (which
+on GPUs would sync every step).
 """
 
 from __future__ import annotations
