@@ -54,10 +54,11 @@ class MTCase:
         return q, shards
 
 
-def _call(case: MTCase, q, shard):
-    k, v, lens, kp, vp, table = shard
+def _call(case: MTCase, q, shard, dev):
+    k, v, lens, kp, vp, table = (None if t is None else t.to(dev) for t in shard)
     if case.block_size:
         k, v = kp, vp
+    q = q.to(dev)
     qq = q[:, 0] if case.q3 else q
     kw = dict(seq_lens=lens, block_table=table, causal=case.causal)
     if case.strategy == "ring":
@@ -65,16 +66,22 @@ def _call(case: MTCase, q, shard):
     return tree_decode(qq, k, v, plan=ReductionPlan(case.strategy, case.fanout, rank_order=case.rank_order), **kw)
 
 
+def _cpu(state):
+    return tuple(t.to("cpu", copy=True) for t in state)
+
+
 def run_mt_cases(env, cases: list[MTCase], step_case: MTCase | None):
     """Every case on this rank, then (``step_case``) a TreeDecodeStep loop for tree and allreduce,
-    then, at world size 1, the short-shard error. Returns ``(results, steps, error text)``."""
-    results = [_call(case, *_rank_inputs(case, env.rank)) for case in cases]
+    then, at world size 1 on CPU ranks, the short-shard error. Runs on CPU ranks or on one GPU per
+    rank (``env.device``). Returns ``(results, steps, error text)``, tensors on the CPU."""
+    dev = torch.device(env.device)
+    results = [_cpu(_call(case, *_rank_inputs(case, env.rank), dev)) for case in cases]
     steps = {}
     if step_case is not None:
         for strategy in ("tree", "allreduce"):
             steps[strategy] = _step_loop(env, step_case, strategy)
     error = None
-    if env.world_size == 1:
+    if env.world_size == 1 and dev.type == "cpu":
         q, shard = _rank_inputs(cases[0], 0)
         k, v = shard[0], shard[1]
         short = torch.tensor([k.shape[1], 2], dtype=torch.int32)  # row 1 holds 2 keys, Sq is 3
@@ -93,12 +100,15 @@ def _rank_inputs(case: MTCase, rank: int):
 def _step_loop(env, case: MTCase, strategy: str):
     """TreeDecodeStep on static buffers (paged, causal): between steps the query changes, the last
     rank's lengths grow (the new tokens land there) and the block tables are rewritten (rows'
-    pages swapped). Returns per step the query, the lengths every rank used, and (out, lse)."""
+    pages swapped). Returns per step the query, the lengths every rank used, whether the rows were
+    swapped, and (out, lse); and whether the step replayed a CUDA graph."""
+    dev = torch.device(env.device)
     q, shards = case.inputs()
     k, v, lens = shards[env.rank][:3]
     # Every token of the shard paged (the lengths grow into them), the truth unchanged (no sharing).
     _, _, kp, vp, table = to_paged(k, v, [k.shape[1]] * case.batch, case.block_size, seed=case.seed + 50 + env.rank)
-    q_buf, lens_buf, table_buf = q.clone(), lens.clone(), table.clone()
+    q_buf, lens_buf, table_buf = (t.to(dev, copy=True) for t in (q, lens, table))
+    kp, vp, table = kp.to(dev), vp.to(dev), table.to(dev)
     step = TreeDecodeStep(q_buf, kp, vp, lens_buf, plan=ReductionPlan(strategy, case.fanout),
                           block_table=table_buf, causal=case.causal)
     g = torch.Generator().manual_seed(case.seed + 100)
@@ -113,8 +123,8 @@ def _step_loop(env, case: MTCase, strategy: str):
             table_buf.copy_(table.flip(0))
         lens_buf.copy_(all_lens[env.rank])
         out, lse = step()
-        history.append((q_buf.clone(), [t.clone() for t in all_lens], s == 2, out.clone(), lse.clone()))
-    return history
+        history.append((q_buf.cpu(), [t.clone() for t in all_lens], s == 2, out.cpu(), lse.cpu()))
+    return history, step.captured
 
 
 def short_last_shard(env):

@@ -15,7 +15,7 @@ from tree_attn import DistributedError
 from tree_attn.ranks.launch import launch_ranks
 from tests.dist.paged_rank_fns import MTCase, run_mt_cases, short_last_shard
 from tests.paged_inputs import float64_over_shards
-from tests.tolerances import assert_state_close
+from tests.tolerances import assert_decode_close, assert_state_close, tol_for
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 LAST_LEN = 20  # the last rank's shard: room for 16 new tokens
@@ -93,7 +93,8 @@ def test_tree_decode_step_follows_block_tables_and_lengths(world, strategy):
     case = _step_case(world)
     _, shards = case.inputs()
     for rank in range(world):
-        history = _run(world)[rank][1][strategy]
+        history, captured = _run(world)[rank][1][strategy]
+        assert not captured  # CPU ranks: eager
         for s, (q, all_lens, flipped, out, lse) in enumerate(history):
             truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],) for r, (k, v, *_rest) in enumerate(shards)]
             ref_out, ref_lse = float64_over_shards(q, truth, True)
@@ -113,3 +114,32 @@ def test_causal_short_shard_on_the_last_of_three_ranks_stops_the_run():
     """At world size 3 it is rank 2 (the last) that raises; the run stops with its message."""
     with pytest.raises(DistributedError, match=r"rank 2 failed: causal decoding over 3 rank\(s\): the 4 new tokens. keys must be the last 4 valid keys of the last rank.s \(rank 2\) shard"):
         launch_ranks(short_last_shard, 3, timeout_s=20)
+
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gpu_ranks_paged_multi_token_exact_and_steps_captured(world):
+    """The same cases on one GPU per rank (NCCL, the compiled kernel), and the TreeDecodeStep loop
+    as replayed CUDA graphs with block tables rewritten between replays."""
+    if N_GPUS < world:
+        pytest.skip(f"needs {world} GPUs" if world > 1 else "needs a GPU")
+    cases = _cases_for(world)
+    per_rank = launch_ranks(run_mt_cases, world, args=(cases, _step_case(world)), backend="nccl", device_kind="cuda",
+                            timeout_s=120)
+    for index, case in enumerate(cases):
+        ref_out, ref_lse = _truth(case)
+        for rank in range(world):
+            out, lse = per_rank[rank][0][index]
+            assert_decode_close(out, lse, ref_out, ref_lse, tol_for(case.dtype, device="cuda"), what=f"{case.name} rank {rank}")
+    _, shards = _step_case(world).inputs()
+    for strategy in ("tree", "allreduce"):
+        for rank in range(world):
+            history, captured = per_rank[rank][1][strategy]
+            assert captured, f"{strategy}: rank {rank} ran eagerly"
+            for s, (q, all_lens, flipped, out, lse) in enumerate(history):
+                truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],) for r, (k, v, *_rest) in enumerate(shards)]
+                ref_out, ref_lse = float64_over_shards(q, truth, True)
+                assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device="cuda"), what=f"{strategy} step {s}")
