@@ -123,7 +123,7 @@ def _step_loop(env, case: MTCase, strategy: str):
             table_buf.copy_(table.flip(0))
         lens_buf.copy_(all_lens[env.rank])
         out, lse = step()
-        history.append((q_buf.cpu(), [t.clone() for t in all_lens], s == 2, out.cpu(), lse.cpu()))
+        history.append((*_cpu((q_buf,)), [t.clone() for t in all_lens], s == 2, *_cpu((out, lse))))
     return history, step.captured
 
 
