@@ -268,3 +268,25 @@ def test_cpu_path_paged_chunks_and_blocks(dtype):
         out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=5, block_tokens=10)
         ref_out, ref_lse = _truth(q, k, v, sl, causal)
         assert_decode_close(out, lse, ref_out, ref_lse, tol_for(dtype), what=f"cpu paged causal={causal}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_message_layout_with_several_tokens(splits, device):
+    """The layout a reduction sends ([B, Sq, Hq, D + 1] float32, out and lse as views of one
+    buffer), written by the Triton kernel straight from stage one (1 split) or by stage two (3
+    splits, which sees the Sq x Hq (token, head) pairs as heads), paged and causal."""
+    from tree_attn.kernels.layout import PACKED
+    from tree_attn.kernels.prepared import PreparedDecode
+
+    q, k, v = _inputs(2, 3, 8, 2, 16, 40, seed=21)
+    lens = [40, 11]
+    k, v, kp, vp, table = to_paged(k, v, lens, 16, seed=21)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    args = [t.to(device) for t in (q, kp, vp, sl)]
+    prep = PreparedDecode(*args, impl="triton", config=DecodeConfig(block_n=16, num_splits=splits), out_layout=PACKED,
+                          block_table=table.to(device), causal=True)
+    out, lse = prep.new_outputs()
+    assert out.shape == (2, 3, 8, 16) and out.stride() == (3 * 8 * 17, 8 * 17, 17, 1)
+    prep(*args, out, lse, table.to(device))
+    ref_out, ref_lse = _truth(q, k, v, sl, True)
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=f"packed, {splits} splits")
