@@ -124,8 +124,10 @@ def decode_attention_cpu(
     block = block_tokens or SCORE_ELEMENTS // (hq * sq)
     block = max(step, block // step * step)  # whole chunks per block
     # [B, Hkv, Sq * G, D]: row r of a KV head's product is token r // G, head r % G.
-    q4 = q if q.dim() == 4 else q.unsqueeze(1)
-    qs = (q4.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
+    if sq == 1:
+        qs = (q.float() * scale).reshape(b, hkv, rows, d)
+    else:
+        qs = (q.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
     paged = block_table is not None
     work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)), paged)
     if paged:
@@ -153,10 +155,11 @@ def decode_attention_cpu(
                 part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work, hidden)
             state = part if state is None else _merge(state, part)
         m, l, acc = state
-        # A token that saw no key (causal, a row shorter than Sq) has l == 0: out 0, lse -inf.
-        # NaN data keeps l NaN, and so the row NaN.
+        # A token that saw no key (only under causal: a row shorter than Sq) has l == 0: out 0,
+        # lse -inf. NaN data keeps l NaN, and so the row NaN.
         torch.div(acc, l, out=out_rows[row])
-        out_rows[row].masked_fill_(l == 0, 0.0)
+        if causal_from is not None:
+            out_rows[row].masked_fill_(l == 0, 0.0)
         lse_rows[row] = (m + torch.log(l)).squeeze(-1)
     return _finish(q, out, lse)
 
@@ -164,6 +167,8 @@ def decode_attention_cpu(
 def _finish(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [B, Hkv, Sq, G, D]``, ``lse [B, Hkv, Sq, G]`` to q's layout (``[B, (Sq,) Hq, ...]``)."""
     b, hkv, sq, g, d = out.shape
+    if sq == 1 and q.dim() == 3:  # views only: the one-token path allocates nothing more
+        return out.view(b, hkv * g, d).to(q.dtype), lse.view(b, hkv * g)
     o = out.transpose(1, 2).reshape(b, sq, hkv * g, d).to(q.dtype)
     l = lse.transpose(1, 2).reshape(b, sq, hkv * g)
     return (o, l) if q.dim() == 4 else (o[:, 0], l[:, 0])

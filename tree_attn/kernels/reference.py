@@ -92,7 +92,6 @@ def decode_attention_torch(
         float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural log). Query tokens with no valid keys
         give out 0 and lse -inf.
     """
-    check_decode_inputs(q, k, v, seq_lens, block_table, causal)
     # The CPU path writes into preallocated buffers (bmm out=, in-place exp): not differentiable.
     # Inputs that need gradients take the chunked form, which autograd can follow.
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -100,7 +99,9 @@ def decode_attention_torch(
         return decode_attention_cpu(
             q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal, block_table=block_table
         )
-    k, v = _contiguous_kv(k, v, seq_lens, block_table)
+    if block_table is not None:  # checked before its pages are gathered (the chunked form checks the rest)
+        check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        k, v = _contiguous_kv(k, v, seq_lens, block_table)
     return decode_attention_chunked(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal)
 
 
