@@ -85,8 +85,10 @@ def ring_decode(
     cur_len = seq_lens.to(torch.int32).contiguous()
     if block_table is None:
         cur_k, cur_v = k.contiguous(), v.contiguous()
-    else:  # what travels: the shard's pages, gathered (this rank's own block is read in place)
+    elif world > 1:  # what travels: the shard's pages, gathered (this rank's own block is read in place)
         cur_k, cur_v = gather_pages(k, block_table, cur_len), gather_pages(v, block_table, cur_len)
+    else:  # nothing travels
+        cur_k = cur_v = None
     out = lse = None
     succ, pred = (rank + 1) % world, (rank - 1) % world
     for step in range(world):
