@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.paged_inputs import float64_over_shards, to_paged
 from tests.tolerances import assert_decode_close, tol_for
@@ -290,3 +292,25 @@ def test_packed_message_layout_with_several_tokens(splits, device):
     prep(*args, out, lse, table.to(device))
     ref_out, ref_lse = _truth(q, k, v, sl, True)
     assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=f"packed, {splits} splits")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), d=st.sampled_from([8, 16, 24]),
+    n=st.integers(0, 40), block_size=st.sampled_from([1, 2, 3, 5, 8, 16, 33, 256]), sq=st.integers(1, 16),
+    causal=st.booleans(), share=st.booleans(), data=st.data(),
+)
+def test_random_paged_multi_token_cpu(b, hkv, group, d, n, block_size, sq, causal, share, data):
+    """The CPU path on random shapes, block sizes, Sq and lengths (small chunks and blocks, so rows
+    span several of each), paged against float64."""
+    from tree_attn.kernels.cpu_decode import decode_attention_cpu
+
+    lens = data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b))
+    q, k, v = _inputs(b, sq, hkv * group, hkv, d, n, seed=n * 31 + sq)
+    k, v, kp, vp, table = to_paged(k, v, lens, block_size, seed=n, share=share)
+    sl = torch.tensor(lens)
+    chunk = data.draw(st.sampled_from([None, 1, 4, 7]))
+    out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=chunk,
+                                    block_tokens=None if chunk is None else 2 * chunk)
+    ref_out, ref_lse = _truth(q, k, v, sl, causal)
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32), what=f"b{b} n{n} bs{block_size} sq{sq} causal={causal}")
