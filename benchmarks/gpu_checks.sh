@@ -34,6 +34,7 @@ else
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
 step bench-host 300 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
+step bench-paged 600 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
 step probe 120 tree-attn probe
 step probe-measure 300 tree-attn probe --measure --json
 step tune 600 tree-attn tune --quick --json

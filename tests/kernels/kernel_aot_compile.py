@@ -50,6 +50,23 @@ STAGE1_CASES = {
     "h100-fp32-d256-bn32-s2-spills": (H100, "fp32", 256, 32, 2, 4, 4, True, {}),
     "h100-fp32-d64-bn64-s2-w2-spills": (H100, "fp32", 64, 64, 2, 2, 4, True, {}),
     "h100-bf16-d128-bn128-s3-w2-spills": (H100, "bf16", 128, 128, 3, 2, 4, False, {}),
+    # Paged KV and several query tokens per row (group = the tile's rows, Sq x the GQA group; the
+    # kernel's own GROUP and Q_LEN are in STAGE1_KERNEL_CONSTS): vLLM's 16-token pages under 64-key
+    # tiles (a block id per key), FlashAttention's 256-token pages (one block id per tile), and
+    # speculative verification of 4 and 8 tokens, causal.
+    "h100-bf16-d128-bn64-s2-paged16": (H100, "bf16", 128, 64, 2, 4, 4, False, {}),
+    "h100-bf16-d128-bn64-s2-paged256": (H100, "bf16", 128, 64, 2, 4, 4, False, {}),
+    "h100-bf16-d128-bn64-s2-sq4-causal": (H100, "bf16", 128, 64, 2, 4, 16, False, {}),
+    "h100-bf16-d128-bn32-s2-paged16-sq8-causal": (H100, "bf16", 128, 32, 2, 4, 64, False, {}),
+    "mi300x-bf16-d128-bn64-s1-paged16-sq4-causal": (MI300X, "bf16", 128, 64, 1, 4, 16, False, {"waves_per_eu": 2}),
+}
+# Kernel constexprs of the cases above that are not the defaults (one token, contiguous KV).
+STAGE1_KERNEL_CONSTS = {
+    "h100-bf16-d128-bn64-s2-paged16": dict(PAGED=True, PAGE_SIZE=16),
+    "h100-bf16-d128-bn64-s2-paged256": dict(PAGED=True, PAGE_SIZE=256),
+    "h100-bf16-d128-bn64-s2-sq4-causal": dict(GROUP=4, Q_LEN=4, CAUSAL=True),
+    "h100-bf16-d128-bn32-s2-paged16-sq8-causal": dict(GROUP=8, Q_LEN=8, CAUSAL=True, PAGED=True, PAGE_SIZE=16),
+    "mi300x-bf16-d128-bn64-s1-paged16-sq4-causal": dict(GROUP=4, Q_LEN=4, CAUSAL=True, PAGED=True, PAGE_SIZE=16),
 }
 # stage two: (target, FAULTY_IS_EMPTY): our own splits (NaN poisons the row) and the public merge rule
 STAGE2_CASES = {
@@ -58,7 +75,8 @@ STAGE2_CASES = {
 }
 
 DIVISIBLE = (
-    "Q", "K", "V", "SEQ_LENS", "O_PART", "LSE_PART", "OUT", "LSE_OUT", "stride_qb", "stride_qh", "stride_kb",
+    "Q", "K", "V", "SEQ_LENS", "BLOCK_TABLE", "O_PART", "LSE_PART", "OUT", "LSE_OUT", "stride_qb", "stride_qt",
+    "stride_qh", "stride_ot", "stride_kb",
     "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_ob", "stride_oh", "stride_os",
     "stride_lb", "stride_lh", "split_len", "stride_pb", "stride_ph", "stride_ps",
 )
@@ -124,11 +142,14 @@ def main() -> None:
     for cid, (target, dtype, d, bn, stages, warps, group, upcast, extra) in STAGE1_CASES.items():
         fn = td.split_kv_stage1_kernel
         sig = {n: "i32" for n in fn.arg_names}
-        sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", SEQ_LENS="*i32", O_PART="*fp32", LSE_PART="*fp32", qk_scale_log2="fp32")
+        sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", SEQ_LENS="*i32", BLOCK_TABLE="*i32", O_PART="*fp32",
+                   LSE_PART="*fp32", qk_scale_log2="fp32")
         consts = dict(
-            GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_G=group_block(group), BLOCK_N=bn,
+            GROUP=group, Q_LEN=1, CAUSAL=False, PAGED=False, PAGE_SIZE=1,
+            HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), BLOCK_G=group_block(group), BLOCK_N=bn,
             STRIDE_QD=1, STRIDE_KD=1, STRIDE_VD=1, HAS_SEQ_LENS=True, UPCAST=upcast, DOT_PRECISION="ieee",
         )
+        consts.update(STAGE1_KERNEL_CONSTS.get(cid, {}))
         try:
             results[cid] = _facts(_compile(fn, sig, consts, target, dict(num_warps=warps, num_stages=stages, **extra)), target)
         except Exception as exc:  # noqa: BLE001 - reported to the test

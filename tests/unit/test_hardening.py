@@ -19,6 +19,7 @@ from tree_attn.topology import host_topology
 
 Q = torch.randn(1, 4, 8)
 K = torch.randn(1, 5, 2, 8)
+POOL = torch.randn(3, 3, 2, 8)  # a paged pool: 3 blocks of 3 tokens
 
 # (id, call, error class, text in the message)
 LIBRARY_CASES = [
@@ -46,6 +47,19 @@ LIBRARY_CASES = [
      "matching leading dims"),
     ("decode-step-complex-lens", lambda: tree_attn.DecodeStep(Q, K, K, torch.tensor([1 + 1j])), ShapeError, "integer"),
     ("tree-decode-without-a-group", lambda: tree_attn.tree_decode(Q, K, K), tree_attn.DistributedError, "not initialised"),
+    # paged KV and several query tokens per row
+    ("block-table-outside-pool", lambda: tree_attn.decode_attention(Q, POOL, POOL, seq_lens=torch.tensor([5]), block_table=torch.tensor([[0, 4]], dtype=torch.int32)),
+     ShapeError, "block_table[0, 1] = 4 points outside the pool of 3 blocks"),
+    ("block-table-negative", lambda: tree_attn.decode_attention(Q, POOL, POOL, seq_lens=torch.tensor([2]), block_table=torch.tensor([[-1, 0]], dtype=torch.int32)),
+     ShapeError, "block_table[0, 0] = -1"),
+    ("block-size-300", lambda: tree_attn.decode_attention(Q, torch.randn(2, 300, 2, 8), torch.randn(2, 300, 2, 8), seq_lens=torch.tensor([5]), block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     ConfigError, "block size 300"),
+    ("paged-without-seq-lens", lambda: tree_attn.decode_attention(Q, POOL, POOL, block_table=torch.zeros(1, 2, dtype=torch.int32)),
+     ShapeError, "needs seq_lens"),
+    ("seventeen-query-tokens", lambda: tree_attn.decode_attention(torch.randn(1, 17, 4, 8), K, K), ShapeError, "Sq=17"),
+    ("causal-not-a-bool", lambda: tree_attn.decode_attention(Q, K, K, causal=1), ConfigError, "causal must be True or False"),
+    ("decode-step-table-outside-pool", lambda: tree_attn.DecodeStep(Q, POOL, POOL, torch.tensor([4]), block_table=torch.tensor([[2, 7]], dtype=torch.int32)),
+     ShapeError, "block_table[0, 1] = 7"),
     ("launch-world-0", lambda: launch.launch_ranks(print, 0), ConfigError, "at least 1"),
     ("launch-cpu-world-100000", lambda: launch.launch_ranks(print, 100000), ConfigError, "at most"),
     ("launch-timeout-0", lambda: launch.launch_ranks(print, 1, timeout_s=0), ConfigError, "timeout_s must be"),

@@ -227,7 +227,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     d = shape.head_dim
     elem = dtype_bytes(dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
-    group_rows = group_block(shape.group)
+    group_rows = group_block(shape.query_rows)
     warp = device_spec.warp_size
     num_warps = 4
     # Until nothing spills: smaller tiles (fp32, whose FMA dots hold their operands in registers,
@@ -251,7 +251,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
             block_n //= 2
         else:
             break
-    group_blocks = group_blocks_for(shape.group)
+    group_blocks = group_blocks_for(shape.query_rows)
     splits = default_num_splits(
         shape.batch, shape.kv_heads, shape.kv_len, block_n, device_spec.sm_count, group_blocks=group_blocks
     )
@@ -295,7 +295,7 @@ def resolve_config(config: DecodeConfig | None, shape: "DecodeShape", dtype: Any
             shape.kv_len,
             config.block_n,
             device_spec.sm_count,
-            group_blocks=group_blocks_for(shape.group),
+            group_blocks=group_blocks_for(shape.query_rows),
         )
         return config.with_splits(splits)
     return config

@@ -35,6 +35,14 @@ the public peer's numbers are in ``benchmarks/RESULTS.md``):
 * GQA: the G query heads of a KV head are the M = G rows of one per-head product, so K and V are
   read once per KV head. MKL's small-M kernels reach only ~14 GB/s on cache-resident data at
   G = 4, so GQA 32/8 runs at ~30% of the read bandwidth (still ahead of a per-head einsum).
+* Several query tokens per row (``q [B, Sq, Hq, D]``, speculative decoding's verify step): the
+  Sq tokens join the G heads as the M = Sq * G rows of the same products, so K and V are still
+  read once. Causal masking touches at most Sq - 1 score columns per row (the new tokens'), set
+  to -inf after the scores are written.
+* A paged cache (``block_table``): each chunk's tokens are gathered from the pool
+  (``index_select``; a page of a 16-token pool is 64 KiB of contiguous memory at 8 x 128 fp32)
+  into a chunk buffer, which replaces the sequential "touch" read: the per-head products then
+  read it from cache, as for a contiguous cache. No copy of the whole shard is made.
 * Extra memory is bounded: one score block (``SCORE_ELEMENTS`` floats, 4 MiB) and, for fp16/bf16
   inputs, two float32 chunk buffers. The cache is never converted as a whole.
 """
@@ -72,61 +80,120 @@ def decode_attention_cpu(
     scale: float | None = None,
     chunk_tokens: int | None = None,
     block_tokens: int | None = None,
+    causal: bool = False,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one new query per row against a KV cache, for CPU tensors.
+    """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
     Args:
-        q: ``[B, Hq, D]`` float16/bfloat16/float32.
+        q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
         k, v: ``[B, N, Hkv, D]`` float16/bfloat16/float32 (one dtype), any strides (e.g. slices of
             a bigger cache), ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
+            With ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``, read chunk by chunk
+            (each ~1 MiB chunk's pages gathered into a buffer that stays in cache).
         seq_lens: optional integer ``[B]``: valid keys per row (0..N); later positions are ignored.
         scale: softmax scale, default ``D ** -0.5``.
         chunk_tokens: KV positions per chunk (default :func:`cpu_chunk_tokens`, ~1 MiB of cache).
-        block_tokens: KV positions per softmax block (default: ``SCORE_ELEMENTS / Hq``, rounded down
-            to whole chunks); rows longer than that merge block states exactly.
+        block_tokens: KV positions per softmax block (default: ``SCORE_ELEMENTS / (Sq Hq)``, rounded
+            down to whole chunks); rows longer than that merge block states exactly.
+        causal: the row's last Sq valid keys are the new tokens; token i sees keys
+            ``[0, seq_len - Sq + 1 + i)`` (see ``reference.key_limits``).
+        block_table: integer ``[B, max_blocks]`` for a paged cache (``seq_lens`` required; every
+            entry a row reads must lie in the pool: ``check_decode_inputs`` checks it), or None.
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32, natural log. Rows with no
-        valid keys give out 0 and lse -inf. All arithmetic is float32. Works on any device (it
-        reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use the Triton kernel.
+        ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
+        log). Query tokens with no valid keys give out 0 and lse -inf. All arithmetic is float32.
+        Works on any device (it reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use
+        the Triton kernel.
     """
-    shape = check_decode_inputs(q, k, v, seq_lens)
-    b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+    b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
+    rows = shape.query_rows  # the Sq tokens' G heads of one KV head: the M rows of one product
     if scale is None:
         scale = d**-0.5
     dev = q.device
-    out = torch.zeros(b, hkv, g, d, dtype=torch.float32, device=dev)
-    lse = torch.full((b, hkv, g), float("-inf"), dtype=torch.float32, device=dev)
+    out = torch.zeros(b, hkv, sq, g, d, dtype=torch.float32, device=dev)
+    lse = torch.full((b, hkv, sq, g), float("-inf"), dtype=torch.float32, device=dev)
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
     if n == 0 or max(lens, default=0) == 0:
-        return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+        return _finish(q, out, lse)
 
     step = max(1, int(chunk_tokens)) if chunk_tokens else cpu_chunk_tokens(hkv, d, k.element_size())
-    block = block_tokens or SCORE_ELEMENTS // hq
+    block = block_tokens or SCORE_ELEMENTS // (hq * sq)
     block = max(step, block // step * step)  # whole chunks per block
-    qs = (q.float() * scale).reshape(b, hkv, g, d)
-    work = _Work(k, v, step, hkv, g, d, min(block, max(lens)))
+    # [B, Hkv, Sq * G, D]: row r of a KV head's product is token r // G, head r % G.
+    if sq == 1:
+        qs = (q.float() * scale).reshape(b, hkv, rows, d)
+    else:
+        qs = (q.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
+    paged = block_table is not None
+    work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)), paged)
+    if paged:
+        bs = shape.block_size
+        k, v = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)  # [num_blocks * bs, Hkv, D]: a token per row
+        offsets = torch.arange(bs)
+    out_rows = out.view(b, hkv, rows, d)
+    lse_rows = lse.view(b, hkv, rows)
     for row, length in enumerate(lens):
         if length == 0:
             continue
+        if paged:  # the pool rows of this row's tokens, in order
+            pages = block_table[row, : -(-length // bs)].to(torch.int64)
+            tokens = (pages[:, None] * bs + offsets[None, :]).reshape(-1)[:length]
+        # Causal: key t is hidden from tokens i with t >= length - Sq + 1 + i (only the last Sq - 1
+        # keys of the row can be hidden from anyone).
+        causal_from = length - sq + 1 if causal and sq > 1 else None
         state = None
         for s0 in range(0, length, block):
             s1 = min(length, s0 + block)
-            part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work)
+            hidden = _causal_mask(causal_from, s0, s1, sq, g)
+            if paged:
+                part = _block(qs[row], k, v, work, hidden, tokens[s0:s1])
+            else:
+                part = _block(qs[row], k[row, s0:s1], v[row, s0:s1], work, hidden)
             state = part if state is None else _merge(state, part)
         m, l, acc = state
-        torch.div(acc, l, out=out[row])
-        lse[row] = (m + torch.log(l)).squeeze(-1)
-    return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+        # A token that saw no key (only under causal: a row shorter than Sq) has l == 0: out 0,
+        # lse -inf. NaN data keeps l NaN, and so the row NaN.
+        torch.div(acc, l, out=out_rows[row])
+        if causal_from is not None:
+            out_rows[row].masked_fill_(l == 0, 0.0)
+        lse_rows[row] = (m + torch.log(l)).squeeze(-1)
+    return _finish(q, out, lse)
+
+
+def _finish(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [B, Hkv, Sq, G, D]``, ``lse [B, Hkv, Sq, G]`` to q's layout (``[B, (Sq,) Hq, ...]``)."""
+    b, hkv, sq, g, d = out.shape
+    if sq == 1 and q.dim() == 3:  # views only: the one-token path allocates nothing more
+        return out.view(b, hkv * g, d).to(q.dtype), lse.view(b, hkv * g)
+    o = out.transpose(1, 2).reshape(b, sq, hkv * g, d).to(q.dtype)
+    l = lse.transpose(1, 2).reshape(b, sq, hkv * g)
+    return (o, l) if q.dim() == 4 else (o[:, 0], l[:, 0])
+
+
+def _causal_mask(causal_from: int | None, s0: int, s1: int, sq: int, g: int) -> list[tuple[int, int]] | None:
+    """For keys ``s0..s1-1`` of a block: ``(key index in the block, rows hidden from it)`` pairs;
+    the first ``rows`` query rows (tokens ``0..rows/G - 1``) must not see that key. None: nothing
+    hidden in this block."""
+    if causal_from is None or s1 <= causal_from:
+        return None
+    return [(t - s0, min(sq, t - causal_from + 1) * g) for t in range(max(s0, causal_from), s1)]
 
 
 class _Work:
     """Per-call settings and buffers of :func:`decode_attention_cpu` (bounded, N-independent)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int, paged: bool = False):
         dev = k.device
         self.step = step
+        # Paged pools: each chunk's tokens are gathered (index_select, a page = block_size tokens
+        # of contiguous memory) into these buffers, which then stay in cache for the per-head
+        # products, as the "touch" below does for a contiguous cache.
+        self.gk = torch.empty(step, hkv, d, dtype=k.dtype, device=dev) if paged else None
+        self.gv = torch.empty(step, hkv, d, dtype=v.dtype, device=dev) if paged else None
         # fp16/bf16: one float32 chunk buffer per operand. The conversion is the sequential read,
         # and bmm then reads the converted chunk from cache. Converting the whole cache at once
         # would double its memory.
@@ -137,24 +204,41 @@ class _Work:
         # bandwidth; ~10% faster than sum) loads the chunk into L2 before bmm's per-head passes.
         # Only needed where one token's heads interleave ([B, N, Hkv, D] with Hkv > 1); with one
         # KV head, or a head-major cache seen through a transpose, a head's keys are contiguous.
-        self.touch_k = not convert and hkv > 1 and k.stride(2) < k.stride(1)
-        self.touch_v = not convert and hkv > 1 and v.stride(2) < v.stride(1)
+        self.touch_k = not convert and not paged and hkv > 1 and k.stride(2) < k.stride(1)
+        self.touch_v = not convert and not paged and hkv > 1 and v.stride(2) < v.stride(1)
         self.scores = torch.empty(block * hkv * g, dtype=torch.float32, device=dev)
 
 
-def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work):
-    """Exact softmax state of one row's keys ``kb, vb [T, Hkv, D]`` (T <= the block size).
+def _gathered(pool: torch.Tensor, tokens: torch.Tensor, step: int, buf: torch.Tensor, perm: tuple[int, int, int]):
+    """Chunks of ``step`` tokens of a paged pool (``[num_blocks * block_size, Hkv, D]``, rows
+    ``tokens``), each gathered into ``buf`` and yielded permuted by ``perm``; a chunk is valid
+    until the next one is gathered."""
+    for c0 in range(0, tokens.shape[0], step):
+        sel = tokens[c0 : c0 + step]
+        yield torch.index_select(pool, 0, sel, out=buf[: sel.shape[0]]).permute(*perm)
 
-    ``qg [Hkv, G, D]`` float32, pre-scaled. Returns ``m [Hkv, G, 1]`` (the block's max score),
+
+def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work, hidden=None, tokens=None):
+    """Exact softmax state of one row's keys ``kb, vb [T, Hkv, D]`` (T <= the block size), or with
+    ``tokens [T]`` (int64), of the rows ``tokens`` of flattened paged pools ``kb, vb``.
+
+    ``qg [Hkv, G, D]`` float32, pre-scaled (G: the query rows per KV head, ``Sq * group``);
+    ``hidden``: causal masking, from :func:`_causal_mask`. Returns ``m [Hkv, G, 1]`` (the block's max score),
     ``l [Hkv, G, 1]`` (sum of ``exp(score - m)``), ``acc [Hkv, G, D]`` (sum of
     ``exp(score - m) * v``), all float32.
     """
     hkv, g, d = qg.shape
-    step, t = work.step, kb.shape[0]
-    # Chunk views by one split call each: per-chunk Python slicing and permuting cost ~1 us per
-    # view, several per chunk.
-    k_head = kb.permute(1, 2, 0).split(step, dim=2)  # [Hkv, D, c]: bmm's operand, copy-free
-    v_head = vb.permute(1, 0, 2).split(step, dim=1)  # [Hkv, c, D]
+    step = work.step
+    if tokens is None:
+        t = kb.shape[0]
+        # Chunk views by one split call each: per-chunk Python slicing and permuting cost ~1 us per
+        # view, several per chunk.
+        k_head = kb.permute(1, 2, 0).split(step, dim=2)  # [Hkv, D, c]: bmm's operand, copy-free
+        v_head = vb.permute(1, 0, 2).split(step, dim=1)  # [Hkv, c, D]
+    else:
+        t = tokens.shape[0]
+        k_head = _gathered(kb, tokens, step, work.gk, (1, 2, 0))
+        v_head = _gathered(vb, tokens, step, work.gv, (1, 0, 2))
     # The block's scores, chunk after chunk, each chunk's [Hkv, G, c] slab contiguous (bmm writes a
     # contiguous out directly; into a strided column slice of an [Hkv, G, T] buffer it cost ~25%
     # more). Whole chunks form one [nfull, Hkv, G, C] view, a shorter last chunk its own slab.
@@ -174,12 +258,20 @@ def _block(qg: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, work: _Work):
         elif touch:
             kh.amax()  # reduces in memory order: a sequential read of the chunk
         torch.bmm(qg, kh, out=slab)  # [Hkv, G, D] @ [Hkv, D, c]
+    if hidden:
+        for t, rows in hidden:  # at most Sq - 1 keys
+            j, col = divmod(t, step)
+            slabs[j][:, :rows, col] = float("-inf")
     # Exact softmax over the block: one max, one in-place exp(score - max), one sum.
     m = None
     for p in parts:
         pm = p.amax(dim=(0, 3))
         m = pm if m is None else torch.maximum(m, pm)
     # A NaN score (NaN in q or k) makes m NaN and so the whole row NaN, as the contract asks.
+    if hidden:
+        # A query row that sees no key of this block: shift by 0 (its exp is 0, not NaN); the
+        # state (m 0, l 0, acc 0) then merges as the empty state.
+        m = m.masked_fill(m == float("-inf"), 0.0)
     l = None
     m4 = m[None, :, :, None]
     for p in parts:

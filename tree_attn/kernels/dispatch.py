@@ -16,19 +16,36 @@ def decode_attention(
     scale: float | None = None,
     impl: str = "auto",
     config=None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query per row against a KV cache, with its log-sum-exp.
+    """Attention of one or several query tokens per row against a KV cache, with its log-sum-exp.
 
     Args:
-        q: ``[B, Hq, D]``; k, v: ``[B, N, Hkv, D]``, ``Hq % Hkv == 0``; fp16, bf16 or fp32.
-        seq_lens: optional int ``[B]``, valid KV length per row (0..N).
+        q: ``[B, Hq, D]`` (one token per row), or ``[B, Sq, Hq, D]`` with Sq in 1..16 (e.g. the
+            drafted tokens of speculative decoding's verify step); fp16, bf16 or fp32.
+        k, v: ``[B, N, Hkv, D]``, ``Hq % Hkv == 0``; or, with ``block_table``, paged pools
+            ``[num_blocks, block_size, Hkv, D]`` (block_size 1..256).
+        seq_lens: optional int ``[B]``, valid KV length per row (0..N; with a block table
+            required, 0..max_blocks * block_size).
         scale: softmax scale, default ``D ** -0.5``.
         impl: "auto" (Triton on GPUs, torch on CPU), "torch" or "triton".
         config: a ``kernels.config.DecodeConfig`` for the Triton kernel (ignored by torch).
+        block_table: int32 ``[B, max_blocks]``: row b's token t is at
+            ``k[block_table[b, t // block_size], t % block_size]``; entries past a row's last
+            needed block are ignored. Entries a row reads must lie in the pool (checked on every
+            call for CPU tensors, once per signature on GPUs: ``kernels.paged``).
+        causal: the row's last Sq valid keys are the new tokens themselves: query token i sees
+            keys ``[0, seq_len - Sq + 1 + i)`` (bottom-right aligned, FlashAttention's and
+            FlashInfer's convention). False: every token sees every valid key.
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype, ``lse [B, Hq]`` float32 natural log; rows without keys
-        give out 0 and lse -inf.
+        ``out`` in q's dtype and shape (``[B, Hq, D]`` or ``[B, Sq, Hq, D]``), ``lse`` float32
+        natural log (``[B, Hq]`` or ``[B, Sq, Hq]``); query tokens without keys give out 0 and
+        lse -inf.
     """
     # Resolved once per signature (checks, config, workspace), then only launched: see prepared.py.
-    return prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config)(q, k, v, seq_lens)
+    prepared = prepared_decode(
+        q, k, v, seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=causal
+    )
+    return prepared(q, k, v, seq_lens, block_table=block_table)

@@ -273,7 +273,7 @@ def dtype_bytes(dtype: Any) -> int:
 
 def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
     """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage, q and the weights."""
-    return stage1_smem_bytes(config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.group))
+    return stage1_smem_bytes(config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.query_rows))
 
 
 def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int, spec: DeviceSpec) -> int:
@@ -285,7 +285,7 @@ def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int
     by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem))
     threads = config.num_warps * spec.warp_size
     d = padded_head_dim(shape.head_dim)
-    g = group_block(shape.group)
+    g = group_block(shape.query_rows)
     # fp32 accumulator [g, d], scores [g, block_n], and a register-staged K/V tile, spread over the
     # threads, plus addresses and loop state; x1.25 and +48 fit what ptxas reports for Triton 3.9
     # sm_90 bf16 builds (D=128, 4 warps: block_n 32 / 64 / 128 -> 82 / 128 / 176 registers; group 32
@@ -323,13 +323,13 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
         config = config.with_splits(
             default_num_splits(
                 shape.batch, shape.kv_heads, shape.kv_len, config.block_n, spec.sm_count,
-                group_blocks=group_blocks_for(shape.group),
+                group_blocks=group_blocks_for(shape.query_rows),
             )
         )
     elem = dtype_bytes(dtype)
     b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
     splits = config.num_splits
-    gb = group_blocks_for(shape.group)
+    gb = group_blocks_for(shape.query_rows)
     if b == 0 or hq == 0 or n == 0:
         # The launcher answers these without a kernel; a nominal launch gap keeps ordering sane.
         return Prediction(spec.launch_gap_us, 0.0, 0.0, spec.launch_gap_us, 0, 0, 0, 0, 0.0, 0.0, "launch")
@@ -377,7 +377,7 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
 
     # Compute: two [g, block_n, d] dots per tile on the SM's share of the tensor peak, plus the
     # exp/max/sum of the online softmax (~4 cycles per score element per warp-instruction batch).
-    g_pad = group_block(shape.group)
+    g_pad = group_block(shape.query_rows)
     per_sm_flops_us = spec.tensor_tflops * 1e6 / spec.sm_count  # flops per microsecond per SM
     tile_flops = 4 * g_pad * config.block_n * padded_head_dim(d)
     tile_us = tile_flops / per_sm_flops_us + (g_pad * config.block_n) / (spec.warp_size * 4 * 1.5e3)
@@ -440,7 +440,7 @@ def _split_options(shape: DecodeShape, block_n: int, spec: DeviceSpec) -> list[i
     opts.add(
         default_num_splits(
             shape.batch, shape.kv_heads, shape.kv_len, block_n, spec.sm_count,
-            group_blocks=group_blocks_for(shape.group),
+            group_blocks=group_blocks_for(shape.query_rows),
         )
     )
     # Splits shorter than a couple of tiles only add partial-state traffic: drop them except 1.
@@ -458,7 +458,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
-    rows = group_block(shape.group)
+    rows = group_block(shape.query_rows)
     out: list[DecodeConfig] = []
     for block_n in (16, 32, 64) if elem == 4 else (32, 64, 128):
         split_opts = _split_options(shape, block_n, device_spec)

@@ -8,8 +8,13 @@ it only launches. :func:`prepared_decode` keeps a small cache of them keyed by t
 
 The signature is everything the resolution read: shapes, strides, dtypes, device (and on GPUs the
 current stream, because the split workspace is reused call after call and calls on one stream are
-ordered), whether ``seq_lens`` is given and its dtype, ``scale``, ``impl``, ``config`` and where
-the outputs go.
+ordered), whether ``seq_lens`` is given and its dtype, a paged cache's block table (shape, dtype,
+strides; the pool's shape gives the block size), the query tokens per row (q's shape),
+``causal``, ``scale``, ``impl``, ``config`` and where the outputs go.
+
+Block-table values are checked (``kernels.paged.check_block_table``) on every call for CPU
+tensors and, for GPU tensors, once when the prepared object is built (one host sync, never per
+step; the kernel clamps block ids into the pool).
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ class PreparedDecode:
     """Decode attention of one signature: ``out, lse = prepared(q, k, v, seq_lens)``.
 
     Args:
-        q: ``[B, Hq, D]``; k, v: ``[B, N, Hkv, D]``; seq_lens: ``[B]`` integer or None (example
-            tensors: later calls pass tensors of the same signature).
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``; k, v: ``[B, N, Hkv, D]``, or with
+            ``block_table [B, max_blocks]`` pools ``[num_blocks, block_size, Hkv, D]``; seq_lens:
+            ``[B]`` integer or None (required when paged) (example tensors: later calls pass
+            tensors of the same signature).
+        block_table: int32 ``[B, max_blocks]`` for a paged cache (see ``kernels.paged``), or None.
+        causal: Sq new tokens are the row's last Sq valid keys; token i sees those ``<= i``.
         scale: softmax scale, default ``D ** -0.5``.
         impl: "auto" | "torch" | "triton".
         config: a ``DecodeConfig`` for the Triton kernel (ignored by torch).
@@ -55,10 +64,14 @@ class PreparedDecode:
         impl: str = "auto",
         config: DecodeConfig | None = None,
         out_layout: OutLayout | None = None,
+        block_table: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> None:
         _check_config(config)
         self.impl = resolve_impl(impl, q.device)
-        self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens)
+        self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        self.causal = causal
+        self.tokens = q.dim() == 4  # outputs [B, Sq, Hq, ...] rather than [B, Hq, ...]
         if self.shape.head_dim == 0:
             raise ConfigError("head dim D must be at least 1")
         self.scale = self.shape.head_dim**-0.5 if scale is None else float(scale)
@@ -71,12 +84,19 @@ class PreparedDecode:
         self._check_lens_values = seq_lens is not None and seq_lens.device.type == "cpu"
         # The kernel reads int32 lengths; other integer dtypes are converted per call.
         self._lens_cast = seq_lens is not None and (seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous())
+        self._table_cast = block_table is not None and (block_table.dtype != torch.int32 or not block_table.is_contiguous())
+        if block_table is not None and block_table.device.type != "cpu":
+            # Once per signature (a host sync here, none per step); CPU tables are checked per call.
+            from .paged import check_block_table
+
+            check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
         self._launch = None
         if self.impl == "triton":
             from .triton_launch import TritonDecodeLaunch  # lazy: triton only when it runs
 
             self._launch = TritonDecodeLaunch(
-                q, k, v, seq_lens, scale=self.scale, config=config, out_layout=self.out_layout
+                q, k, v, seq_lens, scale=self.scale, config=config, out_layout=self.out_layout,
+                block_table=block_table, causal=causal,
             )
 
     @property
@@ -85,9 +105,9 @@ class PreparedDecode:
         return self._launch.config if self._launch is not None else None
 
     def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh ``out``/``lse`` in this object's layout."""
+        """Fresh ``out``/``lse`` in this object's layout (``[B, (Sq,) Hq, D]``, ``[B, (Sq,) Hq]``)."""
         s = self.shape
-        return self.out_layout.new(s.batch, s.q_heads, s.head_dim, self.device)
+        return self.out_layout.new(s.batch, s.q_heads, s.head_dim, self.device, s.q_len if self.tokens else None)
 
     def __call__(
         self,
@@ -97,23 +117,33 @@ class PreparedDecode:
         seq_lens: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``q`` over ``k, v``; into ``out``/``lse`` when given (in this object's
-        layout), else into fresh tensors. Returns ``(out, lse)``."""
+        """Attention of ``q`` over ``k, v`` (pages listed by ``block_table`` when paged); into
+        ``out``/``lse`` when given (in this object's layout), else into fresh tensors. Returns
+        ``(out, lse)``."""
         if out is None or lse is None:
             out, lse = self.new_outputs()
         if self._check_lens_values:
             check_seq_lens_range(seq_lens, self.shape.kv_len)
+            if block_table is not None:
+                from .paged import check_block_table
+
+                check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
         if self._launch is None:
             from .reference import decode_attention_torch
 
-            o, l = decode_attention_torch(q, k, v, seq_lens=seq_lens, scale=self.scale)
+            o, l = decode_attention_torch(
+                q, k, v, seq_lens=seq_lens, scale=self.scale, block_table=block_table, causal=self.causal
+            )
             out.copy_(o)
             lse.copy_(l)
             return out, lse
         if self._lens_cast:
             seq_lens = seq_lens.to(dtype=torch.int32).contiguous()
-        self._launch(q, k, v, seq_lens, out, lse)
+        if self._table_cast:
+            block_table = block_table.to(dtype=torch.int32).contiguous()
+        self._launch(q, k, v, seq_lens, out, lse, block_table)
         return out, lse
 
 
@@ -142,10 +172,15 @@ def signature(
     impl: str,
     config: DecodeConfig | None,
     out_layout: OutLayout | None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple:
     """The cache key of a call: everything :class:`PreparedDecode` resolves from (cheap to build:
-    tensor metadata only, no value read)."""
+    tensor metadata only, no value read). Sq is q's shape and the block size the pool's."""
     lens = None if seq_lens is None else (seq_lens.dtype, seq_lens.device, tuple(seq_lens.shape), seq_lens.stride())
+    table = None if block_table is None else (
+        block_table.dtype, block_table.device, tuple(block_table.shape), block_table.stride()
+    )
     if q.device.type == "cuda":
         where = torch.cuda.current_stream(q.device).cuda_stream
     else:  # CPU tensors: whether Triton's interpreter is on decides what impl="triton" does
@@ -154,7 +189,7 @@ def signature(
         q.shape, q.stride(), q.dtype, q.device,
         k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device,
-        lens, scale, impl, config, out_layout, where,
+        lens, table, causal, scale, impl, config, out_layout, where,
     )
 
 
@@ -171,16 +206,21 @@ def prepared_decode(
     impl: str = "auto",
     config: DecodeConfig | None = None,
     out_layout: OutLayout | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> PreparedDecode:
     """The cached :class:`PreparedDecode` for this call's signature (built on first use)."""
     _check_config(config)  # before hashing it into the key (a dict would raise TypeError)
     _check_scale(scale)
-    check_arg_types(q, k, v, seq_lens)  # before the key reads their attributes
-    key = signature(q, k, v, seq_lens, scale, impl, config, out_layout)
+    check_arg_types(q, k, v, seq_lens, block_table, causal)  # before the key reads their attributes
+    key = signature(q, k, v, seq_lens, scale, impl, config, out_layout, block_table, causal)
     try:
         hit = _CACHE[key]
     except KeyError:
-        hit = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout)
+        hit = PreparedDecode(
+            q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout,
+            block_table=block_table, causal=causal,
+        )
         _CACHE[key] = hit
         if len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -198,8 +238,11 @@ class DecodeStep(StaticStep):
     """Local decode attention on static tensors, replayed as a CUDA graph on GPUs.
 
     For decode loops and serving engines that keep static buffers: build it once from the
-    tensors the loop updates in place (``q [B, Hq, D]``; ``k, v [B, N, Hkv, D]`` the cache, N its
-    capacity; ``seq_lens [B]`` the valid lengths), then ``out, lse = step()`` each step. On GPUs a
+    tensors the loop updates in place (``q [B, Hq, D]`` or ``[B, Sq, Hq, D]``; ``k, v [B, N, Hkv, D]``
+    the cache, N its capacity, or paged pools with ``block_table [B, max_blocks]``, whose contents
+    may change between steps; ``seq_lens [B]`` the valid lengths), then ``out, lse = step()`` each
+    step. A GPU block table is checked once, here; later contents are not (a graph replay cannot
+    sync), and the kernel clamps block ids into the pool. On GPUs a
     step is one graph replay (the kernel's one or two launches); on CPU it runs eagerly. ``out``
     (q's dtype) and ``lse`` (float32) are static: overwritten by the next step. ``captured``
     says whether the graph is in use, ``why_eager`` why not.
@@ -216,14 +259,19 @@ class DecodeStep(StaticStep):
         impl: str = "auto",
         config: DecodeConfig | None = None,
         cuda_graph: bool = True,
+        block_table: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> None:
         self.tensors = (q, k, v, seq_lens)
-        self.prepared = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config)
+        self.block_table = block_table
+        self.prepared = PreparedDecode(
+            q, k, v, seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=causal
+        )
         self.out, self.lse = self.prepared.new_outputs()
         self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prepared(*self.tensors, self.out, self.lse)
+        return self.prepared(*self.tensors, self.out, self.lse, self.block_table)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.graph()

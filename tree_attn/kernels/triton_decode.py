@@ -8,6 +8,21 @@ share the KV head form the rows of a ``[BLOCK_G, D]`` query tile (padded to >= 1
 scores are pre-multiplied by ``log2(e)``). It writes the split's partial state ``(o, lse)`` with
 ``lse`` converted back to natural log.
 
+Several query tokens per row (speculative decoding's verify step, ``q [B, Sq, Hq, D]``) join the
+row tile the same way: row r of a program is token ``r // GROUP``, head ``r % GROUP`` of the KV
+head, so the tile has ``Sq * GROUP`` rows and K/V are still read once. With ``CAUSAL`` each row
+has its own key limit (``seq_len - Sq + 1 + token``); a row that has seen no key yet shifts its
+exponentials by 0 instead of -inf (no NaN), and keeps the empty state.
+
+A paged cache (``PAGED``): K and V are pools ``[num_blocks, PAGE_SIZE, Hkv, D]`` and each row's
+pages are listed in a block table. When a page holds whole tiles (``PAGE_SIZE % BLOCK_N == 0``,
+e.g. 16-key tiles in vLLM's 16-token pages) a tile reads one block id and keeps the contiguous
+tile loads; otherwise (any other size, e.g. 1, 3 or 17 tokens, or tiles longer than a page) each
+key computes its page and offset and the tile is a gather of BLOCK_N rows of D contiguous
+elements. That keeps every size correct with one code path and costs BLOCK_N block-id loads
+(from one or a few cache lines) per tile. Block ids are clamped into the pool: a bad id never
+reads outside it (the host checks tables, see ``kernels.paged``).
+
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
 algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
@@ -26,14 +41,18 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def split_kv_stage1_kernel(
-    Q,  # [B, Hq, D]
-    K,  # [B, N, Hkv, D]
-    V,  # [B, N, Hkv, D]
+    Q,  # [B, (Sq,) Hq, D]
+    K,  # [B, N, Hkv, D], or with PAGED a pool [num_blocks, PAGE_SIZE, Hkv, D] (then "b" and "n" strides are block and in-page)
+    V,  # as K
     SEQ_LENS,  # [B] int32 (read only if HAS_SEQ_LENS)
-    O_PART,  # [B, Hq, S, D] (fp32 partials, or the final output when S == 1); D stride 1
-    LSE_PART,  # [B, Hq, S] fp32, natural log
+    BLOCK_TABLE,  # [B, max_blocks] int32 (read only if PAGED)
+    O_PART,  # [B, (Sq,) Hq, S, D] (fp32 partials, or the final output when S == 1); D stride 1
+    LSE_PART,  # [B, (Sq,) Hq, S] fp32, natural log
     stride_qb,
+    stride_qt,  # query token stride (unused when Q_LEN == 1)
     stride_qh,
+    stride_btb,
+    num_blocks,  # pool size (PAGED): block ids are clamped to 0..num_blocks-1
     stride_kb,
     stride_kn,
     stride_kh,
@@ -41,17 +60,23 @@ def split_kv_stage1_kernel(
     stride_vn,
     stride_vh,
     stride_ob,
+    stride_ot,
     stride_oh,
     stride_os,
     stride_lb,
+    stride_lt,
     stride_lh,
     stride_ls,
     num_kv_heads,
     group_blocks,
-    kv_len,
+    kv_len,  # N (PAGED: max_blocks * PAGE_SIZE)
     split_len,  # keys per split, a multiple of BLOCK_N
     qk_scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr,  # query heads per KV head
+    Q_LEN: tl.constexpr,  # query tokens per row (Sq)
+    CAUSAL: tl.constexpr,  # token i sees keys [0, seq_len - Q_LEN + 1 + i)
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # tokens per block of the pool (PAGED)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_G: tl.constexpr,  # padded query-head rows per program (>= 16 for tl.dot)
@@ -73,13 +98,25 @@ def split_kv_stage1_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
 
+    # Row r of the tile: query token r // GROUP, head r % GROUP of this KV head.
     offs_g = gblk * BLOCK_G + tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-    hq64 = (h * GROUP + offs_g).to(tl.int64)
+    mask_g = offs_g < GROUP * Q_LEN
+    if Q_LEN == 1:
+        hq64 = (h * GROUP + offs_g).to(tl.int64)
+        row_q = hq64 * stride_qh
+        row_o = hq64 * stride_oh
+        row_l = hq64 * stride_lh
+    else:
+        tok = offs_g // GROUP
+        hq64 = (h * GROUP + offs_g % GROUP).to(tl.int64)
+        tok64 = tok.to(tl.int64)
+        row_q = tok64 * stride_qt + hq64 * stride_qh
+        row_o = tok64 * stride_ot + hq64 * stride_oh
+        row_l = tok64 * stride_lt + hq64 * stride_lh
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    q_ptrs = Q + b64 * stride_qb + hq64[:, None] * stride_qh + offs_d[None, :] * STRIDE_QD
+    q_ptrs = Q + b64 * stride_qb + row_q[:, None] + offs_d[None, :] * STRIDE_QD
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -92,37 +129,75 @@ def split_kv_stage1_kernel(
         row_len = kv_len
     start = pid_split * split_len
     end = tl.minimum(start + split_len, row_len)
+    if CAUSAL:
+        # Keys each row sees: the row's past plus its token's new keys up to itself.
+        row_lim = row_len - Q_LEN + 1 + (offs_g // GROUP)
 
     offs_n0 = tl.arange(0, BLOCK_N)
     # Tile-local offsets fit int32; the tile's base advances in int64.
     k_local = offs_n0[:, None] * stride_kn + offs_d[None, :] * STRIDE_KD
     v_local = offs_n0[:, None] * stride_vn + offs_d[None, :] * STRIDE_VD
     start64 = start.to(tl.int64)
-    k_ptrs = K + b64 * stride_kb + h64 * stride_kh + start64 * stride_kn + k_local
-    v_ptrs = V + b64 * stride_vb + h64 * stride_vh + start64 * stride_vn + v_local
+    if PAGED:
+        k_ptrs = K + h64 * stride_kh + k_local  # plus each tile's (or key's) page and offset
+        v_ptrs = V + h64 * stride_vh + v_local
+        bt_row = BLOCK_TABLE + b64 * stride_btb
+    else:
+        k_ptrs = K + b64 * stride_kb + h64 * stride_kh + start64 * stride_kn + k_local
+        v_ptrs = V + b64 * stride_vb + h64 * stride_vh + start64 * stride_vn + v_local
+        bt_row = BLOCK_TABLE  # never read (the compiler wants every name defined on both paths)
     step_k = tl.full([], BLOCK_N, tl.int64) * stride_kn
     step_v = tl.full([], BLOCK_N, tl.int64) * stride_vn
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Every iteration has at least one valid key (start_n < end), so m_new below is finite and
-    # no -inf - -inf can appear; an empty split runs no iteration at all.
+    # Without CAUSAL every iteration has at least one valid key (start_n < end), so m_new below is
+    # finite and no -inf - -inf can appear; an empty split runs no iteration at all. With CAUSAL a
+    # row may see none of a tile's keys: see m_shift.
     for start_n in range(start, end, BLOCK_N):
-        mask_n = (start_n + offs_n0) < end
+        offs_n = start_n + offs_n0
+        mask_n = offs_n < end
+        if PAGED:
+            if PAGE_SIZE % BLOCK_N == 0:
+                # The tile lies in one page (tiles start at multiples of BLOCK_N): one block id.
+                blk = tl.load(bt_row + start_n // PAGE_SIZE)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                in_page = tl.full([], 0, tl.int64) + start_n % PAGE_SIZE  # int64 (start_n may be a Python int)
+                kt_ptrs = k_ptrs + (blk * stride_kb + in_page * stride_kn)
+                vt_ptrs = v_ptrs + (blk * stride_vb + in_page * stride_vn)
+            else:
+                # Page and offset per key: any page size, any tile length.
+                blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+                kt_ptrs = K + h64 * stride_kh + (blk * stride_kb + in_page * stride_kn)[:, None] + offs_d[None, :] * STRIDE_KD
+                vt_ptrs = V + h64 * stride_vh + (blk * stride_vb + in_page * stride_vn)[:, None] + offs_d[None, :] * STRIDE_VD
+        else:
+            kt_ptrs = k_ptrs
+            vt_ptrs = v_ptrs
         # Masked lanes load 0, never what lies past seq_len (an unwritten cache may hold NaN).
-        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k = tl.load(kt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
         else:
             qk = tl.dot(q, tl.trans(k))  # fp16/bf16 tensor-core dot, fp32 accumulation
-        s = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if CAUSAL:
+            seen = mask_n[None, :] & (offs_n[None, :] < row_lim[:, None])
+            s = tl.where(seen, qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet (m_new -inf) shifts by 0: its weights are exp2(-inf)
+            # = 0, not NaN, and it stays the empty state. NaN data keeps m_new NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            s = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(vt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         else:
@@ -130,8 +205,9 @@ def split_kv_stage1_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        k_ptrs += step_k
-        v_ptrs += step_v
+        if not PAGED:
+            k_ptrs += step_k
+            v_ptrs += step_v
 
     # Only a split that ran no iteration has l_i == 0 (a valid key adds exp2(0) = 1 at its row's
     # max). NaN data gives a NaN l_i, which must stay NaN here (stage two then poisons the row)
@@ -141,9 +217,9 @@ def split_kv_stage1_kernel(
     o = acc / l_safe[:, None]  # acc is 0 for an empty split, so o is 0 there
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    o_ptrs = O_PART + b64 * stride_ob + hq64[:, None] * stride_oh + pid_split * stride_os + offs_d[None, :]
+    o_ptrs = O_PART + b64 * stride_ob + row_o[:, None] + pid_split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    lse_ptrs = LSE_PART + b64 * stride_lb + hq64 * stride_lh + pid_split * stride_ls
+    lse_ptrs = LSE_PART + b64 * stride_lb + row_l + pid_split * stride_ls
     tl.store(lse_ptrs, lse, mask=mask_g)
 
 

@@ -34,7 +34,11 @@ class TritonDecodeLaunch:
     seq_lens presence. ``__call__`` then reads no tensor property but data pointers.
 
     Args:
-        q: ``[B, Hq, D]``; k, v: ``[B, N, Hkv, D]`` (any strides); seq_lens: ``[B]`` integer or None.
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``; k, v: ``[B, N, Hkv, D]`` (any strides), or with
+            ``block_table`` pools ``[num_blocks, block_size, Hkv, D]``; seq_lens: ``[B]`` integer
+            or None (required when paged).
+        block_table: ``[B, max_blocks]`` integer (int32 at call time), or None.
+        causal: token i of Sq sees keys ``[0, seq_len - Sq + 1 + i)``.
         scale: softmax scale, default ``D ** -0.5``.
         config: a :class:`DecodeConfig`; ``None`` = :func:`config.default_config`, and a config
             with ``num_splits=None`` gets the split heuristic.
@@ -55,8 +59,10 @@ class TritonDecodeLaunch:
         config: DecodeConfig | None = None,
         device_spec: DeviceSpec | None = None,
         out_layout: OutLayout | None = None,
+        block_table: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> None:
-        shape = check_decode_inputs(q, k, v, seq_lens)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
         self.shape = shape
         b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
         if d == 0:
@@ -75,9 +81,11 @@ class TritonDecodeLaunch:
         self.config = cfg
         self.device = q.device
         self.out_layout = out_layout or OutLayout(q.dtype)
+        self.tokens = q.dim() == 4
+        sq = shape.q_len
         # Nothing to launch: no rows/heads, or no keys anywhere (the empty state, written without a
-        # launch: a zero-length K has no storage to point at).
-        self.trivial = b * hq == 0 or n == 0
+        # launch: a zero-length K, or an empty pool, has no storage to point at).
+        self.trivial = b * hq == 0 or n == 0 or (shape.paged and shape.num_blocks == 0)
         if self.trivial:
             return
         if q.device.type != "cuda" and not interpret:
@@ -91,7 +99,9 @@ class TritonDecodeLaunch:
         _check_tile_offsets(k, v, cfg.block_n, block_d)
         self.num_splits = num_splits
         self.has_lens = seq_lens is not None
-        g_blocks = group_blocks_for(shape.group)
+        self.paged = shape.paged
+        # The Sq tokens' GROUP heads are the rows of one program's tile (see triton_decode).
+        g_blocks = group_blocks_for(shape.query_rows)
         self.grid1 = (b * hkv * g_blocks, num_splits)
         # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in
         # dtype (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic
@@ -100,19 +110,23 @@ class TritonDecodeLaunch:
         if num_splits > 1:
             # The split partials: workspace owned by this launch, reused by every call (calls are
             # ordered on one stream; kernels.prepared keys its cache on the stream too).
-            self.o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
-            self.lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+            # [B, Sq * Hq, S, ...]: the (token, head) pairs are stage two's heads.
+            self.o_part = torch.empty(b, sq * hq, num_splits, d, dtype=torch.float32, device=q.device)
+            self.lse_part = torch.empty(b, sq * hq, num_splits, dtype=torch.float32, device=q.device)
         # With one split stage one writes the caller's out and lse directly.
-        out_strides, lse_strides = self.out_layout.strides(hq, d)
+        out_strides, lse_strides = self.out_layout.strides(sq, hq, d)  # (row, token, head)
         if num_splits == 1:
             o_strides = (*out_strides, 0)
             l_strides = (*lse_strides, 0)
         else:
-            o_strides = self.o_part.stride()[:3]
-            l_strides = self.lse_part.stride()
-        # Every runtime scalar argument after the six pointers, in the kernel's order.
+            po, pl = self.o_part.stride(), self.lse_part.stride()
+            o_strides = (po[0], hq * po[1], po[1], po[2])
+            l_strides = (pl[0], hq * pl[1], pl[1], pl[2])
+        q_strides = (q.stride(0), q.stride(1), q.stride(2)) if self.tokens else (q.stride(0), 0, q.stride(1))
+        table_stride = block_table.stride(0) if block_table is not None else 0
+        # Every runtime scalar argument after the seven pointers, in the kernel's order.
         self._stage1_scalars = (
-            q.stride(0), q.stride(1),
+            *q_strides, table_stride, shape.num_blocks,
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             *o_strides, *l_strides,
@@ -120,11 +134,15 @@ class TritonDecodeLaunch:
         )
         self._stage1_constexprs = dict(
             GROUP=shape.group,
+            Q_LEN=sq,
+            CAUSAL=bool(causal and sq > 1),  # one token sees all its row's keys either way
+            PAGED=self.paged,
+            PAGE_SIZE=max(1, shape.block_size),
             HEAD_DIM=d,
             BLOCK_D=block_d,
-            BLOCK_G=group_block(shape.group),
+            BLOCK_G=group_block(shape.query_rows),
             BLOCK_N=cfg.block_n,
-            STRIDE_QD=q.stride(2),
+            STRIDE_QD=q.stride(-1),
             STRIDE_KD=k.stride(3),
             STRIDE_VD=v.stride(3),
             HAS_SEQ_LENS=self.has_lens,
@@ -136,21 +154,25 @@ class TritonDecodeLaunch:
         if rocm and cfg.waves_per_eu is not None:
             self._stage1_constexprs["waves_per_eu"] = cfg.waves_per_eu
         if num_splits > 1:
-            self._stage2_args = _stage2_args(self.o_part, self.lse_part, out_strides, lse_strides)
+            # Stage two sees Sq * Hq heads: a token's stride is Hq head strides in every layout.
+            self._stage2_args = _stage2_args(
+                self.o_part, self.lse_part, (out_strides[0], out_strides[2]), (lse_strides[0], lse_strides[2])
+            )
         self._guard = _device_guard(q.device)
 
     def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 in this launch's :class:`OutLayout`."""
-        return self.out_layout.new(self.shape.batch, self.shape.q_heads, self.shape.head_dim, self.device)
+        """Fresh ``out [B, (Sq,) Hq, D]`` and ``lse [B, (Sq,) Hq]`` float32 in this launch's :class:`OutLayout`."""
+        s = self.shape
+        return self.out_layout.new(s.batch, s.q_heads, s.head_dim, self.device, s.q_len if self.tokens else None)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
-        out: torch.Tensor, lse: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None,
     ) -> None:
         """Write the attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (laid out as this
-        launch's :class:`OutLayout`, e.g. from :meth:`new_outputs`). ``seq_lens`` must be a
-        contiguous int32 tensor (or None iff it was None at construction); out-of-range values are
-        clamped by the kernel."""
+        launch's :class:`OutLayout`, e.g. from :meth:`new_outputs`). ``seq_lens`` and
+        ``block_table`` must be contiguous int32 tensors (or None iff they were at construction);
+        out-of-range lengths and block ids are clamped by the kernel."""
         if self.trivial:
             out.zero_()
             lse.fill_(float("-inf"))
@@ -159,18 +181,19 @@ class TritonDecodeLaunch:
 
         # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it.
         lens = seq_lens if self.has_lens else lse
+        table = block_table if self.paged else lse
         split = self.num_splits > 1
         try:
             with self._guard:
                 triton_decode.split_kv_stage1_kernel[self.grid1](
-                    q, k, v, lens,
+                    q, k, v, lens, table,
                     self.o_part if split else out,
                     self.lse_part if split else lse,
                     *self._stage1_scalars,
                     **self._stage1_constexprs,
                 )
                 if split:
-                    triton_decode.split_kv_stage2_kernel[(self.shape.batch * self.shape.q_heads,)](
+                    triton_decode.split_kv_stage2_kernel[(self.shape.batch * self.shape.q_len * self.shape.q_heads,)](
                         self.o_part, self.lse_part, out, lse, *self._stage2_args,
                         HEAD_DIM=self.shape.head_dim,
                         BLOCK_D=padded_head_dim(self.shape.head_dim),
@@ -196,24 +219,30 @@ def decode_attention_triton(
     scale: float | None = None,
     config: DecodeConfig | None = None,
     device_spec: DeviceSpec | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention with the Triton kernel, resolved afresh on every call (tests,
     tuning of one config). Decode loops use ``kernels.prepared``, which resolves once.
 
     Args:
-        q: ``[B, Hq, D]`` fp16/bf16/fp32, any strides.
-        k, v: ``[B, N, Hkv, D]`` (same dtype, any strides, e.g. slices of a larger cache), ``Hq % Hkv == 0``.
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]`` fp16/bf16/fp32, any strides.
+        k, v: ``[B, N, Hkv, D]`` (same dtype, any strides, e.g. slices of a larger cache), ``Hq % Hkv == 0``;
+            with ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``.
         seq_lens: optional integer ``[B]`` on q's device, valid keys per row (0..N; clamped to that range).
-        scale, config, device_spec: see :class:`TritonDecodeLaunch`.
+        scale, config, device_spec, block_table, causal: see :class:`TritonDecodeLaunch`.
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 (natural log); rows without
-        keys give out 0 and lse -inf.
+        ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``, natural log);
+        query tokens without keys give out 0 and lse -inf.
     """
-    launch = TritonDecodeLaunch(q, k, v, seq_lens, scale=scale, config=config, device_spec=device_spec)
+    launch = TritonDecodeLaunch(
+        q, k, v, seq_lens, scale=scale, config=config, device_spec=device_spec, block_table=block_table, causal=causal
+    )
     out, lse = launch.new_outputs()
     lens = None if seq_lens is None else seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
-    launch(q, k, v, lens, out, lse)
+    table = None if block_table is None else block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    launch(q, k, v, lens, out, lse, table)
     return out, lse
 
 

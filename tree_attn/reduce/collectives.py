@@ -4,6 +4,14 @@ Every rank computes the attention of the (shared) query against its own KV shard
 state ``(o, lse)``; the states are merged across ranks following a :class:`ReductionPlan`, and
 every rank ends with the attention over the union of all shards.
 
+Several query tokens per row (``q [B, Sq, Hq, D]``) merge exactly like heads: a state per (row,
+token, head), so the messages are ``[B, Sq * Hq, D + 1]``. With ``causal=True`` the new tokens'
+own KV (the last Sq valid keys of each row) is on the **last rank** (``world_size - 1``): that
+rank's kernel applies the causal mask, every other rank's keys are in the past of every new
+token and are read in full. So the merge is the same merge, and the result is exact.
+
+A paged cache: each rank passes its own pools and block table for its shard's pages.
+
 Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and the merge
 (``reduce.merges``) for one signature; the public :func:`tree_decode` reuses cached ones, and
 :class:`TreeDecodeStep` binds one to static tensors and replays it as a CUDA graph on GPUs.
@@ -17,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dtypes
-from ..errors import DistributedError
+from ..errors import DistributedError, ShapeError
 from ..graphs import CapturedStep, StaticStep
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
@@ -34,17 +42,20 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def exchange_shapes(
-    q: torch.Tensor, shape: DecodeShape, group, stats: CommStats | None, kv_dtype: torch.dtype
+    q: torch.Tensor, shape: DecodeShape, group, stats: CommStats | None, kv_dtype: torch.dtype, causal: bool = False
 ) -> list[int]:
-    """All-gather every rank's (B, Hq, Hkv, D, q dtype, KV dtype, N); raise if any but N disagree.
+    """All-gather every rank's (B, Sq, Hq, Hkv, D, q dtype, KV dtype, causal, N); raise if any
+    but N disagree.
 
-    Returns each rank's KV length N (the ring baseline needs them). One small collective. A KV
-    dtype that differs between ranks would make the ring's receive buffers the wrong type (NCCL
-    would reinterpret the bytes silently), so it is checked with the rest.
+    Returns each rank's KV length N (a paged shard's: its block table's capacity; the ring
+    baseline needs them). One small collective. A KV dtype that differs between ranks would make
+    the ring's receive buffers the wrong type (NCCL would reinterpret the bytes silently), so it
+    is checked with the rest.
     """
-    names = ("B", "Hq", "Hkv", "D", "q dtype", "KV dtype")
+    names = ("B", "Sq", "Hq", "Hkv", "D", "q dtype", "KV dtype", "causal")
     desc = torch.tensor(
-        [shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, _dtype_code(q.dtype), _dtype_code(kv_dtype), shape.kv_len],
+        [shape.batch, shape.q_len, shape.q_heads, shape.kv_heads, shape.head_dim, _dtype_code(q.dtype),
+         _dtype_code(kv_dtype), int(causal), shape.kv_len],
         dtype=torch.int64,
         device=q.device,
     )
@@ -60,7 +71,8 @@ def exchange_shapes(
             )
             raise DistributedError(
                 f"ranks disagree on the query/KV shape: this rank (rank {dist.get_rank(group)}) and rank {r} differ in "
-                f"{diffs}; every rank must pass the same q [B, Hq, D] and KV shards with the same B, Hkv, D and dtype"
+                f"{diffs}; every rank must pass the same q [B, (Sq,) Hq, D] and causal flag, and KV shards with the same "
+                f"B, Hkv, D and dtype"
             )
     return [int(n) for n in every[:, fixed]]
 
@@ -71,31 +83,62 @@ def _describe_field(name: str, value: int) -> str:
     return str(value)
 
 
+def local_causal(causal: bool, group) -> bool:
+    """Whether this rank's shard holds the new tokens' KV: the last rank's, under ``causal``."""
+    return causal and dist.get_rank(group) == dist.get_world_size(group) - 1
+
+
+def check_new_tokens(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor | None, group) -> None:
+    """On the last rank under ``causal``: every row's shard must hold the Sq new tokens' keys.
+
+    Reads seq_lens' values (a host sync for GPU tensors: callers run it when a signature is
+    prepared, and on CPU tensors per call). Raises :class:`ShapeError` naming the row.
+    """
+    sq = q.shape[1] if q.dim() == 4 else 1
+    world = dist.get_world_size(group)
+    lens = [k.shape[1]] * q.shape[0] if seq_lens is None else [int(x) for x in seq_lens.tolist()]
+    short = [b for b, n in enumerate(lens) if n < sq]
+    if short:
+        b = short[0]
+        raise ShapeError(
+            f"causal decoding over {world} rank(s): the {sq} new tokens' keys must be the last {sq} valid keys of the last "
+            f"rank's (rank {world - 1}) shard, but its row {b} has only {lens[b]} valid keys; append the new tokens' KV to "
+            f"rank {world - 1}'s shard (and its seq_lens) before the call"
+        )
+
+
 class TreeDecoder:
     """``tree_decode`` for one signature on this rank: a local kernel resolved once (writing the
     packed message in place, :class:`PreparedDecode` with the ``PACKED`` layout) and a prepared
-    merge. ``decoder(q, k, v, seq_lens)`` returns views ``(out [B, Hq, D], lse [B, Hq])`` float32
-    of the merge's final buffer, valid until the merge's next call.
+    merge. ``decoder(q, k, v, seq_lens)`` returns views ``(out [B, (Sq,) Hq, D], lse [B, (Sq,) Hq])``
+    float32 of the merge's final buffer, valid until the merge's next call.
     """
 
     def __init__(self, local: PreparedDecode, merge: TreeMerge | AllReduceMerge) -> None:
-        d = local.shape.head_dim
+        s = local.shape
+        d = s.head_dim
         self.local, self.merge = local, merge
-        self.out, self.lse = merge.final[..., :d], merge.final[..., d]
-        self._local_out, self._local_lse = merge.local[..., :d], merge.local[..., d]
+        # The merge sees Sq * Hq heads; out and lse keep q's layout.
+        lead = (s.batch, s.q_len, s.q_heads) if local.tokens else (s.batch, s.q_heads)
+        final, mine = merge.final.view(*lead, d + 1), merge.local.view(*lead, d + 1)
+        self.out, self.lse = final[..., :d], final[..., d]
+        self._local_out, self._local_lse = mine[..., :d], mine[..., d]
 
-    def __call__(self, q, k, v, seq_lens=None, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        self.local(q, k, v, seq_lens, self._local_out, self._local_lse)
+    def __call__(
+        self, q, k, v, seq_lens=None, stats: CommStats | None = None, block_table=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.local(q, k, v, seq_lens, self._local_out, self._local_lse, block_table)
         self.merge()
         if stats is not None:
             stats.add(self.merge.traffic)
         return self.out, self.lse
 
 
-def _new_merge(q, k, shape: DecodeShape, group, plan: ReductionPlan, check_shapes: bool):
+def _new_merge(q, k, shape: DecodeShape, group, plan: ReductionPlan, check_shapes: bool, causal: bool = False):
     if check_shapes:
-        exchange_shapes(q, shape, group, None, k.dtype)
-    return build_merge(plan, group, shape.batch, shape.q_heads, shape.head_dim, q.device)
+        exchange_shapes(q, shape, group, None, k.dtype, causal)
+    # One state per (row, token, head): the Sq tokens merge as Sq * Hq heads.
+    return build_merge(plan, group, shape.batch, shape.q_len * shape.q_heads, shape.head_dim, q.device)
 
 
 # Prepared merges of the public tree_decode, keyed by what every rank shares (group, plan, q's
@@ -116,17 +159,20 @@ def clear_merge_cache() -> None:
     _MERGES.clear()
 
 
-def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool):
-    """The cached merge for this call; inputs are checked whenever a merge is built."""
+def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool, block_table=None, causal=False):
+    """The cached merge for this call; inputs are checked whenever a merge is built (and on the
+    last rank under ``causal``, that its shard holds the new tokens)."""
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
     # The group object itself, not None: after destroy_process_group and a new init the default
     # group is a new object, so a merge (and its shape exchange) is never reused across groups.
     resolved = group if group is not None else dist.group.WORLD
-    key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream)
+    key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream, causal)
     merge = _MERGES.get(key)
     if merge is None:
-        shape = check_decode_inputs(q, k, v, seq_lens)
-        merge = _MERGES[key] = _new_merge(q, k, shape, group, plan, check_shapes)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        if local_causal(causal, group) and q.device.type != "cpu":
+            check_new_tokens(q, k, seq_lens, group)  # GPU: once here; CPU: per call in tree_decode
+        merge = _MERGES[key] = _new_merge(q, k, shape, group, plan, check_shapes, causal)
         if len(_MERGES) > MERGE_CACHE_SIZE:
             _MERGES.popitem(last=False)
     else:
@@ -147,13 +193,25 @@ def tree_decode(
     config=None,
     check_shapes: bool = True,
     stats: CommStats | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-attention decoding: a collective over ``group`` (default: the world).
 
     Args:
-        q: ``[B, Hq, D]``, the same on every rank.
-        k, v: this rank's KV shard ``[B, N_r, Hkv, D]``; N_r may differ per rank and may be 0.
-        seq_lens: optional int ``[B]``: valid keys of this rank's shard per row (0..N_r).
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``, the same on every rank.
+        k, v: this rank's KV shard ``[B, N_r, Hkv, D]``; N_r may differ per rank and may be 0. With
+            ``block_table``: this rank's pools ``[num_blocks, block_size, Hkv, D]`` holding its
+            shard's pages.
+        seq_lens: optional int ``[B]``: valid keys of this rank's shard per row (0..N_r); required
+            with a block table.
+        block_table: this rank's int32 ``[B, max_blocks]`` (see ``decode_attention``), or None.
+        causal: the Sq new tokens attend causally among themselves. Their own KV must be the
+            last Sq valid keys of the **last rank's** (rank ``world_size - 1``) shard; every
+            other rank's keys are in the past of all new tokens. The last rank raises
+            :class:`ShapeError` if a row of its shard has fewer than Sq valid keys (checked per
+            call for CPU tensors, when the signature is prepared for GPU tensors); the other
+            ranks then stop at their collective's timeout.
         scale: softmax scale (default ``D ** -0.5``).
         plan: the reduction plan (default :func:`reduce.plan.default_plan`).
         impl, config: passed to :func:`decode_attention` for the local shard.
@@ -164,20 +222,28 @@ def tree_decode(
         stats: a :class:`CommStats` to count this rank's messages and bytes into.
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32: attention over the union of
-        all ranks' keys, identical on every rank. NaN in any rank's q, k or v gives NaN in that
-        row on every rank; an empty shard is the merge's identity.
+        ``out`` in q's dtype and shape (``[B, Hq, D]`` or ``[B, Sq, Hq, D]``) and ``lse`` float32
+        (``[B, (Sq,) Hq]``): attention over the union of all ranks' keys, identical on every rank.
+        NaN in any rank's q, k or v gives NaN in that row on every rank; an empty shard is the
+        merge's identity.
     """
     comm.require_initialized()
     group = group if group is not None else dist.group.WORLD
     plan = plan or default_plan(dist.get_world_size(group))
     # No per-call checks: a merge and a local kernel are prepared (and their inputs checked) for
     # each new signature, and a call that hits both caches has a signature already checked.
-    merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes)
+    merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes, block_table, causal)
+    mine = local_causal(causal, group)
+    if mine and q.device.type == "cpu":
+        check_new_tokens(q, k, seq_lens, group)
     if q.numel() == 0:
-        return decode_attention(q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config)
-    local = prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED)
-    out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats)
+        return decode_attention(
+            q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=mine
+        )
+    local = prepared_decode(
+        q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED, block_table=block_table, causal=mine
+    )
+    out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table)
     # Fresh outputs: the merge's buffers are reused by the next call.
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
 
@@ -186,11 +252,14 @@ class TreeDecodeStep(StaticStep):
     """A prepared ``tree_decode`` on static tensors, replayed as a CUDA graph on GPUs.
 
     For decode loops and serving engines that keep static buffers: build it once from the tensors
-    the loop will update in place (``q``; ``k``, ``v`` the shard's cache; ``seq_lens`` its valid
-    lengths), then each step is ``out, lse = step()``. On GPUs the whole step (the local kernel,
-    the merge kernel, NCCL's sends and receives or all-reduces, the output copies) is one graph
-    replay; on CPU ranks it runs eagerly with the same prepared objects. ``out [B, Hq, D]`` (q's
-    dtype) and ``lse [B, Hq]`` float32 are static too: overwritten by the next step.
+    the loop will update in place (``q``, ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``; ``k``, ``v`` the
+    shard's cache, or its paged pools with ``block_table``, whose contents may change between
+    steps; ``seq_lens`` its valid lengths), then each step is ``out, lse = step()``. Block tables
+    and, under ``causal``, the last rank's lengths are checked here, once (see ``tree_decode``).
+    On GPUs the whole step (the local kernel, the merge kernel, NCCL's sends and receives or
+    all-reduces, the output copies) is one graph replay; on CPU ranks it runs eagerly with the same
+    prepared objects. ``out`` (q's shape and dtype) and ``lse [B, (Sq,) Hq]`` float32 are static
+    too: overwritten by the next step.
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
     same point. ``captured`` says whether the graph is in use, ``why_eager`` why not.
@@ -210,16 +279,25 @@ class TreeDecodeStep(StaticStep):
         config=None,
         check_shapes: bool = True,
         cuda_graph: bool = True,
+        block_table: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> None:
         comm.require_initialized()
         group = group if group is not None else dist.group.WORLD
         plan = plan or default_plan(dist.get_world_size(group))
         self.tensors = (q, k, v, seq_lens)
-        shape = check_decode_inputs(q, k, v, seq_lens)
-        local = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED)
-        self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes))
+        self.block_table = block_table
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        mine = local_causal(causal, group)
+        if mine:
+            check_new_tokens(q, k, seq_lens, group)  # once, at build (the step replays without syncing)
+        local = PreparedDecode(
+            q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED,
+            block_table=block_table, causal=mine,
+        )
+        self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        self.lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
 
     @property
@@ -230,7 +308,7 @@ class TreeDecodeStep(StaticStep):
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out.numel() == 0:
             return self.out, self.lse
-        out, lse = self.decoder(*self.tensors)
+        out, lse = self.decoder(*self.tensors, None, self.block_table)
         self.out.copy_(out)
         self.lse.copy_(lse)
         return self.out, self.lse

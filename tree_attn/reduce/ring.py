@@ -5,6 +5,14 @@ to its successor while computing attention on it, and receives its predecessor's
 arriving block's state is merged into the running state. Sends and receives overlap the compute.
 Per decode step each rank sends ``p - 1`` whole KV shards: volume linear in the sequence length,
 against the tree's ``O(B * Hq * D)`` messages independent of it.
+
+A paged shard is read in place for this rank's own block; the copy that travels is its pages
+gathered into a contiguous ``[B, max_blocks * block_size, Hkv, D]`` block (``kernels.paged``).
+Under ``causal`` the new tokens' KV is on the last rank (as in ``tree_decode``), and only the
+block that came from rank ``world_size - 1`` is computed with the causal mask. Whether a block is
+that one is not sent with it: at step s every rank holds rank ``rank - s``'s block (the ring's
+order is fixed), so each rank knows it without an extra message or a host read of a flag (which
+on GPUs would sync every step).
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ import torch.distributed as dist
 from ..errors import DistributedError
 from ..kernels.layout import FLOAT32
 from ..kernels.prepared import prepared_decode
+from ..kernels.paged import gather_pages
 from ..kernels.shapes import check_decode_inputs
 from ..merge import merge_two
 from . import comm
-from .collectives import exchange_shapes
+from .collectives import check_new_tokens, exchange_shapes
 from .comm import CommStats
 
 
@@ -36,26 +45,33 @@ def ring_decode(
     config=None,
     lengths: Sequence[int] | None = None,
     stats: CommStats | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring Attention decoding; same contract as :func:`tree_decode`.
 
     Args:
-        q: ``[B, Hq, D]``, the same on every rank; k, v: this rank's shard ``[B, N_r, Hkv, D]``.
-        seq_lens: optional int ``[B]`` valid keys of this rank's shard per row.
-        lengths: every rank's shard length ``N_r``, in group-rank order, if already known (a decode
-            loop learns them once); ``None`` = all-gather them, and check that the ranks' shapes
-            agree, first (one small collective and a host sync per call).
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]``, the same on every rank; k, v: this rank's shard
+            ``[B, N_r, Hkv, D]``, or its paged pools with ``block_table``.
+        seq_lens: optional int ``[B]`` valid keys of this rank's shard per row (required when paged).
+        lengths: every rank's shard length ``N_r`` (paged: ``max_blocks * block_size``), in
+            group-rank order, if already known (a decode loop learns them once); ``None`` =
+            all-gather them, and check that the ranks' shapes agree, first (one small collective
+            and a host sync per call).
+        block_table, causal: as in :func:`tree_decode` (the new tokens' KV on the last rank).
 
     Returns:
-        ``out [B, Hq, D]`` in q's dtype and ``lse [B, Hq]`` float32 over all ranks' keys.
+        ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``) over all ranks' keys.
     """
     comm.require_initialized()
-    shape = check_decode_inputs(q, k, v, seq_lens)
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if causal and rank == world - 1:
+        check_new_tokens(q, k, seq_lens, group)
     # Block sizes differ per rank; every rank learns them (and checks the shapes agree) up front.
     if lengths is None:
-        lengths = exchange_shapes(q, shape, group, stats, k.dtype)
+        lengths = exchange_shapes(q, shape, group, stats, k.dtype, causal)
     else:
         lengths = [int(n) for n in lengths]
         if len(lengths) != world or lengths[rank] != shape.kv_len:
@@ -66,7 +82,13 @@ def ring_decode(
     b = shape.batch
     if seq_lens is None:
         seq_lens = torch.full((b,), shape.kv_len, dtype=torch.int32, device=q.device)
-    cur_k, cur_v, cur_len = k.contiguous(), v.contiguous(), seq_lens.to(torch.int32).contiguous()
+    cur_len = seq_lens.to(torch.int32).contiguous()
+    if block_table is None:
+        cur_k, cur_v = k.contiguous(), v.contiguous()
+    elif world > 1:  # what travels: the shard's pages, gathered (this rank's own block is read in place)
+        cur_k, cur_v = gather_pages(k, block_table, cur_len), gather_pages(v, block_table, cur_len)
+    else:  # nothing travels
+        cur_k = cur_v = None
     out = lse = None
     succ, pred = (rank + 1) % world, (rank - 1) % world
     for step in range(world):
@@ -84,9 +106,17 @@ def ring_decode(
             recvs = [(nxt_len, pred)] + ([(nxt_k, pred), (nxt_v, pred)] if n_src > 0 else [])
             reqs = comm.batch_p2p(sends, recvs, group, stats)
         # Compute on the block in hand while it travels on; float32 partials (no rounding to q's
-        # dtype before the merge), the local kernel resolved once per block shape.
-        local = prepared_decode(q, cur_k, cur_v, cur_len, scale=scale, impl=impl, config=config, out_layout=FLOAT32)
-        o_blk, lse_blk = local(q, cur_k, cur_v, cur_len)
+        # dtype before the merge), the local kernel resolved once per block shape. The block in
+        # hand came from rank (rank - step): the causal one iff that is the last rank.
+        blk_causal = causal and (rank - step) % world == world - 1
+        if step == 0 and block_table is not None:
+            local = prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=FLOAT32,
+                                    block_table=block_table, causal=blk_causal)
+            o_blk, lse_blk = local(q, k, v, seq_lens, block_table=block_table)
+        else:
+            local = prepared_decode(q, cur_k, cur_v, cur_len, scale=scale, impl=impl, config=config,
+                                    out_layout=FLOAT32, causal=blk_causal)
+            o_blk, lse_blk = local(q, cur_k, cur_v, cur_len)
         if out is None:
             out, lse = o_blk, lse_blk
         else:
