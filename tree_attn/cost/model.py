@@ -116,8 +116,8 @@ def local_attention_us(cluster: ClusterSpec, tokens: int, w: Workload) -> float:
 
 
 def _core_share(cluster: ClusterSpec) -> float:
-    """CPU ranks of one node share its cores: with more ranks than cores each computes at
-    cores / ranks of its speed (the run pins one intra-op thread per rank)."""
+    """CPU ranks of one node share its cores: with more ranks than cores each computes (and runs
+    gloo's copies) at cores / ranks of its speed (the run gives each rank one intra-op thread)."""
     cores = cluster.device.shared_cores
     if cores is None:
         return 1.0
@@ -131,7 +131,8 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
     p = cluster.world_size
     tree = plan.tree(p)
     msg = w.message_bytes
-    merge = cluster.device.merge_us * _core_share(cluster)
+    share = _core_share(cluster)
+    merge = cluster.device.merge_us * share
     local = local_attention_us(cluster, w.shard_tokens(p), w)
     # Upward pass, children before parents (deepest first).
     order = sorted(range(p), key=lambda r: -tree.depth[r])
@@ -141,10 +142,10 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
         if not kids:
             ready[node] = 0.0
             continue
-        arrivals = [ready[c] + cluster.link(c, node).p2p_us(msg) for c in kids]
+        arrivals = [ready[c] + share * cluster.link(c, node).p2p_us(msg) for c in kids]
         # Messages from several children share the node's ingress: all but the first queue for
         # its bandwidth (the smallest class bandwidth among them, conservatively).
-        ingress = sum(msg / (cluster.link(c, node).p2p_gbps * 1e3) for c in kids[1:])
+        ingress = share * sum(msg / (cluster.link(c, node).p2p_gbps * 1e3) for c in kids[1:])
         ready[node] = max(arrivals) + ingress + merge
     # Downward pass: a node sends to its children one after the other on its egress.
     have = [0.0] * p
@@ -154,7 +155,7 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
         t = have[node]
         for i, c in enumerate(tree.children[node]):
             link = cluster.link(node, c)
-            have[c] = t + link.p2p_latency_us + (i + 1) * msg / (link.p2p_gbps * 1e3)
+            have[c] = t + share * (link.p2p_latency_us + (i + 1) * msg / (link.p2p_gbps * 1e3))
     comm = max(have) if p > 1 else 0.0
     sends = [(1 if tree.parent[r] >= 0 else 0) + len(tree.children[r]) for r in range(p)]
     extra = msg * (3 + max(len(c) for c in tree.children))  # local, merged, down + one per child
@@ -181,7 +182,8 @@ def predict_allreduce(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     p = cluster.world_size
     local = local_attention_us(cluster, w.shard_tokens(p), w)
     merge = cluster.device.merge_us * _core_share(cluster)
-    comm = (allreduce_us(cluster, w.lse_bytes) + allreduce_us(cluster, w.message_bytes) + merge) if p > 1 else 0.0
+    comm = ((allreduce_us(cluster, w.lse_bytes) + allreduce_us(cluster, w.message_bytes)) * _core_share(cluster)
+            + merge) if p > 1 else 0.0
     payload = w.lse_bytes + w.message_bytes
     sent = (2 * (p - 1) * payload) // p if p > 1 else 0
     msgs = 4 * (p - 1) if p > 1 else 0
@@ -199,13 +201,15 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     if p == 1:
         return _prediction("ring", "ring", cluster, w, compute, 0.0, 0, 0, 0)
     # Every rank sends at once: a round waits for the ring's slowest edge (r -> r + 1).
-    slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.p2p_us(shard))
-    transfer = slowest.p2p_us(shard + 4 * w.batch)  # the block and its per-row lengths
-    rounds = (p - 1) * (max(compute, transfer) + merge)
+    slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.bulk_us(shard))
+    transfer = slowest.bulk_us(shard + 4 * w.batch) * _core_share(cluster)  # the block and its lengths
+    both = max(compute, transfer) if cluster.device.overlap else compute + transfer
+    rounds = (p - 1) * (both + merge)
     # The first block's compute counts as ``local``; the rounds' compute after the first block,
     # the transfers and the merges as ``comm``: rounds + last compute - first compute = rounds.
     sent = (p - 1) * (shard + 4 * w.batch)
-    return _prediction("ring", "ring", cluster, w, compute, rounds, sent, 3 * (p - 1), 2 * shard)
+    # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).
+    return _prediction("ring", "ring", cluster, w, compute, rounds, sent, 3 * (p - 1), min(2, p - 1) * shard)
 
 
 def _prediction(strategy, label, cluster, w, local, comm, sent, msgs, extra) -> StepPrediction:

@@ -47,6 +47,8 @@ class LinkParams:
         ar_step_us: alpha of one step of an all-reduce over this class (NCCL's per-hop latency
             of the LL protocol; gloo's per-step round trip on CPU ranks).
         ar_gbps: all-reduce bus bandwidth over this class, GB/s.
+        bulk_gbps: bandwidth of a ring round's KV-block exchange (every rank sends and receives a
+            whole block at once, into buffers allocated for the round), GB/s; None = ``p2p_gbps``.
         source: where the numbers come from, in words (a datasheet, a measurement...).
     """
 
@@ -55,9 +57,12 @@ class LinkParams:
     p2p_gbps: float
     ar_step_us: float
     ar_gbps: float
+    bulk_gbps: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
+        if self.bulk_gbps is not None:
+            object.__setattr__(self, "bulk_gbps", _positive(f"{self.kind}.bulk_gbps", self.bulk_gbps))
         if self.kind not in LINK_CLASSES:
             raise ConfigError(f"link class {self.kind!r}: expected one of {', '.join(LINK_CLASSES)}")
         for name in ("p2p_latency_us", "ar_step_us"):
@@ -68,6 +73,10 @@ class LinkParams:
     def p2p_us(self, nbytes: float) -> float:
         """Time of one point-to-point message of ``nbytes``: alpha + bytes / beta."""
         return self.p2p_latency_us + nbytes / (self.p2p_gbps * 1e3)
+
+    def bulk_us(self, nbytes: float) -> float:
+        """Time of a ring round's exchange of ``nbytes`` each way: alpha + bytes / bulk beta."""
+        return self.p2p_latency_us + nbytes / ((self.bulk_gbps or self.p2p_gbps) * 1e3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,7 +97,11 @@ class DeviceParams:
         collective_us: fixed cost of launching one all-reduce (NCCL's base latency), microseconds.
         memory_bytes: the device's memory, for the "does the shard fit" note (None: unknown).
         shared_cores: CPU ranks only: the host's cores, which all ranks of a node share (a rank's
-            compute slows by ranks per node / cores when they outnumber the cores); None on GPUs.
+            compute and communication slow by ranks per node / cores when they outnumber the
+            cores); None on GPUs.
+        overlap: whether communication runs beside the compute (GPUs: copy engines and NICs
+            beside the SMs) or takes the same cores (CPU ranks: the TCP copies of gloo run on the
+            cores that compute, so a ring round costs compute + transfer, not the max).
         source: where the numbers come from.
     """
 
@@ -100,6 +113,7 @@ class DeviceParams:
     collective_us: float = 0.0
     memory_bytes: int | None = None
     shared_cores: int | None = None
+    overlap: bool = True
     source: str = ""
 
     def __post_init__(self) -> None:
