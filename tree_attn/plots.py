@@ -13,6 +13,7 @@ from typing import Any
 from .errors import ConfigError
 
 STRATEGY_COLORS = {"tree": "#1b7837", "allreduce": "#2166ac", "ring": "#b2182b"}
+STRATEGY_MARKERS = {"tree": "o", "allreduce": "s", "ring": "^"}  # tree and allreduce bytes overlap
 # Link classes, fastest first, as ``topology.model.LinkKind`` names them, and their colours.
 LINK_COLORS = {"nvlink": "#1b9e77", "xgmi": "#66a61e", "pix": "#7570b3", "pxb": "#8da0cb", "phb": "#e7298a",
                "node": "#e6ab02", "sys": "#d95f02", "unknown": "#999999", "net": "#a6761d"}
@@ -107,11 +108,14 @@ def plot_sweep(sweep: list[dict[str, Any]], path: str, title: str) -> None:
         pts.sort()
         xs = [p[0] for p in pts]
         color = STRATEGY_COLORS.get(strat)
-        ax1.plot(xs, [p[1] for p in pts], "o-", color=color, label=strat, ms=4)
+        marker = STRATEGY_MARKERS.get(strat, "o") + "-"
+        ax1.plot(xs, [p[1] for p in pts], marker, color=color, label=strat, ms=5, mfc="none")
         ax1.fill_between(xs, [p[1] for p in pts], [p[2] for p in pts], color=color, alpha=0.15)
-        ax2.plot(xs, [max(p[3], 1) for p in pts], "o-", color=color, label=strat, ms=4)
+        ax2.plot(xs, [max(p[3], 1) for p in pts], marker, color=color, label=strat, ms=5, mfc="none")
+    lengths = sorted({res["config"]["seq_len"] for res in sweep})
     for ax, ylabel in ((ax1, "median step (ms; band to p95)"), (ax2, "bytes sent per rank per step")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_tokens(n) for n in lengths])
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(ylabel)
@@ -152,22 +156,33 @@ def plot_topology(topo, path: str) -> None:
                 ax.plot([xa, xb], [ya, yb], color=LINK_COLORS.get(kind.value, "#333333"), lw=width, alpha=0.8,
                         zorder=1)
         ax.plot([], [], color=LINK_COLORS.get(kind.value, "#333333"), lw=width, label=kind.value)
-    for grp in islands if len(islands) > 1 else []:
-        xs = [pos[d][0] for d in grp]
-        ys = [pos[d][1] for d in grp]
-        cx, cy = sum(xs) / len(xs), sum(ys) / len(ys)
-        r = max(math.hypot(x - cx, y - cy) for x, y in zip(xs, ys)) + 0.22
-        ax.add_patch(plt.Circle((cx, cy), r, fill=False, ls="--", color="#555555", lw=0.8, zorder=0))
+    for i, grp in enumerate(islands if len(islands) > 1 else []):
+        # An island: a grey band outside the circle, from its first member's angle to its last.
+        a0 = math.atan2(pos[grp[0]][1], pos[grp[0]][0])
+        a1 = math.atan2(pos[grp[-1]][1], pos[grp[-1]][0])
+        if a1 < a0:
+            a1 += 2 * math.pi
+        pad = 0.12
+        angs = [a0 - pad + (a1 - a0 + 2 * pad) * t / 40 for t in range(41)]
+        ax.plot([1.2 * math.cos(a) for a in angs], [1.2 * math.sin(a) for a in angs], color="#888888", lw=6,
+                alpha=0.45, solid_capstyle="round", zorder=0)
+        mid = (a0 + a1) / 2
+        ax.text(1.36 * math.cos(mid), 1.36 * math.sin(mid), f"island {i}", ha="center", va="center", fontsize=7,
+                color="#555555")
     for d in order:
         x, y = pos[d]
         ax.scatter([x], [y], s=420, color="white", edgecolors="black", zorder=2)
         ax.text(x, y, str(d), ha="center", va="center", fontsize=9, zorder=3)
+    from .profiles.schema import hierarchy_text
+
     name = topo.devices[0].name if topo.devices[0].name != "unknown" else "devices"
-    ax.set_title(f"{n} x {name} ({topo.source})\nislands: " + "  ".join(
-        "[" + ",".join(map(str, g)) + "]" for g in islands), fontsize=8)
+    levels_text = " > ".join(hierarchy_text(topo))
+    if len(levels_text) > 70:
+        levels_text = levels_text[:67] + "..."
+    ax.set_title(f"{n} x {name} ({topo.source})\nhierarchy: {levels_text}", fontsize=8)
     ax.legend(title="link class", fontsize=7, title_fontsize=7, loc="upper right", bbox_to_anchor=(1.12, 1.0))
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_xlim(-1.4, 1.4)
-    ax.set_ylim(-1.4, 1.4)
+    ax.set_xlim(-1.5, 1.5)
+    ax.set_ylim(-1.5, 1.5)
     _save(fig, path)
