@@ -26,9 +26,9 @@ from .params import ClusterSpec, DeviceParams, LinkParams
 
 # The calibration shape: Llama-3.1-8B attention (32 query heads, 8 KV heads, D 128), batch 1.
 SHAPE = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128)
-# Two shard lengths for the line; long enough that the KV shard leaves the caches (16 MiB and
-# 64 MiB of fp32 K and V), short enough to take seconds.
-SHORT_TOKENS, LONG_TOKENS = 4096, 16384
+# Two shard lengths for the line, spanning the shards a run of 16K-256K tokens over 2-8 ranks
+# gives (64 MiB and 512 MiB of fp32 K and V: far beyond the caches); a few seconds in all.
+SHORT_TOKENS, LONG_TOKENS = 8192, 65536
 REPEATS = 9
 
 

@@ -61,6 +61,11 @@ class Workload:
     def elem_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def shard_sizes(self, world_size: int) -> list[int]:
+        """Tokens per rank, as ``RunSpec.shard_sizes``: the first ``seq_len % p`` ranks one more."""
+        base, extra = divmod(self.seq_len, world_size)
+        return [base + (1 if r < extra else 0) for r in range(world_size)]
+
     def shard_tokens(self, world_size: int) -> int:
         """Tokens of the largest shard."""
         return -(-self.seq_len // world_size)
@@ -207,9 +212,14 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     rounds = (p - 1) * (both + merge)
     # The first block's compute counts as ``local``; the rounds' compute after the first block,
     # the transfers and the merges as ``comm``: rounds + last compute - first compute = rounds.
-    sent = (p - 1) * (shard + 4 * w.batch)
+    # Rank r forwards every block but its successor's (the last to reach it): the busiest rank is
+    # the one whose successor holds the smallest block. An empty block sends only its lengths.
+    sizes = w.shard_sizes(p)
+    per_token = 2 * w.batch * w.kv_heads * w.head_dim * w.elem_bytes
+    sent = max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p)) + 4 * w.batch * (p - 1)
+    msgs = max(sum(3 if n else 1 for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
     # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).
-    return _prediction("ring", "ring", cluster, w, compute, rounds, sent, 3 * (p - 1), min(2, p - 1) * shard)
+    return _prediction("ring", "ring", cluster, w, compute, rounds, sent, msgs, min(2, p - 1) * shard)
 
 
 def _prediction(strategy, label, cluster, w, local, comm, sent, msgs, extra) -> StepPrediction:
