@@ -206,3 +206,19 @@ def test_calibration_line_through_two_points():
     assert fixed == pytest.approx(10.0) and gbps == pytest.approx(2.0)
     fixed, gbps = _line({1000: 600e-6, 4000: 500e-6}, 1000)  # noise: the long point's rate
     assert fixed == 0.0 and gbps == pytest.approx(4e6 / 500e-6 / 1e9)
+
+
+@pytest.mark.gpu
+def test_gpu_calibration_measures_this_node():
+    """What a GPU session runs (benchmarks/calibrate_costmodel.py): measured single-GPU terms and,
+    with several GPUs, the probed links with --measure numbers."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tree_attn.cost.calibrate import calibrate_gpu
+
+    c = calibrate_gpu(repeats=3, long_tokens=65536)
+    assert 0 < c.device.kernel_fraction <= 1 and c.device.kernel_fixed_us >= 0 and c.device.merge_us > 0
+    assert c.ranks_per_node == torch.cuda.device_count()
+    for strat in ("tree", "allreduce", "ring"):
+        assert predict_step(c, Workload(65536), strat).time_us > 0
