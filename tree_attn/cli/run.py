@@ -122,12 +122,13 @@ def render_sweep(results) -> None:
         title=styled(f"tree-attn run --sweep: {first.spec['world_size']} ranks, {first.device} ({first.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
-    for col in ("tokens", "strategy", "median", "p95", "sent/rank", "peak mem", "max err", "ring/x"):
+    # Fits 80 columns: units in the headers.
+    for col in ("tokens", "strategy", "median ms", "p95 ms", "sent/rank", "peak mem", "max err", "ring/x"):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for res in results:
         ring = next((r.step_ms_median for r in res.results if r.strategy == "ring"), None)
         for r in res.results:
-            table.add_row(f"{res.spec['seq_len']:,}", styled(r.plan), f"{r.step_ms_median:.2f} ms", f"{r.step_ms_p95:.2f} ms",
+            table.add_row(f"{res.spec['seq_len']:,}", styled(r.plan), f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
                           _fmt_bytes(r.bytes_sent_per_step), _fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
                           f"{ring / r.step_ms_median:.1f}" if ring else "-")
     out_console.print(table)
