@@ -55,6 +55,7 @@ def test_simulate_table_fits_80_columns(capsys):
     (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
     (["--dtype", "int8"], "--dtype 'int8'"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
+    (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds >= 0"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
     assert main(["simulate", *args]) == 1

@@ -39,6 +39,7 @@ def simulate_command(
     head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
     dtype: str = typer.Option("bf16", "--dtype", help="KV cache dtype: fp32, fp16 or bf16."),
     fanout: int = typer.Option(2, "--fanout", "-k", help="Fan-out of the topology-aware tree."),
+    step_overhead_us: float = typer.Option(None, "--step-overhead-us", help="Fixed time per decode step besides attention and its communication (a framework's Python, a graph launch), in microseconds; replaces the parameters' own."),
     plot: str = typer.Option(None, "--plot", help="Write latency vs sequence length and speedup vs world size to FILE.png (needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
@@ -52,7 +53,7 @@ def simulate_command(
     result = simulate(SimulateOptions(
         preset=preset, topology=topology, profile=profile, params=params, world_sizes=world_sizes,
         gpus_per_node=gpus_per_node, seq_lens=seq_lens, batch=batch, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, dtype=dtype, fanout=fanout,
+        head_dim=head_dim, dtype=dtype, fanout=fanout, step_overhead_us=step_overhead_us,
     ))
     if plot:
         from ..plots import plot_simulation

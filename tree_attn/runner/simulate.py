@@ -71,6 +71,7 @@ class SimulateOptions:
     head_dim: int = 128
     dtype: str = "bf16"
     fanout: int = 2
+    step_overhead_us: float | None = None  # replaces the parameters' fixed step overhead
 
 
 @dataclass
@@ -166,6 +167,12 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     if isinstance(opts.fanout, bool) or not isinstance(opts.fanout, int) or opts.fanout < 2:
         raise ConfigError(f"--fanout must be an integer >= 2; got {opts.fanout!r}")
     cluster, source = resolve_cluster(opts)
+    if opts.step_overhead_us is not None:
+        over = opts.step_overhead_us
+        if isinstance(over, bool) or not isinstance(over, (int, float)) or not 0 <= over <= 1e9:
+            raise ConfigError(f"--step-overhead-us must be a number of microseconds >= 0; got {over!r}")
+        cluster = dataclasses.replace(cluster, step_overhead_us=float(over))
+        source += f"; step overhead set to {over:g} us"
     g = opts.gpus_per_node or cluster.ranks_per_node
     if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_WORLD:
         raise ConfigError(f"--gpus-per-node must be an integer in 1..{MAX_WORLD}; got {g!r}")
