@@ -108,3 +108,12 @@ def test_run_sweep_json_and_plot(tmp_path, capsys):
         assert all(r["max_abs_err"] < 1e-5 for r in res["results"])
     _png_size(png)
     assert main(["run", "--device", "cpu", "-w", "2", "--sweep", ",".join(str(1000 + i) for i in range(17))]) == 1
+
+
+def test_simulate_from_a_profile(capsys):
+    assert main(["simulate", "--profile", "mi300x-8x-xgmi", "-w", "8,16", "-n", "64K", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["source"] == "profile mi300x-8x-xgmi (builtin-model); network from preset mi300x"
+    assert d["rows"][0]["tree"]["plan"] == "hier xgmi k=2" and d["cluster"]["network"]["p2p_gbps"] == 50.0
+    assert main(["simulate", "--profile", "cpu-4-ranks", "-w", "4"]) == 1
+    assert "calibrate_costmodel.py" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from .common import out_console, print_json, styled
 
 HELP = (
     "Predict one decode step of tree attention, the all-reduce form and Ring on a cluster you cannot "
-    "run here (2 to 1024 GPUs as nodes x GPUs per node, 32K to 10M tokens), from a cost model: per link "
+    "run here (up to 4096 GPUs as nodes x GPUs per node, up to 100M tokens), from a cost model: per link "
     "class a latency and a bandwidth for messages and for all-reduce, per device the memory bandwidth "
     "and the kernel's achieved fraction, a fixed step overhead.\n\n"
     "Parameters, first given wins: --params (a calibration file, benchmarks/calibrate_costmodel.py), "
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
 
 
 def simulate_command(
-    preset: str = typer.Option("h100-sxm", "--preset", help="Built-in cluster: h100-sxm, mi300x or rtx4090-pcie."),
+    preset: str = typer.Option(None, "--preset", help="Built-in cluster: h100-sxm, mi300x or rtx4090-pcie (default: the one of the device a --topology/--profile names, else h100-sxm)."),
     topology: str = typer.Option(None, "--topology", "-t", help="A node's topology: probe YAML (measured numbers used) or a recorded dump."),
     profile: str = typer.Option(None, "--profile", "-p", help="A profile (path or name): topology, kernel bandwidth, plan timings."),
     params: str = typer.Option(None, "--params", help="A parameters file written by benchmarks/calibrate_costmodel.py."),

@@ -22,6 +22,8 @@ MAX_WORLD = 4096
 MAX_SEQ = 100_000_000
 DEFAULT_WORLDS = (8, 16, 32, 64, 128)
 DEFAULT_SEQS = (32768, 131072, 524288, 1048576, 5120000)
+DEFAULT_PRESET = "h100-sxm"
+DEVICE_PRESETS = {"h100": "h100-sxm", "mi300x": "mi300x", "4090": "rtx4090-pcie"}
 
 
 def parse_tokens(text: str) -> int:
@@ -58,7 +60,7 @@ def parse_world(text: str) -> int:
 
 @dataclass(frozen=True)
 class SimulateOptions:
-    preset: str = "h100-sxm"
+    preset: str | None = None  # None: the preset of the device a topology/profile names, else h100-sxm
     topology: str | None = None
     profile: str | None = None
     params: str | None = None
@@ -120,13 +122,28 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
     """The parameters to simulate with, and where they came from (one line)."""
     from ..cost import fit
 
-    base = preset(opts.preset)
+    base = preset(opts.preset or DEFAULT_PRESET)
+
+    def base_for(device_name: str) -> ClusterSpec:
+        # Without --preset, what a topology or profile lacks (the network) comes from the preset
+        # of its own device: an MI300X node's from mi300x.
+        if opts.preset is None:
+            for key, name in DEVICE_PRESETS.items():
+                if key in device_name.lower():
+                    return preset(name)
+        return base
+
     if opts.params:
         return fit.load_params(opts.params), f"parameters file {opts.params}"
     if opts.profile:
         from ..profiles import open_profile
 
         prof = open_profile(opts.profile)
+        if prof.topology is not None and all(d.vendor == "cpu" for d in prof.topology.devices):
+            raise ConfigError(f"profile {prof.name!r} is for CPU ranks, whose device parameters a profile does not hold: "
+                              "run benchmarks/calibrate_costmodel.py on that machine and pass --params")
+        if prof.topology is not None:
+            base = base_for(prof.topology.devices[0].name)
         device = None
         if prof.topology is not None and fit.device_for(prof.topology.devices[0].name) is None and \
                 prof.topology.devices[0].vendor != "cpu":
@@ -141,6 +158,7 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
             topo = load_topology(path)
         except Exception:  # noqa: BLE001 - not a topology YAML: try a recorded dump
             topo = load_dump(path)
+        base = base_for(topo.devices[0].name)
         named = fit.device_for(topo.devices[0].name)
         device = named or base.device
         where = f"topology {path}" + ("" if named else f"; device from preset {base.name} (the topology names none)")
