@@ -103,7 +103,11 @@ def paper_predictions(cluster: ClusterSpec | None = None) -> dict:
 
 def print_table(data: dict) -> None:
     print(f"machine: {data['machine']}; load average before {data['load_before']}, after {data['load_after']}")
-    print(f"calibration: {'; '.join(data['params']['notes'])}")
+    if data.get("calibrate_each"):
+        print(f"calibrated again before each run ({len(data['calibrations'])} calibrations); the last: "
+              f"{'; '.join(data['params']['notes'])}")
+    else:
+        print(f"calibration: {'; '.join(data['params']['notes'])}")
     print(f"{'p':>2} {'tokens':>7} {'strategy':>9} {'meas ms':>9} {'p95 ms':>9} {'pred ms':>9} {'error':>7} "
           f"{'sent/rank':>13} {'predicted':>13} {'+MiB':>6} {'pred':>6}")
     for r in data["rows"]:
@@ -144,6 +148,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run command")
+    ap.add_argument("--calibrate-each", action="store_true",
+                    help="calibrate again right before each run (the same micro-measurements), so that a machine "
+                         "whose load drifts is measured under the load its runs see")
     ap.add_argument("--table-from", help="reprint the table of a JSON this script wrote")
     ap.add_argument("--paper-only", action="store_true", help="only the paper's endpoints (no runs, no calibration)")
     args = ap.parse_args()
@@ -155,21 +162,26 @@ def main() -> None:
         print_paper(paper_predictions())
         return
     load_before = os.getloadavg()[0]
+    from tree_attn.cost.calibrate import calibrate_cpu
+
     if args.params:
         from tree_attn.cost.fit import load_params
 
         cluster = load_params(args.params)
     else:
-        from tree_attn.cost.calibrate import calibrate_cpu
-
         print("calibrating (micro-measurements) ...", file=sys.stderr, flush=True)
         cluster = calibrate_cpu()
     print(f"calibration: {'; '.join(cluster.notes)}", file=sys.stderr, flush=True)
-    rows, runs = [], []
+    rows, runs, calibrations = [], [], []
     for p in [int(x) for x in args.world_sizes.split(",")]:
         for n in [int(x) for x in args.seq_lens.split(",")]:
+            if args.calibrate_each and not args.params:
+                cluster = calibrate_cpu()
+                calibrations.append(cluster.to_dict())
+                print(f"calibration: {'; '.join(cluster.notes)}", file=sys.stderr, flush=True)
             print(f"run -w {p} -n {n} ...", file=sys.stderr, flush=True)
             run = run_point(p, n, args.steps, args.warmup, args.timeout)
+            run["load_average"] = round(os.getloadavg()[0], 2)
             runs.append(run)
             new = predict_point(cluster, run)
             rows.extend(new)
@@ -180,7 +192,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores ({run['device'] if runs else 'cpu'})",
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "command": " ".join(sys.argv), "steps": args.steps, "warmup": args.warmup,
-        "params": cluster.to_dict(), "rows": rows, "paper": paper_predictions(), "runs": runs,
+        "params": cluster.to_dict(), "calibrate_each": args.calibrate_each, "calibrations": calibrations,
+        "rows": rows, "paper": paper_predictions(), "runs": runs,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
