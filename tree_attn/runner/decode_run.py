@@ -404,6 +404,10 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
         reports = decode_rank(env, spec)
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(reports, gathered, dst=0)
+        # No rank tears its group down while a peer still moves the gathered reports: a gloo pair
+        # destroyed under a peer's pending transfer aborts the process ("terminate called without
+        # an active exception"; seen with 2 torchrun nodes x 2 ranks on loopback).
+        barrier(env)
     finally:
         dist.destroy_process_group()
     if env.rank != 0:
