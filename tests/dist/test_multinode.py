@@ -60,7 +60,7 @@ def test_two_nodes_of_two_ranks_on_loopback(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "tree-attn-test", "-m", "tree_attn", "run", *args]
-        # Own session: a failure kills the agent and its ranks together.
+        # Its own process group: a failure kills torchrun and its ranks together.
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                       cwd=tmp_path, start_new_session=True))
     outs = []

@@ -210,7 +210,7 @@ def test_calibration_line_through_two_points():
 
 @pytest.mark.gpu
 def test_gpu_calibration_measures_this_node():
-    """What a GPU session runs (benchmarks/calibrate_costmodel.py): measured single-GPU terms and,
+    """What a GPU machine runs (benchmarks/calibrate_costmodel.py): measured single-GPU terms and,
     with several GPUs, the probed links with --measure numbers."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Built-in cluster presets: parameters from datasheets and NCCL's own latency model, not measured
-here. Each value cites its source; "assumed" marks a figure no source pins down, which a GPU
-session replaces with ``benchmarks/calibrate_costmodel.py`` on the real machine.
+here. Each value cites its source; "assumed" marks a figure no source pins down, which
+``benchmarks/calibrate_costmodel.py`` replaces with a measurement when run on the real machine.
 
 Sources:
 - [H100] NVIDIA H100 Tensor Core GPU datasheet: H100 SXM5 80 GB HBM3 at 3.35 TB/s; NVLink 4 at
