@@ -40,4 +40,7 @@ step probe-measure 300 tree-attn probe --measure --json
 step tune 600 tree-attn tune --quick --json
 step run 600 tree-attn run --seq-len 65536 --strategy tree,allreduce,ring --json
 step run-eager 600 tree-attn run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
+# The cost model's single-GPU terms and this node's links, measured; then the model against runs here.
+step calibrate-costmodel 600 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
+step simulate-calibrated 120 tree-attn simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json
 cat "$summary"

@@ -32,6 +32,7 @@ def probe_command(
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
     cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped (needs matplotlib)."),
 ) -> None:
     from ..errors import TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings
@@ -45,6 +46,11 @@ def probe_command(
             raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
+    if plot:
+        from ..plots import check_png_path, require_matplotlib
+
+        check_png_path(plot)
+        require_matplotlib()
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
@@ -63,6 +69,11 @@ def probe_command(
     if output is not None:
         save_topology(topo, output, force=force)
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
+    if plot:
+        from ..plots import plot_topology
+
+        plot_topology(topo, plot)
+        notice(f"wrote {plot}")
     if json_out:
         print_json(topo.to_dict())
     else:

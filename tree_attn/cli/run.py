@@ -42,16 +42,27 @@ def run_command(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else built-in defaults."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs eagerly."),
+    sweep: str = typer.Option(None, "--sweep", help="Comma list of sequence lengths (16K, 65536, 1M) to run one after the other instead of --seq-len; one table row per length and strategy."),
+    plot: str = typer.Option(None, "--plot", help="Write median step time and bytes per rank vs sequence length, per strategy, to FILE.png (log axes; needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     from ..runner.decode_run import run_decode
     from ..runner.run_setup import RunOptions, plan_run, strategies_beyond_tolerance
 
-    setup = plan_run(RunOptions(
+    options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
         seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
-    ))
+    )
+    if plot:
+        from ..plots import check_png_path, require_matplotlib
+
+        check_png_path(plot)
+        require_matplotlib()
+    if sweep is not None or plot:
+        _run_sweep(options, sweep, plot, json_out)
+        return
+    setup = plan_run(options)
     spec = setup.spec
     if setup.rank == 0:  # under torchrun every rank runs this: one voice is enough
         for n in setup.notices:
@@ -76,6 +87,53 @@ def run_command(
     if strategies_beyond_tolerance(result, spec.dtype):
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
+
+
+def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> None:
+    """``--sweep`` (and ``--plot``): one run per sequence length, one table, one picture."""
+    from ..runner.run_setup import strategies_beyond_tolerance
+    from ..runner.sweep import run_sweep
+
+    results = run_sweep(options, sweep, progress=lambda text: err_console.print(text, markup=False))
+    if plot:
+        from ..plots import plot_sweep
+
+        first = results[0]
+        plot_sweep([r.to_dict() for r in results], plot,
+                   f"tree-attn run: {first.spec['world_size']} ranks, {first.device} ({first.backend}); measured")
+    if json_out:
+        print_json({"sweep": [r.to_dict() for r in results]})
+    else:
+        render_sweep(results)
+    if plot:
+        err_console.print(f"wrote {plot}", markup=False)
+    bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
+    if bad:
+        error("a strategy's result differs from the reference beyond tolerance")
+        raise typer.Exit(1)
+
+
+def render_sweep(results) -> None:
+    from rich import box
+    from rich.table import Table
+
+    first = results[0]
+    table = Table(
+        title=styled(f"tree-attn run --sweep: {first.spec['world_size']} ranks, {first.device} ({first.backend})"),
+        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+    )
+    # Fits 80 columns: units in the headers.
+    for col in ("tokens", "strategy", "median ms", "p95 ms", "sent/rank", "peak mem", "max err", "ring/x"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for res in results:
+        ring = next((r.step_ms_median for r in res.results if r.strategy == "ring"), None)
+        for r in res.results:
+            table.add_row(f"{res.spec['seq_len']:,}", styled(r.plan), f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
+                          _fmt_bytes(r.bytes_sent_per_step), _fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
+                          f"{ring / r.step_ms_median:.1f}" if ring else "-")
+    out_console.print(table)
+    out_console.print("per decode step, as `tree-attn run` (median / p95 of the slowest rank; bytes each rank sends; "
+                      "peak memory of a rank); ring/x = ring's median over this row's", style="dim")
 
 
 def _fmt_bytes(n: float) -> str:

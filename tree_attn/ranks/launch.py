@@ -187,6 +187,40 @@ def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankE
     return RankEnv(rank=rank, world_size=world, backend=resolve_backend(backend, kind), device=device, local_rank=local)
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """How a torchrun job's ranks sit on nodes: ``nodes`` x ``ranks_per_node``, node n holding
+    ranks ``n * ranks_per_node .. (n + 1) * ranks_per_node - 1`` (torchrun numbers ranks node by
+    node); ``node`` is this process's node (torchrun's GROUP_RANK)."""
+
+    nodes: int
+    ranks_per_node: int
+    node: int = 0
+
+
+def torchrun_layout(env: RankEnv) -> NodeLayout:
+    """The node layout of a torchrun job from LOCAL_WORLD_SIZE and GROUP_RANK (one node when
+    they are absent). Every rank derives the same layout without talking to the others, so the
+    job's reduction plan agrees across ranks. Nodes with different rank counts, or ranks not
+    numbered node by node, are a ConfigError: the plan could not be agreed on."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return NodeLayout(1, env.world_size, 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    group_rank = _env_int("GROUP_RANK", "0")
+    if local_world < 1 or env.world_size % local_world:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={local_world} does not divide WORLD_SIZE={env.world_size}: give every node the same "
+            "--nproc-per-node (tree-attn plans the tree from equal nodes)"
+        )
+    nodes = env.world_size // local_world
+    if env.rank // local_world != group_rank or env.local_rank != env.rank % local_world:
+        raise ConfigError(
+            f"RANK={env.rank} is not rank {env.local_rank} of node GROUP_RANK={group_rank} with {local_world} ranks per "
+            "node: tree-attn expects torchrun's numbering, node by node"
+        )
+    return NodeLayout(nodes, local_world, group_rank)
+
+
 def _init_process_group(backend: str, device: str, **kwargs) -> None:
     """``init_process_group`` with a GPU rank's device made current and bound (``device_id``).
 

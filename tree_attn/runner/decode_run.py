@@ -54,12 +54,15 @@ class RunSpec:
     seed: int = 0
     timeout_s: float = 120.0
     cuda_graph: bool = True  # GPU ranks: replay the tree/allreduce step as a CUDA graph
+    nodes: int = 1  # torchrun jobs over several nodes: ranks world_size / nodes per node
 
     def __post_init__(self) -> None:
         for name in ("world_size", "batch", "q_heads", "kv_heads", "head_dim", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer; got {value!r}")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 or self.world_size % self.nodes:
+            raise ConfigError(f"nodes must be a positive integer dividing the world size {self.world_size}; got {self.nodes!r}")
         if self.seq_len < 0:
             raise ConfigError(f"sequence length must be >= 0; got {self.seq_len}")
         if self.warmup < 0:
@@ -401,6 +404,10 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
         reports = decode_rank(env, spec)
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(reports, gathered, dst=0)
+        # No rank tears its group down while a peer still moves the gathered reports: a gloo pair
+        # destroyed under a peer's pending transfer aborts the process ("terminate called without
+        # an active exception"; seen with 2 torchrun nodes x 2 ranks on loopback).
+        barrier(env)
     finally:
         close_process_group()
     if env.rank != 0:

@@ -286,6 +286,26 @@ def select_profile(ref: str | None, world_size: int, device_kind: str) -> tuple[
     ), []
 
 
+def multinode_plan(layout, device_kind: str, fanout: int | None) -> tuple:
+    """``(plan, text)``: the hierarchical tree of a job over ``layout.nodes`` alike nodes: each
+    node's own hierarchy (its probed GPUs, or CPU ranks), then the network joining the nodes, the
+    slowest link class, so one message per node crosses it each way."""
+    from ..reduce.hier_plan import hierarchical_plan
+    from ..topology import host_topology, probe_topology
+    from ..topology.nodes import multinode_topology
+
+    g = layout.ranks_per_node
+    node = host_topology(g) if device_kind == "cpu" else probe_topology("auto")
+    if len(node) != g:
+        # This node's probe does not show one device per local rank: plan its ranks as one group.
+        node = host_topology(g, note=f"{len(node)} devices probed for {g} local ranks")
+    topo = multinode_topology(node, layout.nodes)
+    plan = hierarchical_plan(topo.hierarchy, fanout or 2)
+    text = (f"no profile: {layout.nodes} nodes x {g} ranks (torchrun); tree {plan.label} planned from the nodes, "
+            "the network as the slowest link class")
+    return plan, text
+
+
 def plan_run(options: RunOptions) -> RunSetup:
     """Resolve ``options`` against this machine into a :class:`RunSetup`.
 
@@ -294,7 +314,8 @@ def plan_run(options: RunOptions) -> RunSetup:
     """
     from ..dtypes import parse_dtype
     from ..ranks.launch import (
-        check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_rendezvous,
+        check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_layout,
+        torchrun_rendezvous,
     )
     from ..topology.host import default_cpu_ranks
     from .decode_run import RunSpec
@@ -329,9 +350,20 @@ def plan_run(options: RunOptions) -> RunSetup:
         if crowded:
             run_warnings.append(crowded)
 
-    profile, choice, warnings = select_profile(options.profile, world_size, device_kind)
+    layout = torchrun_layout(trun) if trun is not None else None
+    if layout is not None and layout.nodes > 1:
+        # Several nodes: a profile describes one machine; the tree comes from the node layout.
+        if options.profile is not None:
+            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
+                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
+        profile, warnings = None, []
+        plan, text = multinode_plan(layout, device_kind, options.fanout)
+        choice = ProfileChoice(None, None, None, CHOSEN_DEFAULT, text)
+        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world_size, None))
+    else:
+        profile, choice, warnings = select_profile(options.profile, world_size, device_kind)
+        plans = build_plans(names, options.fanout, world_size, profile)
     warnings = run_warnings + list(warnings)
-    plans = build_plans(names, options.fanout, world_size, profile)
     spec = RunSpec(
         world_size=world_size,
         seq_len=options.seq_len,
@@ -348,6 +380,7 @@ def plan_run(options: RunOptions) -> RunSetup:
         seed=options.seed,
         timeout_s=options.timeout_s,
         cuda_graph=options.cuda_graph,
+        nodes=layout.nodes if layout is not None else 1,
     )  # validates the sizes (positive heads, ...) before anything computes with them
     if device_kind == "cpu" and trun is None:
         check_host_memory(world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, dtype, "ring" in names)

@@ -1,0 +1,119 @@
+"""`tree-attn simulate`, `run --sweep --plot` and `probe --plot` end to end: JSON, errors, pictures."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tree_attn.cli.app import main
+from tree_attn.cost import preset
+from tree_attn.cost.fit import cluster_to_dict
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+DGX1 = FIX / "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_simulate_json_rows_bytes_and_shapes(capsys):
+    assert main(["simulate", "-w", "8,16,128", "-n", "32K,5.12M", "--heads", "16", "--kv-heads", "16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    rows = d["rows"]
+    assert [(r["world_size"], r["nodes"], r["ranks_per_node"], r["seq_len"]) for r in rows] == [
+        (8, 1, 8, 32768), (8, 1, 8, 5_120_000), (16, 2, 8, 32768), (16, 2, 8, 5_120_000),
+        (128, 16, 8, 32768), (128, 16, 8, 5_120_000)]
+    for w in (8, 16, 128):
+        short, long = [r for r in rows if r["world_size"] == w]
+        # The tree's bytes do not grow with the context; ring's grow linearly with it.
+        assert short["tree"]["bytes_per_rank"] == long["tree"]["bytes_per_rank"]
+        assert long["ring"]["bytes_per_rank"] > 100 * short["ring"]["bytes_per_rank"]
+        assert long["speedup_ring_over_tree"] == pytest.approx(long["ring"]["time_us"] / long["tree"]["time_us"])
+    assert rows[-1]["tree"]["plan"] == "hier nvlink>network k=2" and d["caveat"].startswith("predictions")
+    assert d["cluster"]["network"]["kind"] == "network"
+
+
+def test_simulate_table_fits_80_columns(capsys):
+    assert main(["simulate", "--preset", "mi300x", "-w", "8,1024", "-n", "32K,10M"]) == 0
+    out = capsys.readouterr().out
+    assert "1024=128x8" in out and "10,000,000" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("args, text", [
+    (["-w", "12"], "world size 12 is not a whole number of nodes of 8"),
+    (["-w", "5000"], "world size 5000: expected 1 to 4096"),
+    (["-n", "32Q"], "expected a number of tokens"),
+    (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
+    (["--dtype", "int8"], "--dtype 'int8'"),
+    (["--plot", "out.svg"], "give a file name ending in .png"),
+    (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds >= 0"),
+])
+def test_simulate_bad_inputs_are_one_line(capsys, args, text):
+    assert main(["simulate", *args]) == 1
+    err = capsys.readouterr().err
+    assert text in err and "Traceback" not in err
+
+
+def test_simulate_from_a_dump_and_from_a_parameters_file(capsys, tmp_path):
+    assert main(["simulate", "--topology", str(DGX1), "-w", "8,16", "-n", "64K", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["rows"][1]["tree"]["plan"] == "hier pix>phb>sys>network k=2"
+    assert "device from preset h100-sxm" in d["source"]
+    assert main(["simulate", "--topology", str(DGX1), "-w", "4", "-g", "4"]) == 1  # the dump says 8 per node
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps(cluster_to_dict(preset("rtx4090-pcie"))))
+    assert main(["simulate", "--params", str(params), "-w", "8", "-n", "1M", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["source"] == f"parameters file {params}" and d["cluster"]["intra"]["kind"] == "pcie_host"
+
+
+def test_plots_without_matplotlib_say_how_to_install(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from tree_attn.cli.app import main\n"
+            f"sys.exit(main(['simulate', '-w', '8', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and 'pip install "tree-attn[plot]"' in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_simulate_and_probe_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    sim, topo = tmp_path / "sim.png", tmp_path / "topo.png"
+    assert main(["simulate", "-w", "8,16,32", "-n", "32K,1M", "--plot", str(sim)]) == 0
+    assert main(["probe", "--from", str(DGX1), "--plot", str(topo)]) == 0
+    for p in (sim, topo):
+        w, h = _png_size(p)
+        assert w >= 400 and h >= 300 and p.stat().st_size < 200_000
+
+
+@pytest.mark.slow
+def test_run_sweep_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    assert main(["run", "--device", "cpu", "-w", "2", "--sweep", "1000,3001", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot", str(png)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["config"]["seq_len"] for r in d["sweep"]] == [1000, 3001]
+    for res in d["sweep"]:
+        assert {r["strategy"] for r in res["results"]} == {"tree", "ring"}
+        assert all(r["max_abs_err"] < 1e-5 for r in res["results"])
+    _png_size(png)
+    assert main(["run", "--device", "cpu", "-w", "2", "--sweep", ",".join(str(1000 + i) for i in range(17))]) == 1
+
+
+def test_simulate_from_a_profile(capsys):
+    assert main(["simulate", "--profile", "mi300x-8x-xgmi", "-w", "8,16", "-n", "64K", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["source"] == "profile mi300x-8x-xgmi (builtin-model); network from preset mi300x"
+    assert d["rows"][0]["tree"]["plan"] == "hier xgmi k=2" and d["cluster"]["network"]["p2p_gbps"] == 50.0
+    assert main(["simulate", "--profile", "cpu-4-ranks", "-w", "4"]) == 1
+    assert "calibrate_costmodel.py" in capsys.readouterr().err

@@ -1,0 +1,224 @@
+"""The decode-step cost model (tree_attn.cost): its arithmetic against hand computations, its
+plans against the topology rules, its byte counts against what the library's collectives count in
+real gloo runs, and its parameters' validation. It predicts; these tests check that it predicts
+what it says it does, never a speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from tree_attn.cost import (
+    PRESETS, ClusterSpec, DeviceParams, LinkParams, Workload, cluster_plan, predict_step, preset,
+)
+from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology, link_class
+from tree_attn.errors import ConfigError
+from tree_attn.reduce.plan import ReductionPlan
+
+LINK = LinkParams("nvlink", p2p_latency_us=5.0, p2p_gbps=100.0, ar_step_us=1.0, ar_gbps=80.0, source="test")
+NET = LinkParams("network", p2p_latency_us=20.0, p2p_gbps=10.0, ar_step_us=4.0, ar_gbps=9.0, source="test")
+DEV = DeviceParams("test gpu", mem_gbps=1000.0, kernel_fraction=0.5, kernel_fixed_us=3.0, merge_us=2.0,
+                   collective_us=5.0, source="test")
+
+
+def cluster(nodes=1, g=4, **kw) -> ClusterSpec:
+    return ClusterSpec("test", kw.pop("device", DEV), ranks_per_node=g, nodes=nodes, intra=LINK, network=NET,
+                       step_overhead_us=7.0, **kw)
+
+
+W = Workload(seq_len=10_000, batch=1, q_heads=8, kv_heads=2, head_dim=64, dtype="bf16")
+
+
+def test_local_attention_is_fixed_cost_plus_bytes_over_achieved_bandwidth():
+    c = cluster(g=4)
+    shard = 2 * 1 * 2500 * 2 * 64 * 2  # K and V of 2,500 tokens, 2 KV heads x 64, bf16
+    local = 3.0 + shard / (1000.0 * 0.5 * 1e3)
+    tree = predict_step(c, W, "tree", ReductionPlan("tree", 2))
+    assert tree.local_us == pytest.approx(local)
+    assert tree.time_us == pytest.approx(7.0 + local + tree.comm_us)
+
+
+def test_binary_tree_on_one_node_by_hand():
+    # 4 ranks, k=2: 0 <- {1, 2}, 1 <- {3}. Up: 3 reaches 1 at alpha+beta; 1 merges; then 0 gets
+    # 1's (the later arrival) and queues 2's bytes on its ingress, merges. Down: 0 sends to 1, 2
+    # one after the other; 1 forwards to 3.
+    c = cluster(g=4)
+    msg = W.message_bytes
+    hop = 5.0 + msg / 100e3
+    xfer = msg / 100e3
+    ready1 = hop + 2.0
+    ready0 = max(ready1 + hop, hop) + xfer + 2.0
+    have1 = ready0 + 5.0 + xfer
+    have2 = ready0 + 5.0 + 2 * xfer
+    have3 = have1 + 5.0 + xfer
+    pred = predict_step(c, W, "tree", ReductionPlan("tree", 2))
+    assert pred.comm_us == pytest.approx(max(have1, have2, have3))
+    # bytes: the root and rank 1 send 2 messages each (root: 2 down; rank 1: 1 up, 1 down)
+    assert pred.bytes_per_rank == 2 * msg and pred.messages == 2
+
+
+def test_hierarchical_plan_crosses_the_network_only_between_node_leaders():
+    c = cluster(nodes=3, g=4)
+    plan = cluster_plan(c, 2)
+    parents = plan.parents
+    cross = [(r, p) for r, p in enumerate(parents) if p >= 0 and r // 4 != p // 4]
+    assert all(r % 4 == 0 and p % 4 == 0 for r, p in cross) and len(cross) == 2
+    assert plan.label == "hier nvlink>network k=2"
+    # The flat binary tree over the same 12 ranks puts more edges on the network and is slower.
+    flat = predict_step(c, W, "tree", ReductionPlan("tree", 2))
+    hier = predict_step(c, W, "tree", plan)
+    assert hier.time_us < flat.time_us
+
+
+def test_allreduce_by_hand_one_node_and_across_nodes():
+    c = cluster(g=4)
+    pred = predict_step(c, W, "allreduce")
+
+    def ar(n):
+        return 5.0 + 2 * 3 * 1.0 + 2 * 3 / 4 * n / 80e3
+
+    assert pred.comm_us == pytest.approx(ar(W.lse_bytes) + ar(W.message_bytes) + 2.0)
+    payload = W.lse_bytes + W.message_bytes
+    assert pred.bytes_per_rank == 2 * 3 * payload // 4 and pred.messages == 12
+    c2 = cluster(nodes=4, g=4)
+    pred2 = predict_step(c2, W, "allreduce")
+
+    def ar2(n):
+        return ar(n) + 2 * math.ceil(math.log2(4)) * 4.0 + 2 * n / 9e3
+
+    assert pred2.comm_us == pytest.approx(ar2(W.lse_bytes) + ar2(W.message_bytes) + 2.0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ring_rounds_overlap_or_add_and_wait_for_the_slowest_edge(overlap):
+    dev = dataclasses.replace(DEV, overlap=overlap)
+    c = cluster(nodes=2, g=3, device=dev)  # 6 ranks: edges 2->3 and 5->0 cross the network
+    w = dataclasses.replace(W, seq_len=6_000)
+    pred = predict_step(c, w, "ring")
+    shard = w.shard_bytes(6)
+    compute = 3.0 + shard / (1000.0 * 0.5 * 1e3)
+    transfer = 20.0 + (shard + 4) / 10e3  # the network edge, not NVLink
+    both = max(compute, transfer) if overlap else compute + transfer
+    assert pred.time_us == pytest.approx(7.0 + compute + 5 * (both + 2.0))
+    assert pred.bytes_per_rank == 5 * (shard + 4) and pred.messages == 15  # even: 1,000 tokens each
+    assert pred.extra_mem_bytes == 2 * shard  # the block in hand and the next one
+    assert predict_step(c.with_shape(1, 2), w, "ring").extra_mem_bytes == w.shard_bytes(2)  # p = 2: one
+
+
+def test_cpu_ranks_beyond_the_cores_share_them():
+    dev = dataclasses.replace(DEV, shared_cores=2)
+    c2, c8 = cluster(g=2, device=dev), cluster(g=8, device=dev)
+    w = dataclasses.replace(W, seq_len=8_000)
+    # 8 ranks on 2 cores: each rank's 1,000 tokens take 4x what 1,000 tokens take alone.
+    alone = 3.0 + w.shard_bytes(8) / (1000.0 * 0.5 * 1e3)
+    assert predict_step(c8, w, "tree").local_us == pytest.approx(4 * alone)
+    assert predict_step(c2, w, "tree").local_us == pytest.approx(3.0 + w.shard_bytes(2) / (500.0 * 1e3))
+
+
+def test_awkward_shapes_world_sizes_3_5_6_and_one_rank():
+    for p in (1, 3, 5, 6):
+        c = cluster(g=p)
+        for strat in ("tree", "allreduce", "ring"):
+            pred = predict_step(c, dataclasses.replace(W, seq_len=1001), strat)
+            assert pred.time_us > 0 and pred.world_size == p
+            if p == 1:
+                assert pred.bytes_per_rank == 0 and pred.comm_us == 0
+    # An empty cache still costs the fixed terms; more ranks than tokens leaves empty shards.
+    assert predict_step(cluster(g=5), dataclasses.replace(W, seq_len=3), "tree").time_us > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 5])
+def test_predicted_bytes_equal_what_the_library_counts(world):
+    """Run tree (k=2), allreduce and ring on gloo ranks with an uneven split and compare each
+    strategy's bytes and messages per rank with the model's."""
+    from tree_attn.runner.decode_run import RunSpec, run_decode
+
+    spec = RunSpec(world_size=world, seq_len=1001, batch=2, q_heads=4, kv_heads=2, head_dim=16, dtype="float32",
+                   steps=1, warmup=1,
+                   plans=(("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None)))
+    result = run_decode(spec)
+    c = cluster(g=world)
+    w = Workload(1001, 2, 4, 2, 16, "fp32")
+    for row in result.results:
+        pred = predict_step(c, w, row.strategy, ReductionPlan("tree", 2) if row.strategy == "tree" else None)
+        assert (row.bytes_sent_per_step, row.messages_per_step) == (pred.bytes_per_rank, pred.messages), row.strategy
+
+
+def test_presets_cover_the_three_clusters_and_cite_every_value():
+    assert set(PRESETS) == {"h100-sxm", "mi300x", "rtx4090-pcie"}
+    for c in PRESETS.values():
+        assert c.device.source and c.intra.source and c.network.source
+        assert c.network.kind == "network" and c.ranks_per_node == 8
+    assert preset("rtx4090-pcie").intra.kind == "pcie_host"
+    with pytest.raises(ConfigError, match="unknown cluster preset 'dgx'"):
+        preset("dgx")
+
+
+def test_parameters_are_validated_and_round_trip():
+    with pytest.raises(ConfigError, match="nvlink.p2p_gbps: expected a positive number"):
+        LinkParams("nvlink", 1.0, 0.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="link class 'infiniband'"):
+        LinkParams("infiniband", 1.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="kernel_fraction"):
+        dataclasses.replace(DEV, kernel_fraction=1.5)
+    with pytest.raises(ConfigError, match="need a network link class"):
+        ClusterSpec("x", DEV, ranks_per_node=8, nodes=2, intra=LINK)
+    with pytest.raises(ConfigError, match="query heads"):
+        Workload(10, q_heads=6, kv_heads=4)
+    c = cluster(nodes=2, g=4)
+    back = cluster_from_dict(c.to_dict())
+    for strat in ("tree", "allreduce", "ring"):
+        assert predict_step(back, W, strat) == predict_step(c, W, strat)
+    with pytest.raises(ConfigError, match="unknown key"):
+        cluster_from_dict({**c.to_dict(), "colour": 1})
+
+
+def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
+    from tree_attn.topology import Link, LinkKind, Measurement, P2PStatus, host_topology, load_dump
+
+    topo = host_topology(3)
+    links = [dataclasses.replace(l, bandwidth_gbps=2.0 + l.a, bandwidth_source="measured", latency_us=50.0 + l.b)
+             for l in topo.links]
+    meas = Measurement("gloo", 5, 4096, 8, 16512, 400.0, "cpu")
+    c = cluster_from_topology(topo.replace(links=links, measurement=meas), device=dataclasses.replace(DEV, collective_us=0.0))
+    assert c.link(0, 2).p2p_gbps == 2.0 and c.link(1, 2).p2p_latency_us == 52.0 and c.link(0, 1).kind == "host_loopback"
+    assert c.link(0, 1).ar_step_us == pytest.approx(400.0 / (2 * 2))
+    with pytest.raises(ConfigError, match="CPU ranks needs the CPU device"):
+        cluster_from_topology(topo)
+    # A recorded dump: pairs keep their classes; PCIe without P2P is priced as host-staged.
+    dgx1 = load_dump("tests/fixtures/topology/dgx1_v100_8gpu_nvidia-smi_topo_mp.txt")
+    c = cluster_from_topology(dgx1, device=DEV, nodes=2, network=NET)
+    assert c.world_size == 16 and c.link(0, 8).kind == "network" and c.link(0, 4).kind == "cross_socket"
+    plan = cluster_plan(c)
+    assert plan.label == "hier pix>phb>sys>network k=2"
+    assert link_class(Link(0, 1, LinkKind.PIX, p2p=P2PStatus.OK), cpu=False) == "pcie_p2p"
+    assert link_class(Link(0, 1, LinkKind.PIX, p2p=P2PStatus.UNSUPPORTED), cpu=False) == "pcie_host"
+
+
+def test_calibration_line_through_two_points():
+    from tree_attn.cost.calibrate import _line
+
+    # 10 us fixed + 2 GB/s: 1,000 tokens of 1,000 B = 1 MB -> 510 us; 4,000 tokens -> 2,010 us.
+    fixed, gbps = _line({1000: 510e-6, 4000: 2010e-6}, 1000)
+    assert fixed == pytest.approx(10.0) and gbps == pytest.approx(2.0)
+    fixed, gbps = _line({1000: 600e-6, 4000: 500e-6}, 1000)  # noise: the long point's rate
+    assert fixed == 0.0 and gbps == pytest.approx(4e6 / 500e-6 / 1e9)
+
+
+@pytest.mark.gpu
+def test_gpu_calibration_measures_this_node():
+    """What a GPU machine runs (benchmarks/calibrate_costmodel.py): measured single-GPU terms and,
+    with several GPUs, the probed links with --measure numbers."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tree_attn.cost.calibrate import calibrate_gpu
+
+    c = calibrate_gpu(repeats=3, long_tokens=65536)
+    assert 0 < c.device.kernel_fraction <= 1 and c.device.kernel_fixed_us >= 0 and c.device.merge_us > 0
+    assert c.ranks_per_node == torch.cuda.device_count()
+    for strat in ("tree", "allreduce", "ring"):
+        assert predict_step(c, Workload(65536), strat).time_us > 0

@@ -1,0 +1,265 @@
+"""Calibrate the cost model's parameters on this machine by micro-measurements, never by timing
+the decode runs the model is checked against. torch is imported inside the functions.
+
+What is measured, and what it sets:
+
+- the link: ``probe --measure`` over 2 ranks (``topology.measure``): point-to-point alpha (half a
+  ping-pong of 8 bytes), beta (4 MiB on CPU ranks, 64 MiB on GPUs), and the all-reduce of the
+  decode message, which gives the all-reduce's per-step alpha;
+- the local attention: ``decode_attention`` over the Llama-3.1-8B shape at two shard lengths,
+  timed on as many ranks at once as the device is shared by in a run (on CPU ranks: one per
+  core, so the cores' shared memory bandwidth is in the number); a line through the two points
+  gives the fixed cost and the achieved bandwidth;
+- the merge: ``merge_states`` of three packed states (a binary-tree node);
+- the step overhead (CPU ranks): the barrier that starts every timed step of ``tree-attn run``,
+  priced as the small all-reduce ``probe --measure`` times (a gloo barrier is one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from .params import ClusterSpec, DeviceParams, LinkParams
+
+# The calibration shape: Llama-3.1-8B attention (32 query heads, 8 KV heads, D 128), batch 1.
+SHAPE = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128)
+# Two shard lengths for the line, spanning the shards a run of 16K-256K tokens over 2-8 ranks
+# gives (64 MiB and 512 MiB of fp32 K and V: far beyond the caches); a few seconds in all.
+SHORT_TOKENS, LONG_TOKENS = 8192, 65536
+REPEATS = 9
+
+
+def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> dict[str, Any]:
+    """In each rank: median seconds of decode_attention at each shard length, a merge, a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    from ..dtypes import torch_dtype
+    from ..reduce.collectives import TreeDecodeStep
+    from ..merge import merge_states
+    from ..ranks.launch import barrier
+
+    dev = torch.device(env.device)
+    dt = torch_dtype(dtype_name)
+    cuda = dev.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    g = torch.Generator().manual_seed(1234 + env.rank)
+    b, hq, hkv, d = SHAPE["batch"], SHAPE["q_heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    q = torch.randn(b, hq, d, generator=g).to(dt).to(dev)
+    out: dict[str, Any] = {"local": {}}
+    # The local part of a run's tree step: a TreeDecodeStep over a group of this rank alone (its
+    # prepared kernel writing the packed state; on GPUs replayed as a CUDA graph, as `run` does).
+    alone = [dist.new_group([r]) for r in range(env.world_size)][env.rank] if env.world_size > 1 else None
+    for n in tokens:
+        k = torch.randn(b, n, hkv, d, generator=g).to(dt).to(dev)
+        v = torch.randn(b, n, hkv, d, generator=g).to(dt).to(dev)
+        step = TreeDecodeStep(q, k, v, group=alone, cuda_graph=cuda)
+        ts = []
+        for it in range(2 + repeats):
+            barrier(env)  # the ranks stream at once, as in a run
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if it >= 2:
+                ts.append(time.perf_counter() - t0)
+        out["local"][n] = statistics.median(ts)
+        del k, v, step
+    out["bulk"] = _ring_exchange(env, sync, dev, dt, repeats) if env.world_size > 1 else None
+    states = torch.randn(3, b, hq, d, generator=g).to(dev)
+    lses = torch.randn(3, b, hq, generator=g).to(dev)
+    ts = []
+    for it in range(3 + 5 * repeats):
+        sync()
+        t0 = time.perf_counter()
+        merge_states(states, lses)
+        sync()
+        if it >= 3:
+            ts.append(time.perf_counter() - t0)
+    out["merge"] = statistics.median(ts)
+    out["p2p"] = _ping_pong(env, sync, dev, repeats) if env.world_size > 1 else {}
+    return out
+
+
+# The ring's KV-block exchange measured: K and V of a BULK_TOKENS-token shard each way.
+BULK_TOKENS = 8192
+
+
+def _ring_exchange(env, sync, dev, dt, repeats: int) -> tuple[int, float]:
+    """``(bytes, seconds)`` of one ring round's exchange as ``reduce.ring`` does it: every rank
+    sends its K and V block to its successor and receives its predecessor's into buffers
+    allocated for the round (on CPU ranks the fresh pages are faulted in by the receive, which
+    costs about as much as the copy itself), all ranks at once."""
+    import torch
+    import torch.distributed as dist
+
+    from ..ranks.launch import barrier
+
+    shape = (SHAPE["batch"], BULK_TOKENS, SHAPE["kv_heads"], SHAPE["head_dim"])
+    k, v = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
+    p = env.world_size
+    succ, pred = (env.rank + 1) % p, (env.rank - 1) % p
+    ts = []
+    for it in range(2 + repeats):
+        barrier(env)
+        sync()
+        t0 = time.perf_counter()
+        nk, nv = torch.empty_like(k), torch.empty_like(v)
+        ops = [dist.P2POp(dist.isend, k, succ), dist.P2POp(dist.isend, v, succ),
+               dist.P2POp(dist.irecv, nk, pred), dist.P2POp(dist.irecv, nv, pred)]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        sync()
+        if it >= 2:
+            ts.append(time.perf_counter() - t0)
+        del nk, nv
+    return 2 * k.numel() * k.element_size(), statistics.median(ts)
+
+
+def _ping_pong(env, sync, dev, repeats: int) -> dict[int, float]:
+    """Ranks 0 and 1: one-way seconds (half a ping-pong) of an 8-byte and a 4 MiB message, each
+    started right after a barrier, as a decode step's messages are. (``probe --measure`` times
+    ping-pongs back to back; on gloo over loopback those medians are ~2 ms for 8 bytes, a
+    bimodal wait whose minimum is ~40 us, while a barrier-started one takes ~0.1 ms.)"""
+    import torch
+    import torch.distributed as dist
+
+    from ..ranks.launch import barrier
+
+    out = {}
+    for nbytes in (8, 4 * 2**20):
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
+        ts = []
+        for it in range(3 + 3 * repeats):
+            barrier(env)
+            sync()
+            t0 = time.perf_counter()
+            if env.rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif env.rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            sync()
+            if it >= 3:
+                ts.append((time.perf_counter() - t0) / 2)
+        out[nbytes] = statistics.median(ts)
+    return out
+
+
+def _line(points: dict[int, float], bytes_per_token: int) -> tuple[float, float]:
+    """(fixed us, GB/s) of the line through the two (bytes, seconds) points."""
+    (n1, t1), (n2, t2) = sorted(points.items())
+    b1, b2 = n1 * bytes_per_token, n2 * bytes_per_token
+    slope = (t2 - t1) / (b2 - b1)  # seconds per byte
+    if slope <= 0:  # noise swamped the difference: take the long point's average rate
+        return 0.0, b2 / t2 / 1e9
+    fixed = max(0.0, t1 - slope * b1)
+    return fixed * 1e6, 1.0 / slope / 1e9
+
+
+def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: int = REPEATS,
+                  iterations: int = 20) -> ClusterSpec:
+    """Parameters of CPU ranks on this host (one node), from micro-measurements (module doc).
+
+    ``ranks`` is how many measure the local attention at once (default: one per usable core).
+    The returned cluster has one rank per core; ``with_shape`` gives other rank counts, and the
+    model then slows each rank's compute by ranks / cores (``DeviceParams.shared_cores``).
+    """
+    from ..ranks.launch import launch_ranks, usable_cores
+    from ..topology.host import host_topology
+    from ..topology.measure import measure_topology
+    from .model import DTYPE_BYTES
+
+    cores = usable_cores()
+    n = ranks or cores
+    topo = measure_topology(host_topology(2), iterations=iterations)
+    link = topo.links[0]
+    meas = topo.measurement
+    res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo", device_kind="cpu")
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
+    local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
+    fixed_us, gbps = _line(local, per_token)
+    merge_us = max(r["merge"] for r in res) * 1e6
+    # A run's step starts at a barrier, and a gloo barrier is a small all-reduce: its measured
+    # latency (probe --measure) is the step overhead. (Back-to-back barriers timed alone wait
+    # ~2-4 ms for a wake-up on loopback, as back-to-back ping-pongs do; a step's barrier follows
+    # work.)
+    barrier_us = meas.allreduce_latency_us
+    # One all-reduce of the decode message over 2 ranks is 2 steps (ring: reduce-scatter + gather).
+    ar_step = meas.allreduce_latency_us / 2
+    pp = res[0]["p2p"] if n > 1 else {}
+    if pp:  # barrier-started ping-pongs (see _ping_pong): alpha from 8 B, beta from 4 MiB
+        alpha_us = pp[8] * 1e6
+        beta = 4 * 2**20 / max(1e-9, pp[4 * 2**20] - pp[8]) / 1e9
+        how = f"barrier-started ping-pong over {n} CPU ranks (gloo, loopback); all-reduce from probe --measure"
+    else:
+        alpha_us, beta = link.latency_us, link.bandwidth_gbps
+        how = f"probe --measure over 2 CPU ranks (gloo, loopback), {iterations} iterations"
+    bulk = None
+    if n > 1:
+        nbytes = res[0]["bulk"][0]
+        bulk = nbytes / max(r["bulk"][1] for r in res) / 1e9
+    lp = LinkParams("host_loopback", p2p_latency_us=alpha_us, p2p_gbps=beta, ar_step_us=ar_step, ar_gbps=beta,
+                    bulk_gbps=bulk, source=f"measured: {how}; bulk = a ring round's KV exchange on {n} ranks")
+    dev = DeviceParams(
+        "cpu rank", mem_gbps=gbps, kernel_fraction=1.0, kernel_fixed_us=fixed_us, merge_us=merge_us,
+        collective_us=0.0, shared_cores=cores, overlap=False,
+        source=(f"measured: decode_attention at {SHORT_TOKENS} and {LONG_TOKENS} tokens ({dtype}, Llama-3.1-8B shape) "
+                f"on {n} ranks at once, {repeats} repeats; merge_states of 3 states"),
+    )
+    return ClusterSpec(
+        "cpu ranks (calibrated)", dev, ranks_per_node=cores, nodes=1, intra=lp, network=None,
+        step_overhead_us=barrier_us,
+        notes=(f"calibrated on {cores} cores: local line {fixed_us:.0f} us + bytes / {gbps:.2f} GB/s, "
+               f"merge {merge_us:.0f} us, barrier {barrier_us:.0f} us, p2p {alpha_us:.0f} us + bytes / "
+               f"{beta:.2f} GB/s, ring exchange {bulk or 0:.2f} GB/s, all-reduce of {meas.allreduce_bytes} B {meas.allreduce_latency_us:.0f} us",),
+    )
+
+
+def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations: int = 20,
+                  long_tokens: int = 262144) -> ClusterSpec:
+    """Parameters of this GPU node: its probed topology with ``probe --measure`` numbers, the
+    local kernel's fixed cost and achieved bandwidth on GPU 0 (two shard lengths; the fraction of
+    the datasheet bandwidth), the merge, and the measured all-reduce. Needs the GPUs visible."""
+    import torch
+
+    from ..ranks.launch import launch_ranks
+    from ..topology.measure import measure_topology
+    from ..topology.probe import probe_topology
+    from .fit import cluster_from_topology, device_for
+    from .model import DTYPE_BYTES
+
+    if not torch.cuda.is_available():
+        from ..errors import ConfigError
+
+        raise ConfigError("calibrate_gpu needs a GPU visible to torch; on CPU ranks use calibrate_cpu")
+    topo = probe_topology("auto")
+    if len(topo) > 1:
+        topo = measure_topology(topo, iterations=iterations)
+    base = device_for(topo.devices[0].name) or device_for(torch.cuda.get_device_name(0))
+    tokens = (long_tokens // 8, long_tokens)
+    res = launch_ranks(_time_local, 1, args=(tokens, dtype, repeats), backend="nccl", device_kind="cuda")[0]
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
+    fixed_us, gbps = _line(res["local"], per_token)
+    mem = base.mem_gbps if base is not None else gbps
+    dev = DeviceParams(
+        torch.cuda.get_device_name(0), mem_gbps=mem, kernel_fraction=min(1.0, gbps / mem), kernel_fixed_us=fixed_us,
+        merge_us=res["merge"] * 1e6, collective_us=base.collective_us if base is not None else 5.0,
+        memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+        source=(f"measured on GPU 0: decode_attention at {tokens[0]} and {tokens[1]} tokens ({dtype}), eager "
+                f"(host time included); memory bandwidth {'datasheet' if base is not None else 'measured'}"),
+    )
+    if len(topo) == 1:
+        from .presets import NVSWITCH_H100
+
+        return ClusterSpec(f"1x {dev.name} (calibrated)", dev, ranks_per_node=1, intra=NVSWITCH_H100)
+    cluster = cluster_from_topology(topo, device=dev, name=f"{len(topo)}x {dev.name} (calibrated)")
+    return dataclasses.replace(cluster, notes=cluster.notes + (f"kernel {gbps:.0f} GB/s, fixed {fixed_us:.1f} us",))

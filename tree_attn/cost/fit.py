@@ -1,0 +1,186 @@
+"""Cost-model parameters from what the tool measured: a probed topology (``probe --measure``), a
+profile (``tune``: plan timings and kernel bandwidths), or a parameters file written by the
+calibration (``benchmarks/calibrate_costmodel.py``). Pure Python, no torch.
+
+How measured numbers map onto the model:
+
+- A measured link (``probe --measure``): ``latency_us`` (half a ping-pong of 8 bytes) is the
+  class's point-to-point alpha, ``bandwidth_gbps`` (large copies) its beta.
+- A measured all-reduce of the decode message over n ranks (``measurement.allreduce_latency_us``)
+  is ``collective_us + 2 (n - 1) step + bytes term``: the per-step alpha is what remains, per step.
+- A profile's measured plan candidates time the merge alone at n ranks; its kernel buckets'
+  ``gbps`` give the kernel's achieved bandwidth (``kernel_fraction`` = gbps / the device's).
+Everything a source does not measure comes from the preset of the same device, else the
+class defaults below (the presets' figures), and the parameters say which in ``source``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ..errors import ConfigError
+from .params import ClusterSpec, DeviceParams, LinkParams
+from .presets import (
+    ETH_100G, GRAPH_STEP_US, H100_SXM, IB_NDR_400G, MI300X, NVSWITCH_H100, PCIE_HOST_4090, RTX_4090, XGMI_MI300X,
+)
+
+# Class defaults where nothing was measured (the presets' figures; PCIe with P2P and the
+# cross-socket path from NCCL's PCI hop latency, [NCCL] in presets, and PCIe 4.0 x16 rates).
+CLASS_DEFAULTS: dict[str, LinkParams] = {
+    "nvlink": NVSWITCH_H100,
+    "xgmi": XGMI_MI300X,
+    "pcie_p2p": LinkParams("pcie_p2p", 6.0, 22.0, 1.0, 20.0, source="assumed: PCIe 4.0 x16 with P2P, ~70% of 31.5 GB/s"),
+    "pcie_host": PCIE_HOST_4090,
+    "cross_socket": LinkParams("cross_socket", 10.0, 10.0, 3.0, 8.0,
+                               source="assumed: PCIe across the CPU sockets' interconnect, staged"),
+    "host_loopback": LinkParams("host_loopback", 50.0, 2.0, 50.0, 2.0,
+                                source="assumed: gloo over loopback TCP (measure with probe --measure)"),
+    "network": IB_NDR_400G,
+}
+
+DEVICE_DEFAULTS = {"h100": H100_SXM, "mi300x": MI300X, "4090": RTX_4090}
+NETWORKS = {"ib-400g": IB_NDR_400G, "eth-100g": ETH_100G}
+
+
+def link_class(link, cpu: bool) -> str:
+    """The cost-model class of a topology :class:`Link`."""
+    from ..topology.model import LinkKind, P2PStatus
+
+    if cpu:
+        return "host_loopback"
+    kind = link.kind
+    if kind is LinkKind.NVLINK:
+        return "nvlink"
+    if kind is LinkKind.XGMI:
+        return "xgmi"
+    if kind is LinkKind.NET:
+        return "network"
+    if kind is LinkKind.SYS:
+        return "cross_socket"
+    return "pcie_p2p" if link.p2p is P2PStatus.OK else "pcie_host"
+
+
+def device_for(name: str) -> DeviceParams | None:
+    """The preset device matching a device name, else a generic one from the perf model's table,
+    else None (a recorded dump names no device)."""
+    from ..kernels.perf_model import lookup_known_device
+
+    spec = lookup_known_device(name)
+    low = name.lower()
+    for key, dev in DEVICE_DEFAULTS.items():
+        if key in low and (spec is None or spec.mem_bandwidth_gbps == dev.mem_gbps):
+            return dataclasses.replace(dev, name=name)
+    if spec is None:
+        return None
+    return DeviceParams(name, mem_gbps=spec.mem_bandwidth_gbps, kernel_fraction=0.85, kernel_fixed_us=5.0,
+                        merge_us=8.0, collective_us=5.0,
+                        source=f"memory bandwidth from the perf model's table ({spec.bandwidth_source}); the rest as the H100 preset")
+
+
+def cluster_from_topology(topo, *, device: DeviceParams | None = None, nodes: int = 1,
+                          network: LinkParams | None = None, name: str | None = None) -> ClusterSpec:
+    """A one-node cluster shaped like ``topo`` (its pairs' classes and hierarchy), measured numbers
+    where the topology has them, repeated over ``nodes`` nodes joined by ``network``."""
+    cpu = all(d.vendor == "cpu" for d in topo.devices)
+    n = len(topo)
+    if device is None:
+        if cpu:
+            raise ConfigError("a topology of CPU ranks needs the CPU device's parameters: run "
+                              "benchmarks/calibrate_costmodel.py on that machine and pass --params")
+        device = device_for(topo.devices[0].name)
+        if device is None:
+            raise ConfigError(f"the topology does not say which GPU it has (device name {topo.devices[0].name!r}): "
+                              "give a --preset whose device it has")
+    meas = topo.measurement
+    ar_step = None
+    if meas is not None and meas.allreduce_latency_us and n > 1:
+        busy = meas.allreduce_latency_us - device.collective_us
+        ar_step = max(0.0, busy) / (2 * (n - 1))
+    pairs: dict[tuple[int, int], LinkParams] = {}
+    for l in topo.links:
+        cls = link_class(l, cpu)
+        base = CLASS_DEFAULTS[cls]
+        measured = l.bandwidth_source == "measured"
+        lat = l.latency_us if measured and l.latency_us is not None else base.p2p_latency_us
+        bw = l.bandwidth_gbps if l.bandwidth_gbps else base.p2p_gbps
+        src = ("measured by probe --measure" if measured else
+               (f"link {l.bandwidth_source} bandwidth; latencies: {base.source}" if l.bandwidth_gbps else base.source))
+        pairs[(l.a, l.b)] = LinkParams(cls, lat, bw, ar_step if ar_step is not None else base.ar_step_us,
+                                       min(bw, base.ar_gbps) if not measured else bw, source=src)
+    hierarchy = tuple((lvl.kind, [list(g) for g in lvl.groups]) for lvl in topo.hierarchy) if n > 1 else None
+    if nodes > 1 and network is None:
+        network = CLASS_DEFAULTS["network"]
+    return ClusterSpec(
+        name or f"{n}x {topo.devices[0].name}", device, ranks_per_node=n, nodes=nodes,
+        intra=None, network=network, step_overhead_us=GRAPH_STEP_US if not cpu else 0.0,
+        pair_links=pairs, hierarchy=hierarchy,
+        notes=(f"topology from {topo.source}" + (f", measured ({meas.method})" if meas else ", not measured"),),
+    )
+
+
+def cluster_from_profile(profile, **kw) -> ClusterSpec:
+    """A cluster from a profile: its topology, its kernel buckets' measured bandwidth (the kernel's
+    achieved fraction) and its measured plan timings (the all-reduce's per-step alpha)."""
+    if profile.topology is None:
+        raise ConfigError(f"profile {profile.name!r} stores no topology; simulate it with --topology or a preset")
+    cluster = cluster_from_topology(profile.topology, **kw)
+    dev = cluster.device
+    measured = [b for b in profile.kernel.buckets if b.gbps] if profile.kernel is not None else []
+    if measured:
+        best = max(b.gbps for b in measured)
+        frac = min(1.0, best / dev.mem_gbps)
+        dev = dataclasses.replace(dev, kernel_fraction=frac,
+                                  source=dev.source + f"; kernel fraction {frac:.2f} from profile {profile.name}")
+    n = cluster.ranks_per_node
+    ar = next((c for c in profile.reduction.candidates if c.plan.strategy == "allreduce" and c.median_us), None) \
+        if profile.reduction is not None else None
+    pairs = cluster.pair_links
+    if ar is not None and n > 1:
+        step = max(0.0, ar.median_us / 2 - dev.collective_us) / (2 * (n - 1))  # two all-reduces per merge
+        pairs = {k: dataclasses.replace(l, ar_step_us=step, source=l.source + f"; all-reduce step from profile {profile.name}")
+                 for k, l in pairs.items()}
+    return dataclasses.replace(cluster, device=dev, pair_links=pairs)
+
+
+# -- parameters files ------------------------------------------------------------------------------
+def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
+    return cluster.to_dict()
+
+
+def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
+    """The inverse of :meth:`ClusterSpec.to_dict` (unknown keys refused)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping of cluster parameters")
+    known = {"name", "nodes", "ranks_per_node", "device", "intra", "network", "step_overhead_us", "pair_links", "notes",
+             "measured"}
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
+    try:
+        dev = DeviceParams(**d["device"])
+        intra = LinkParams(**d["intra"]) if d.get("intra") else None
+        net = LinkParams(**d["network"]) if d.get("network") else None
+        pairs = {}
+        for p in d.get("pair_links") or []:
+            p = dict(p)
+            a, b = p.pop("a"), p.pop("b")
+            pairs[(int(a), int(b))] = LinkParams(**p)
+        return ClusterSpec(str(d.get("name", "params")), dev, int(d["ranks_per_node"]), int(d.get("nodes", 1)), intra, net,
+                           float(d.get("step_overhead_us", 0.0)), pairs, None, tuple(d.get("notes") or ()))
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: bad cluster parameters ({type(exc).__name__}: {exc})") from None
+
+
+def load_params(path: str | os.PathLike) -> ClusterSpec:
+    """A cluster from a parameters file (YAML or JSON) written by the calibration."""
+    from ..files import load_yaml
+
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as fh:
+            data = load_yaml(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read parameters file {p}: {exc.strerror or exc}") from None
+    return cluster_from_dict(data, where=p)

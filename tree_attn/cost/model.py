@@ -1,0 +1,274 @@
+"""Predict one decode step for ``tree`` (any plan, hierarchical ones included), ``allreduce`` and
+``ring`` from a :class:`ClusterSpec`. Pure functions: no torch, no torch.distributed.
+
+What a step is, as ``reduce.collectives`` and ``reduce.ring`` run it:
+
+- tree: each rank attends its query to its shard (``shard bytes / achieved bandwidth`` + a fixed
+  cost), writes its packed state ``[B, Hq, D + 1]`` float32, then the plan's tree merges up (a node
+  receives its children's messages as one batch, merges once, sends one message up) and sends the
+  root's state back down the same edges (a node's sends to its children as one batch, so they
+  leave its link one after the other).
+- allreduce (the paper's Algorithm 3): the local attention, then two all-reduces, ``max`` of the
+  lse ``[B, Hq]`` and ``sum`` of the packed rescaled state, then a rescale. An all-reduce on one
+  node costs ``2 (g - 1)`` steps of the node's class; across nodes NCCL reduces inside each node,
+  runs a tree across the nodes (``2 ceil(log2 nodes)`` network hops) and broadcasts back.
+- ring: ``p`` rounds; in each of the first ``p - 1`` a rank forwards the KV block it holds to its
+  successor while it computes on it, so a round lasts ``max(compute, transfer)`` (the overlap),
+  then a ``merge_two``. All ranks transfer at once, so a round waits for the ring's slowest edge.
+
+Bytes per rank follow ``reduce.comm``'s counting (the same numbers ``tree-attn run`` reports), and
+peak memory per rank counts the KV shard plus what the step allocates (ring: two more shards in
+flight; tree/allreduce: a few packed states).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..errors import ConfigError
+from ..reduce.plan import ReductionPlan
+from .params import ClusterSpec
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One decode step's shape: ``seq_len`` KV tokens in all, split evenly over the ranks (the
+    first ``seq_len % p`` ranks one more, as ``RunSpec.shard_sizes``)."""
+
+    seq_len: int
+    batch: int = 1
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "q_heads", "kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer; got {v!r}")
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 0:
+            raise ConfigError(f"sequence length must be an integer >= 0; got {self.seq_len!r}")
+        if self.q_heads % self.kv_heads:
+            raise ConfigError(f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads})")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r}: expected one of fp32, fp16, bf16")
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def shard_sizes(self, world_size: int) -> list[int]:
+        """Tokens per rank, as ``RunSpec.shard_sizes``: the first ``seq_len % p`` ranks one more."""
+        base, extra = divmod(self.seq_len, world_size)
+        return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+    def shard_tokens(self, world_size: int) -> int:
+        """Tokens of the largest shard."""
+        return -(-self.seq_len // world_size)
+
+    def shard_bytes(self, world_size: int) -> int:
+        """K and V bytes of the largest shard."""
+        return 2 * self.batch * self.shard_tokens(world_size) * self.kv_heads * self.head_dim * self.elem_bytes
+
+    @property
+    def message_bytes(self) -> int:
+        """One packed partial state: float32 ``[B, Hq, D + 1]`` (``reduce.merges``)."""
+        return 4 * self.batch * self.q_heads * (self.head_dim + 1)
+
+    @property
+    def lse_bytes(self) -> int:
+        return 4 * self.batch * self.q_heads
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One strategy's predicted decode step on one cluster and workload.
+
+    ``time_us`` = ``overhead_us + local_us + comm_us`` (ring: its rounds, compute and transfer
+    overlapped, in ``comm_us``; ``local_us`` is then its first block). ``bytes_per_rank`` and
+    ``messages`` are the busiest rank's, per step; ``peak_mem_bytes`` the largest rank's KV shard
+    plus what the step allocates; ``extra_mem_bytes`` that allocation alone.
+    """
+
+    strategy: str
+    plan: str
+    world_size: int
+    seq_len: int
+    time_us: float
+    local_us: float
+    comm_us: float
+    overhead_us: float
+    bytes_per_rank: int
+    messages: int
+    peak_mem_bytes: int
+    extra_mem_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def local_attention_us(cluster: ClusterSpec, tokens: int, w: Workload) -> float:
+    """One rank's attention of the query over ``tokens`` KV tokens: fixed cost + bytes / achieved
+    bandwidth, slowed by the sharing of cores when CPU ranks outnumber them."""
+    dev = cluster.device
+    nbytes = 2 * w.batch * tokens * w.kv_heads * w.head_dim * w.elem_bytes
+    t = dev.kernel_fixed_us + nbytes / (dev.kernel_gbps * 1e3)
+    return t * _core_share(cluster)
+
+
+def _core_share(cluster: ClusterSpec) -> float:
+    """CPU ranks of one node share its cores: with more ranks than cores each computes (and runs
+    gloo's copies) at cores / ranks of its speed (the run gives each rank one intra-op thread)."""
+    cores = cluster.device.shared_cores
+    if cores is None:
+        return 1.0
+    return max(1.0, cluster.ranks_per_node / cores)
+
+
+def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> StepPrediction:
+    """The tree strategy under ``plan`` (a k-ary or explicit, e.g. hierarchical, tree)."""
+    if plan.strategy != "tree":
+        raise ConfigError(f"predict_tree needs a tree plan; got {plan.label}")
+    p = cluster.world_size
+    tree = plan.tree(p)
+    msg = w.message_bytes
+    share = _core_share(cluster)
+    merge = cluster.device.merge_us * share
+    local = local_attention_us(cluster, w.shard_tokens(p), w)
+    # Upward pass, children before parents (deepest first).
+    order = sorted(range(p), key=lambda r: -tree.depth[r])
+    ready = [0.0] * p  # when a node's merged state is ready to go up (after its local attention)
+    for node in order:
+        kids = tree.children[node]
+        if not kids:
+            ready[node] = 0.0
+            continue
+        arrivals = [ready[c] + share * cluster.link(c, node).p2p_us(msg) for c in kids]
+        # Messages from several children share the node's ingress: all but the first queue for
+        # its bandwidth (the smallest class bandwidth among them, conservatively).
+        ingress = share * sum(msg / (cluster.link(c, node).p2p_gbps * 1e3) for c in kids[1:])
+        ready[node] = max(arrivals) + ingress + merge
+    # Downward pass: a node sends to its children one after the other on its egress.
+    have = [0.0] * p
+    root = tree.root
+    have[root] = ready[root]
+    for node in sorted(range(p), key=lambda r: tree.depth[r]):
+        t = have[node]
+        for i, c in enumerate(tree.children[node]):
+            link = cluster.link(node, c)
+            have[c] = t + share * (link.p2p_latency_us + (i + 1) * msg / (link.p2p_gbps * 1e3))
+    comm = max(have) if p > 1 else 0.0
+    sends = [(1 if tree.parent[r] >= 0 else 0) + len(tree.children[r]) for r in range(p)]
+    extra = msg * (3 + max(len(c) for c in tree.children))  # local, merged, down + one per child
+    return _prediction("tree", plan.label, cluster, w, local, comm, max(sends) * msg, max(sends), extra)
+
+
+def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
+    """One all-reduce of ``nbytes`` over the whole cluster (see the module doc)."""
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    if cluster.world_size == 1:
+        return 0.0
+    t = cluster.device.collective_us
+    if g > 1:
+        intra = cluster.intra or max(cluster.pair_links.values(), key=lambda l: l.ar_step_us)
+        t += 2 * (g - 1) * intra.ar_step_us + 2 * (g - 1) / g * nbytes / (intra.ar_gbps * 1e3)
+    if nodes > 1:
+        hops = 2 * math.ceil(math.log2(nodes))
+        t += hops * cluster.network.ar_step_us + 2 * nbytes / (cluster.network.ar_gbps * 1e3)
+    return t
+
+
+def predict_allreduce(cluster: ClusterSpec, w: Workload) -> StepPrediction:
+    """The paper's Algorithm 3: all-reduce max of lse, all-reduce sum of the packed state."""
+    p = cluster.world_size
+    local = local_attention_us(cluster, w.shard_tokens(p), w)
+    merge = cluster.device.merge_us * _core_share(cluster)
+    comm = ((allreduce_us(cluster, w.lse_bytes) + allreduce_us(cluster, w.message_bytes)) * _core_share(cluster)
+            + merge) if p > 1 else 0.0
+    payload = w.lse_bytes + w.message_bytes
+    sent = (2 * (p - 1) * payload) // p if p > 1 else 0
+    msgs = 4 * (p - 1) if p > 1 else 0
+    return _prediction("allreduce", "allreduce", cluster, w, local, comm, sent, msgs, 3 * w.message_bytes)
+
+
+def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
+    """The Ring baseline: ``p - 1`` overlapped rounds of compute and KV transfer, then the last
+    block's compute; a merge after every block but the first."""
+    p = cluster.world_size
+    block = w.shard_tokens(p)
+    shard = w.shard_bytes(p)
+    compute = local_attention_us(cluster, block, w)
+    merge = cluster.device.merge_us * _core_share(cluster)
+    if p == 1:
+        return _prediction("ring", "ring", cluster, w, compute, 0.0, 0, 0, 0)
+    # Every rank sends at once: a round waits for the ring's slowest edge (r -> r + 1).
+    slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.bulk_us(shard))
+    transfer = slowest.bulk_us(shard + 4 * w.batch) * _core_share(cluster)  # the block and its lengths
+    both = max(compute, transfer) if cluster.device.overlap else compute + transfer
+    rounds = (p - 1) * (both + merge)
+    # The first block's compute counts as ``local``; the rounds' compute after the first block,
+    # the transfers and the merges as ``comm``: rounds + last compute - first compute = rounds.
+    # Rank r forwards every block but its successor's (the last to reach it): the busiest rank is
+    # the one whose successor holds the smallest block. An empty block sends only its lengths.
+    sizes = w.shard_sizes(p)
+    per_token = 2 * w.batch * w.kv_heads * w.head_dim * w.elem_bytes
+    sent = max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p)) + 4 * w.batch * (p - 1)
+    msgs = max(sum(3 if n else 1 for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
+    # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).
+    return _prediction("ring", "ring", cluster, w, compute, rounds, sent, msgs, min(2, p - 1) * shard)
+
+
+def _prediction(strategy, label, cluster, w, local, comm, sent, msgs, extra) -> StepPrediction:
+    p = cluster.world_size
+    over = cluster.step_overhead_us
+    return StepPrediction(
+        strategy=strategy, plan=label, world_size=p, seq_len=w.seq_len,
+        time_us=over + local + comm, local_us=local, comm_us=comm, overhead_us=over,
+        bytes_per_rank=int(sent), messages=int(msgs),
+        peak_mem_bytes=int(w.shard_bytes(p) + extra), extra_mem_bytes=int(extra),
+    )
+
+
+def predict_step(cluster: ClusterSpec, w: Workload, strategy: str, plan: ReductionPlan | None = None) -> StepPrediction:
+    """One strategy by name: ``tree`` (with ``plan``, default the cluster's hierarchical binary
+    tree), ``allreduce`` or ``ring``."""
+    if strategy == "tree":
+        return predict_tree(cluster, w, plan if plan is not None else cluster_plan(cluster))
+    if strategy == "allreduce":
+        return predict_allreduce(cluster, w)
+    if strategy == "ring":
+        return predict_ring(cluster, w)
+    raise ConfigError(f"unknown strategy {strategy!r}; choose tree, allreduce or ring")
+
+
+def cluster_hierarchy(cluster: ClusterSpec) -> list[tuple[str, list[list[int]]]]:
+    """The cluster's hierarchy, fastest first: the node's own levels (per node), then the network
+    joining the nodes. Ranks r of node n are ``n * g .. n * g + g - 1``."""
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    node_levels = list(cluster.hierarchy) if cluster.hierarchy else [
+        (cluster.intra.kind if cluster.intra is not None else "self", [list(range(g))])]
+    levels = []
+    for kind, groups in node_levels:
+        levels.append((kind, [[n * g + r for r in grp] for n in range(nodes) for grp in groups]))
+    if nodes > 1:
+        levels.append(("network", [list(range(nodes * g))]))
+    return levels
+
+
+def cluster_plan(cluster: ClusterSpec, fanout: int = 2) -> ReductionPlan:
+    """The topology-aware tree for the cluster: k-ary inside the fastest groups, then among their
+    leaders level by level, the network last (``reduce.hier_plan``)."""
+    from ..reduce.hier_plan import hierarchical_parents
+
+    p = cluster.world_size
+    if p == 1:
+        return ReductionPlan("tree", fanout)
+    levels = cluster_hierarchy(cluster)
+    parents = hierarchical_parents(levels, fanout)
+    kinds = ">".join(dict.fromkeys(k for k, _ in levels))
+    return ReductionPlan("tree", fanout, parents=parents, label=f"hier {kinds} k={fanout}")
+

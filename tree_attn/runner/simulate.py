@@ -1,0 +1,219 @@
+"""``tree-attn simulate``: predict decode steps on clusters nobody here can run, from the cost
+model (``tree_attn.cost``) and parameters taken from a parameters file, a profile, a topology or a
+built-in preset. No torch, nothing launched.
+
+Parameters, first found wins: ``--params FILE`` (a calibration, e.g.
+``benchmarks/calibrate_costmodel.py``), ``--profile`` (its topology, kernel bandwidths and plan
+timings), ``--topology FILE`` (a probe's YAML, ``probe --measure`` numbers included, or a recorded
+dump; the device and network from the preset), else the preset (default ``h100-sxm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
+from ..cost.model import DTYPE_BYTES
+from ..errors import ConfigError
+
+MAX_WORLD = 4096
+MAX_SEQ = 100_000_000
+DEFAULT_WORLDS = (8, 16, 32, 64, 128)
+DEFAULT_SEQS = (32768, 131072, 524288, 1048576, 5120000)
+DEFAULT_PRESET = "h100-sxm"
+DEVICE_PRESETS = {"h100": "h100-sxm", "mi300x": "mi300x", "4090": "rtx4090-pcie"}
+
+
+def parse_tokens(text: str) -> int:
+    """``32768``, ``32K`` (x1,024), ``5.12M`` (x1,000,000, as the paper writes 5.12M tokens)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ConfigError(f"sequence length {text!r}: expected a number of tokens like 32768, 32K or 5.12M")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    n = value * (1024 if unit == "k" else 1_000_000 if unit == "m" else 1)
+    if n != int(n):
+        raise ConfigError(f"sequence length {text!r} is not a whole number of tokens")
+    n = int(n)
+    if not 1 <= n <= MAX_SEQ:
+        raise ConfigError(f"sequence length {text!r}: expected 1 to {MAX_SEQ:,} tokens")
+    return n
+
+
+def parse_list(text: str, what: str, parse) -> list:
+    items = [t for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{what}: expected a comma-separated list, got {text!r}")
+    return sorted({parse(t) for t in items})
+
+
+def parse_world(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"world size {text!r}: expected an integer") from None
+    if not 1 <= n <= MAX_WORLD:
+        raise ConfigError(f"world size {n}: expected 1 to {MAX_WORLD}")
+    return n
+
+
+@dataclass(frozen=True)
+class SimulateOptions:
+    preset: str | None = None  # None: the preset of the device a topology/profile names, else h100-sxm
+    topology: str | None = None
+    profile: str | None = None
+    params: str | None = None
+    world_sizes: str = ",".join(map(str, DEFAULT_WORLDS))
+    gpus_per_node: int | None = None
+    seq_lens: str = ",".join(map(str, DEFAULT_SEQS))
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    fanout: int = 2
+    step_overhead_us: float | None = None  # replaces the parameters' fixed step overhead
+
+
+@dataclass
+class SimRow:
+    """One (world size, sequence length): the three strategies' predictions."""
+
+    world_size: int
+    nodes: int
+    ranks_per_node: int
+    seq_len: int
+    tree: StepPrediction
+    allreduce: StepPrediction
+    ring: StepPrediction
+
+    def time_us(self, strategy: str) -> float:
+        return getattr(self, strategy).time_us
+
+    @property
+    def speedup(self) -> float:
+        """Ring's step over the tree's."""
+        return self.ring.time_us / self.tree.time_us if self.tree.time_us > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "seq_len": self.seq_len, "speedup_ring_over_tree": self.speedup,
+                "tree": self.tree.to_dict(), "allreduce": self.allreduce.to_dict(), "ring": self.ring.to_dict()}
+
+
+@dataclass
+class SimulateResult:
+    cluster_name: str
+    source: str
+    workload: Workload
+    cluster: ClusterSpec
+    rows: list[SimRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"cluster": self.cluster.to_dict(), "source": self.source,
+                "workload": dataclasses.asdict(self.workload), "rows": [r.to_dict() for r in self.rows],
+                "notes": list(self.notes),
+                "caveat": "predictions of the cost model, not measurements"}
+
+
+def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
+    """The parameters to simulate with, and where they came from (one line)."""
+    from ..cost import fit
+
+    base = preset(opts.preset or DEFAULT_PRESET)
+
+    def base_for(device_name: str) -> ClusterSpec:
+        # Without --preset, what a topology or profile lacks (the network) comes from the preset
+        # of its own device: an MI300X node's from mi300x.
+        if opts.preset is None:
+            for key, name in DEVICE_PRESETS.items():
+                if key in device_name.lower():
+                    return preset(name)
+        return base
+
+    if opts.params:
+        return fit.load_params(opts.params), f"parameters file {opts.params}"
+    if opts.profile:
+        from ..profiles import open_profile
+
+        prof = open_profile(opts.profile)
+        if prof.topology is not None and all(d.vendor == "cpu" for d in prof.topology.devices):
+            raise ConfigError(f"profile {prof.name!r} is for CPU ranks, whose device parameters a profile does not hold: "
+                              "run benchmarks/calibrate_costmodel.py on that machine and pass --params")
+        if prof.topology is not None:
+            base = base_for(prof.topology.devices[0].name)
+        device = None
+        if prof.topology is not None and fit.device_for(prof.topology.devices[0].name) is None and \
+                prof.topology.devices[0].vendor != "cpu":
+            device = base.device
+        return (fit.cluster_from_profile(prof, device=device, network=base.network),
+                f"profile {prof.name} ({prof.origin}); network from preset {base.name}")
+    if opts.topology:
+        from ..topology import load_dump, load_topology
+
+        path = opts.topology
+        try:
+            topo = load_topology(path)
+        except Exception:  # noqa: BLE001 - not a topology YAML: try a recorded dump
+            topo = load_dump(path)
+        base = base_for(topo.devices[0].name)
+        named = fit.device_for(topo.devices[0].name)
+        device = named or base.device
+        where = f"topology {path}" + ("" if named else f"; device from preset {base.name} (the topology names none)")
+        return fit.cluster_from_topology(topo, device=device, network=base.network), where + f"; network from preset {base.name}"
+    return base, f"built-in preset {base.name}"
+
+
+def shape_for(cluster: ClusterSpec, world: int, gpus_per_node: int) -> ClusterSpec:
+    """``world`` ranks in nodes of ``gpus_per_node`` (one partial node when world is smaller)."""
+    if world <= gpus_per_node:
+        return cluster.with_shape(1, world)
+    if world % gpus_per_node:
+        raise ConfigError(f"world size {world} is not a whole number of nodes of {gpus_per_node} GPUs; "
+                          f"use a multiple of {gpus_per_node} (or --gpus-per-node)")
+    return cluster.with_shape(world // gpus_per_node, gpus_per_node)
+
+
+def simulate(opts: SimulateOptions) -> SimulateResult:
+    """Predict every (world size, sequence length) of ``opts`` for tree, allreduce and ring."""
+    worlds = parse_list(opts.world_sizes, "--world-sizes", parse_world)
+    seqs = parse_list(opts.seq_lens, "--seq-lens", parse_tokens)
+    if opts.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16")
+    if isinstance(opts.fanout, bool) or not isinstance(opts.fanout, int) or opts.fanout < 2:
+        raise ConfigError(f"--fanout must be an integer >= 2; got {opts.fanout!r}")
+    cluster, source = resolve_cluster(opts)
+    if opts.step_overhead_us is not None:
+        over = opts.step_overhead_us
+        if isinstance(over, bool) or not isinstance(over, (int, float)) or not 0 <= over <= 1e9:
+            raise ConfigError(f"--step-overhead-us must be a number of microseconds >= 0; got {over!r}")
+        cluster = dataclasses.replace(cluster, step_overhead_us=float(over))
+        source += f"; step overhead set to {over:g} us"
+    g = opts.gpus_per_node or cluster.ranks_per_node
+    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_WORLD:
+        raise ConfigError(f"--gpus-per-node must be an integer in 1..{MAX_WORLD}; got {g!r}")
+    if cluster.pair_links and g != cluster.ranks_per_node:
+        raise ConfigError(f"the topology describes nodes of {cluster.ranks_per_node} devices; --gpus-per-node {g} "
+                          "would invent the rest: omit it")
+    if g < max(worlds) and cluster.network is None:
+        raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
+                          f"use world sizes up to {g}")
+    workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype)
+    result = SimulateResult(cluster.name, source, workload, cluster)
+    for world in worlds:
+        c = shape_for(cluster, world, g)
+        plan = cluster_plan(c, opts.fanout)
+        for n in seqs:
+            w = dataclasses.replace(workload, seq_len=n)
+            result.rows.append(SimRow(world, c.nodes, c.ranks_per_node, n, predict_step(c, w, "tree", plan),
+                                      predict_step(c, w, "allreduce"), predict_step(c, w, "ring")))
+        mem = cluster.device.memory_bytes
+        if mem:
+            worst = max(r.ring.peak_mem_bytes for r in result.rows if r.world_size == world)
+            if worst > mem:
+                result.notes.append(f"{world} GPUs: ring's peak per rank (KV shard + two in flight) reaches "
+                                    f"{worst / 1e9:,.1f} GB, beyond the device's {mem / 1e9:,.0f} GB")
+    result.notes.extend(cluster.notes)
+    return result
