@@ -1,0 +1,411 @@
+"""``tree-attn generate``: greedy decoding of a language model with its KV cache sharded over ranks.
+
+The launching process loads the model and prefills the prompt (all tokens but the last, in
+chunks); it then decodes the reference (transformers' own SDPA attention over a ``DynamicCache``
+holding the same prefill KV) and the one-process row (tree-attn's paged kernel, no collective).
+It splits the prefill KV evenly over the ranks (rank r holds a contiguous slice of the prompt)
+and spawns them; each rank loads the model, pages its slice into a :class:`PagedKVShard`, and
+decodes with each strategy (tree, allreduce, ring) in turn. A decode step feeds one token through
+every layer; each layer's attention is a collective over the ranks' shards, and the new token's K
+and V are appended to the last rank's shard. Every row starts from the last prompt token, so all
+of them decode the same ``new_tokens`` tokens, each by a decode step, and must match the
+reference exactly.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..dtypes import torch_dtype
+from ..errors import ConfigError
+from ..reduce.plan import ReductionPlan
+from ..ranks.launch import RankEnv, barrier
+from .decode_run import percentile
+from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
+from .kv_store import PAGE_SIZE, PagedKVShard
+from .models import ModelSource, build_model
+
+REFERENCE = "reference"
+ONE_RANK = "one rank"
+PREFILL_CHUNK = 4096  # prompt tokens per prefill forward (bounds the MLP's activations)
+PROGRESS_S = 10.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache needs to know of a model: layers, KV heads, head dim, query heads, vocab."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    q_heads: int
+    vocab: int
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(config["num_hidden_layers"], config.get("num_key_value_heads") or heads, head_dim, heads,
+                   config["vocab_size"], config.get("max_position_embeddings") or 2**31 - 1)
+
+    def kv_bytes(self, tokens: int, dtype: str) -> int:
+        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * torch_dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """What to generate and how. ``prompt_ids``: at least one token; ``new_tokens`` decode steps.
+
+    ``strategies``: ``(name, plan)`` pairs as in ``run`` (``ring`` has no plan). The reference and
+    the one-process row always run.
+    """
+
+    source: ModelSource
+    prompt_ids: tuple[int, ...]
+    new_tokens: int = 32
+    world_size: int = 4
+    strategies: tuple[tuple[str, ReductionPlan | None], ...] = (("tree", ReductionPlan("tree", 2)), ("ring", None))
+    device_kind: str = "cpu"
+    backend: str = "gloo"
+    dtype: str = "float32"
+    impl: str = "auto"
+    kernel_config: dict | None = None
+    page_size: int = PAGE_SIZE
+    prefill_chunk: int = PREFILL_CHUNK
+    timeout_s: float = 120.0
+    seed: int = 0  # shuffles the block tables
+
+    def shard_sizes(self) -> list[int]:
+        """Prefill tokens per rank: the prompt minus its last token, split as evenly as possible."""
+        n = len(self.prompt_ids) - 1
+        base, extra = divmod(n, self.world_size)
+        return [base + (1 if r < extra else 0) for r in range(self.world_size)]
+
+
+@dataclass
+class StrategyRun:
+    """One rank's decode with one strategy: its tokens, step times, bytes and messages per step."""
+
+    tokens: list[int]
+    step_s: list[float]
+    bytes_per_step: list[int]
+    messages_per_step: list[int]
+
+
+@dataclass
+class GenerateRow:
+    """One row of the result: a strategy on ``ranks`` ranks (rank 0's tokens and times; bytes and
+    messages: the most any rank sent in a step)."""
+
+    name: str
+    ranks: int
+    tokens: list[int]
+    step_s: list[float]
+    bytes_per_token: int = 0
+    messages_per_token: int = 0
+    ranks_agree: bool = True
+    matches_reference: bool = True
+    text: str | None = None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def p95_s(self) -> float:
+        return percentile(self.step_s, 0.95)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.step_s) / sum(self.step_s) if sum(self.step_s) > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "ranks": self.ranks, "median_ms": 1e3 * self.median_s, "p95_ms": 1e3 * self.p95_s,
+            "tokens_per_s": self.tokens_per_s, "bytes_per_rank_per_token": self.bytes_per_token,
+            "messages_per_rank_per_token": self.messages_per_token, "ranks_agree": self.ranks_agree,
+            "matches_reference": self.matches_reference, "tokens": self.tokens, "text": self.text,
+            "step_ms": [1e3 * s for s in self.step_s],
+        }
+
+
+@dataclass
+class GenerateResult:
+    model: str
+    random_weights: bool
+    prompt_tokens: int
+    new_tokens: int
+    world_size: int
+    device: str
+    backend: str
+    dtype: str
+    page_size: int
+    prefill_s: float
+    rows: list[GenerateRow]
+    profile: Any = None  # run_setup.ProfileChoice, set by the caller
+    prompt_text: str | None = None
+    shard_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def all_match(self) -> bool:
+        return all(r.matches_reference and r.ranks_agree for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "random_weights": self.random_weights, "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens, "world_size": self.world_size, "device": self.device,
+            "backend": self.backend, "dtype": self.dtype, "page_size": self.page_size,
+            "prefill_tokens_per_rank": self.shard_sizes, "new_tokens_rank": self.world_size - 1,
+            "prefill_s": self.prefill_s, "all_match_reference": self.all_match,
+            "profile": self.profile.to_dict() if hasattr(self.profile, "to_dict") else self.profile,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+# --- the model's forwards --------------------------------------------------------------------
+
+def _positions(start: int, n: int, device) -> torch.Tensor:
+    return torch.arange(start, start + n, device=device).view(1, n)
+
+
+@torch.inference_mode()
+def prefill(model, prompt_ids: list[int], chunk: int, progress: Callable[[str], None]) -> PrefillContext:
+    """Attend every prompt token but the last, ``chunk`` tokens per forward; keep each layer's KV."""
+    shape = ModelShape.from_config(model.config.to_dict())
+    device = next(model.parameters()).device
+    n = len(prompt_ids) - 1
+    ctx = PrefillContext.allocate(shape.layers, n, shape.kv_heads, shape.head_dim,
+                                  dtype=next(model.parameters()).dtype, device=device)
+    ids = torch.tensor(prompt_ids[:n], dtype=torch.long, device=device).view(1, n)
+    last_note = time.monotonic()
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        model.base_model(input_ids=ids[:, start:stop], position_ids=_positions(start, stop - start, device),
+                         use_cache=False, **{CONTEXT_KWARG: ctx})
+        ctx.length = stop
+        if time.monotonic() - last_note > PROGRESS_S or stop == n:
+            progress(f"prefill: {stop:,}/{n:,} tokens")
+            last_note = time.monotonic()
+    return ctx
+
+
+def _next_token(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits[0, -1]))
+
+
+@torch.inference_mode()
+def decode_tokens(model, ctx: DecodeContext, first: int, start: int, steps: int,
+                  progress: Callable[[str], None], label: str) -> StrategyRun:
+    """Greedy decode ``steps`` tokens from input token ``first`` at position ``start``.
+
+    One untimed warm-up forward first (it prepares the merge and kernels; its KV is dropped).
+    """
+    device = ctx.store.k[0].device
+    cuda = device.type == "cuda"
+
+    def forward(token: int, pos: int) -> int:
+        logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=_positions(pos, 1, device),
+                       use_cache=False, logits_to_keep=1, **{CONTEXT_KWARG: ctx}).logits
+        return _next_token(logits)  # a host sync: the step is over
+
+    ctx.begin(1)
+    forward(first, start)
+    ctx.abort()
+    run = StrategyRun([], [], [], [])
+    token, last_note = first, time.monotonic()
+    for i in range(steps):
+        ctx.stats.reset()
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        ctx.begin(1)
+        token = forward(token, start + i)
+        ctx.end()
+        run.step_s.append(time.perf_counter() - t0)
+        run.tokens.append(token)
+        run.bytes_per_step.append(ctx.stats.bytes_sent)
+        run.messages_per_step.append(ctx.stats.messages)
+        if time.monotonic() - last_note > PROGRESS_S:
+            progress(f"{label}: token {i + 1}/{steps}")
+            last_note = time.monotonic()
+    return run
+
+
+@torch.inference_mode()
+def reference_tokens(model, pre: PrefillContext, first: int, steps: int) -> StrategyRun:
+    """The reference: transformers' own SDPA attention and ``DynamicCache``, one process, seeded
+    with the prefill's KV; greedy ``steps`` tokens from ``first``."""
+    from transformers import DynamicCache
+
+    device = pre.k[0].device
+    start = pre.length
+    model.set_attn_implementation("sdpa")
+    try:
+        def fresh_cache():
+            cache = DynamicCache(config=model.config)
+            if start:
+                for layer in range(len(pre.k)):
+                    cache.update(pre.k[layer][:, :start].unsqueeze(0), pre.v[layer][:, :start].unsqueeze(0), layer)
+            return cache
+
+        def forward(cache, token: int, pos: int) -> int:
+            logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=_positions(pos, 1, device),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            return _next_token(logits)
+
+        forward(fresh_cache(), first, start)  # warm-up, as for the other rows
+        cache = fresh_cache()
+        run = StrategyRun([], [], [], [])
+        token = first
+        for i in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            token = forward(cache, token, start + i)
+            run.step_s.append(time.perf_counter() - t0)
+            run.tokens.append(token)
+            run.bytes_per_step.append(0)
+            run.messages_per_step.append(0)
+        return run
+    finally:
+        use_tree_attention(model)
+
+
+# --- ranks -------------------------------------------------------------------------------------
+
+def _progress(env: RankEnv, text: str) -> None:
+    if env.rank == 0:
+        print(f"[rank 0] {text}", file=sys.stderr, flush=True)
+
+
+def _kernel_config(spec: GenerateSpec):
+    if not spec.kernel_config:
+        return None
+    from ..kernels.config import DecodeConfig
+
+    return DecodeConfig.from_dict(spec.kernel_config)
+
+
+def generate_rank(env: RankEnv, spec: GenerateSpec, shard_dir: str) -> dict[str, StrategyRun]:
+    """On one rank: load the model and this rank's prefill slice (paged), then decode with every
+    strategy of ``spec`` from the same start. Returns one :class:`StrategyRun` per strategy label."""
+    import torch.distributed as dist
+
+    device = torch.device(env.device)
+    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
+    use_tree_attention(model)
+    shape = ModelShape.from_config(model.config.to_dict())
+    saved = torch.load(os.path.join(shard_dir, f"rank{env.rank}.pt"), mmap=True, weights_only=True)
+    n = spec.shard_sizes()[env.rank]
+    last = env.rank == env.world_size - 1
+    store = PagedKVShard.allocate(shape.layers, n + (spec.new_tokens + 1 if last else 0), shape.kv_heads,
+                                  shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
+                                  page_size=spec.page_size, seed=spec.seed + env.rank)
+    for layer in range(shape.layers):
+        store.write(layer, 0, saved["k"][layer].to(device), saved["v"][layer].to(device))
+    del saved
+    capacities: list[Any] = [None] * env.world_size
+    dist.all_gather_object(capacities, store.capacity)
+    barrier(env)
+    first, start = spec.prompt_ids[-1], len(spec.prompt_ids) - 1
+    runs: dict[str, StrategyRun] = {}
+    for name, plan in spec.strategies:
+        label = plan.label if plan is not None else "ring"
+        store.set_length(n)
+        ctx = DecodeContext(store, "ring" if plan is None else "tree", holds_new=last, plan=plan,
+                            ring_lengths=capacities, impl=spec.impl, config=_kernel_config(spec))
+        _progress(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} ranks")
+        runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: _progress(env, t), label)
+        _progress(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
+    return runs
+
+
+def _save_shards(pre: PrefillContext, sizes: list[int], folder: str) -> None:
+    """Each rank's contiguous slice of the prefill KV, ``{"k": [[n_r, Hkv, D] per layer], "v": ...}``."""
+    start = 0
+    for rank, n in enumerate(sizes):
+        parts = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
+        torch.save({"k": [k.contiguous().cpu() for k, _ in parts], "v": [v.contiguous().cpu() for _, v in parts]},
+                   os.path.join(folder, f"rank{rank}.pt"))
+        start += n
+
+
+def _device_name(device_kind: str) -> str:
+    from .decode_run import _device_name as name
+
+    return name(device_kind)
+
+
+def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | None) -> GenerateRow:
+    mine = runs[0]
+    return GenerateRow(
+        name=name, ranks=ranks, tokens=mine.tokens, step_s=mine.step_s,
+        bytes_per_token=max(max(r.bytes_per_step, default=0) for r in runs),
+        messages_per_token=max(max(r.messages_per_step, default=0) for r in runs),
+        ranks_agree=all(r.tokens == mine.tokens for r in runs),
+        matches_reference=reference is None or mine.tokens == reference,
+    )
+
+
+def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
+    """Prefill, decode the reference and the one-process row here, then every strategy on
+    ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
+    from ..ranks.launch import launch_ranks
+
+    say = progress or (lambda text: None)
+    device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
+    say(f"loading {spec.source.label}")
+    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
+    use_tree_attention(model)
+    shape = ModelShape.from_config(model.config.to_dict())
+    t0 = time.perf_counter()
+    pre = prefill(model, list(spec.prompt_ids), spec.prefill_chunk, say)
+    prefill_s = time.perf_counter() - t0
+    first, start = spec.prompt_ids[-1], pre.length
+    say(f"{REFERENCE}: decoding {spec.new_tokens} tokens with transformers' sdpa attention in one process")
+    ref = reference_tokens(model, pre, first, spec.new_tokens)
+    rows = [_row(REFERENCE, 1, [ref], None)]
+
+    say(f"{ONE_RANK}: decoding with tree-attn's paged kernel in one process")
+    local = PagedKVShard.allocate(shape.layers, start + spec.new_tokens + 1, shape.kv_heads, shape.head_dim,
+                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size, seed=spec.seed)
+    for layer in range(shape.layers):
+        local.write(layer, 0, *pre.tokens(layer, 0, start))
+    local.set_length(start)
+    ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=_kernel_config(spec))
+    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
+    del local, ctx, model
+    gc.collect()
+
+    folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
+    try:
+        _save_shards(pre, spec.shard_sizes(), folder)
+        del pre
+        gc.collect()
+        say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
+        per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
+                                device_kind=spec.device_kind, timeout_s=spec.timeout_s)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for label in per_rank[0]:
+        rows.append(_row(label, spec.world_size, [runs[label] for runs in per_rank], ref.tokens))
+    if tokenizer is not None:
+        for row in rows:
+            row.text = tokenizer.decode(row.tokens)
+    return GenerateResult(
+        model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
+        new_tokens=spec.new_tokens, world_size=spec.world_size, device=_device_name(spec.device_kind),
+        backend=spec.backend, dtype=spec.dtype, page_size=spec.page_size, prefill_s=prefill_s, rows=rows,
+        shard_sizes=spec.shard_sizes(),
+    )

@@ -1,0 +1,165 @@
+"""The language models ``tree-attn generate`` decodes: a local Hugging Face checkpoint of the Llama
+family, or a model built from a preset config with a fixed seed (random weights).
+
+Model code is Hugging Face ``transformers``' own (the ``[models]`` extra); tree-attn only routes
+attention through its hook (see :mod:`runner.hf_attention`). Nothing here touches the network:
+checkpoints load with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+# Architectures whose attention is plain multi-head/grouped-query softmax attention with RoPE,
+# computed by the model as q, k, v then the attention interface: what tree-attn decodes exactly.
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+# Presets built from a config with random weights. ``small``: a small Llama with grouped-query
+# attention (8 query heads over 2 KV heads) that decodes fast on CPU ranks. ``llama-3.1-8b``:
+# Llama-3.1-8B's layer shapes (hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP
+# 14336, RoPE theta 500000) with --layers of them (default 2) and a 32,000-token vocabulary
+# instead of 128,256 so that four CPU ranks with a copy each fit in host memory; attention,
+# the part tree-attn changes, has the 8B's shape.
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": dict(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, vocab_size=4096, rope_theta=500000.0,
+        max_position_embeddings=262144, initializer_range=0.3,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=500000.0,
+        max_position_embeddings=262144, initializer_range=0.075,
+    ),
+}
+# The initializer ranges are wider than a trained model's 0.02: with 0.02 and random weights the
+# logits are nearly flat, greedy decoding repeats one token, and an exactness check would prove
+# little. Wider weights give spread-out logits and varied tokens.
+DEFAULT_PRESET = "small"
+MODELS_EXTRA = 'pip install "tree-attn[models]" (Hugging Face transformers and safetensors)'
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a checkpoint folder (``path``) or a ``preset`` with ``seed``.
+
+    ``layers`` overrides a preset's layer count (checkpoints keep theirs).
+    """
+
+    path: str | None = None
+    preset: str = DEFAULT_PRESET
+    layers: int | None = None
+    seed: int = 0
+
+    @property
+    def random_weights(self) -> bool:
+        return self.path is None
+
+    @property
+    def label(self) -> str:
+        if self.path is not None:
+            return os.path.basename(os.path.normpath(self.path)) or self.path
+        layers = f", {self.layers} layers" if self.layers is not None else ""
+        return f"{self.preset} preset (random weights, seed {self.seed}{layers})"
+
+
+def require_transformers() -> None:
+    """Raise :class:`ConfigError` naming the extra when transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"tree-attn generate needs Hugging Face transformers: {MODELS_EXTRA}") from exc
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise ConfigError(f"tree-attn generate needs transformers 5 or newer; found {transformers.__version__}: {MODELS_EXTRA}")
+
+
+def check_source(source: ModelSource) -> dict[str, Any]:
+    """Check ``source`` before any weight is read; return the model's config as a dict.
+
+    A checkpoint folder must hold ``config.json`` of a supported architecture and safetensors
+    weights; the error names what is missing. A preset must exist; ``layers`` must be >= 1.
+    """
+    if source.layers is not None and (isinstance(source.layers, bool) or not isinstance(source.layers, int) or source.layers < 1):
+        raise ConfigError(f"--layers must be an integer >= 1; got {source.layers!r}")
+    if source.path is None:
+        if source.preset not in PRESETS:
+            raise ConfigError(f"unknown model preset {source.preset!r}; choose from {', '.join(PRESETS)}")
+        config = dict(PRESETS[source.preset], model_type="llama")
+        if source.layers is not None:
+            config["num_hidden_layers"] = source.layers
+        return config
+    if source.layers is not None:
+        raise ConfigError("--layers applies to a preset, not to a checkpoint (a checkpoint keeps its layers)")
+    folder = Path(source.path)
+    if not folder.is_dir():
+        raise ConfigError(f"--model {source.path}: no such folder (a checkpoint folder with config.json and *.safetensors)")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"--model {source.path}: config.json is missing from the folder")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--model {source.path}: config.json is not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model {source.path}: config.json must hold a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        archs = config.get("architectures")
+        raise ConfigError(
+            f"--model {source.path}: architecture {model_type!r}{f' ({archs})' if archs else ''} is not supported; "
+            f"tree-attn generate decodes {', '.join(SUPPORTED_TYPES)} checkpoints"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(
+            f"--model {source.path}: no *.safetensors weights in the folder (other weight formats are not read)"
+        )
+    return config
+
+
+def build_model(source: ModelSource, *, dtype, device) -> Any:
+    """The model of ``source`` in eval mode on ``device`` with ``dtype`` weights, attention
+    ``sdpa`` (the reference); :func:`runner.hf_attention.use_tree_attention` switches it."""
+    import torch
+
+    require_transformers()
+    config = check_source(source)
+    if source.path is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}, attn_implementation="sdpa")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(source.seed)
+            model = LlamaForCausalLM(cfg)  # weights from the config's initializer, seeded
+        model = model.to(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"--model {source.path}: the checkpoint did not load: {exc}") from exc
+    return model.to(device).eval()
+
+
+def load_tokenizer(source: ModelSource) -> Any | None:
+    """The checkpoint's tokenizer, or None (a preset, or a folder without tokenizer files)."""
+    if source.path is None:
+        return None
+    folder = Path(source.path)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {source.path}: the tokenizer did not load: {exc}") from exc
