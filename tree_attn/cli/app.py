@@ -99,7 +99,7 @@ def _install_signal_handlers() -> dict:
 
 def _register() -> None:
     # Each command module exposes register(app). A module missing from this build is skipped.
-    for name in ("run", "probe", "check", "tune", "profiles", "simulate"):
+    for name in ("run", "generate", "probe", "check", "tune", "profiles", "simulate"):
         try:
             mod = __import__(f"{__package__}.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:  # a command module not present in this build

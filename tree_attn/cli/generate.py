@@ -1,0 +1,120 @@
+"""``tree-attn generate``: greedy decoding of a real model with its KV cache sharded over ranks."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import err_console, error, line, notice, out_console, print_json, styled, warn
+
+HELP = (
+    "Greedy decoding of a Llama-family model (Llama, Qwen2, Mistral) with its KV cache paged and "
+    "sharded over ranks, every layer's attention by tree attention.\n\n"
+    "--model loads a local checkpoint folder (config.json, *.safetensors, a tokenizer if it has one; "
+    "nothing is downloaded). Without --model a small Llama is built from a config with --seed: random "
+    "weights, so the output is token ids, not text, and the prompt is --prompt-len random ids (or ids "
+    "given as --prompt 1,2,3).\n\n"
+    "The launching process prefills the prompt, decodes the reference (transformers' own sdpa attention "
+    "and cache, one process) and the one-rank row (tree-attn's paged kernel); then it splits the prefill "
+    "KV over the ranks (rank r a contiguous slice, 16-token pages) and each strategy decodes the same "
+    "tokens, the new tokens' KV going to the last rank. Every row must give the reference's tokens: "
+    "exit 1 if one does not. Needs the [models] extra (Hugging Face transformers)."
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate", help=HELP)(generate_command)
+
+
+def generate_command(
+    model: str = typer.Option(None, "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model."),
+    preset: str = typer.Option("small", "--preset", help="Without --model: small (a small Llama) or llama-3.1-8b (the 8B's layer shapes with a 32,000-token vocabulary); random weights."),
+    layers: int = typer.Option(None, "--layers", help="Layers of the preset (small: 4, llama-3.1-8b: 2)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of a preset's weights, the random prompt and the page tables."),
+    prompt: str = typer.Option(None, "--prompt", help="Text (with a checkpoint's tokenizer) or comma-separated token ids."),
+    prompt_len: int = typer.Option(512, "--prompt-len", help="Without --prompt: this many random token ids."),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens to generate (one decode step each)."),
+    max_len: int = typer.Option(None, "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max positions."),
+    world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks)."),
+    strategy: str = typer.Option("auto", "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring."),
+    fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
+    backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV: fp32 (default: greedy tokens comparable bit for bit in rounding), fp16 or bf16."),
+    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page (1..256)."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
+    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+) -> None:
+    from ..runner.generate import run_generate
+    from ..runner.generate_setup import GenerateOptions, plan_generate
+
+    setup = plan_generate(GenerateOptions(
+        model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
+        new_tokens=new_tokens, max_len=max_len, world_size=world_size, strategy=strategy, fanout=fanout,
+        device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout, profile=profile_ref,
+    ))
+    spec = setup.spec
+    for n in setup.notices:
+        notice(n)
+    for w in setup.warnings:
+        warn(w)
+    err_console.print(setup.profile.text, markup=False)
+    err_console.print(
+        f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} ranks "
+        f"({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}",
+        markup=False,
+    )
+    result = run_generate(spec, progress=lambda text: err_console.print(text, markup=False, style="dim"),
+                          tokenizer=setup.tokenizer)
+    result.profile = setup.profile
+    result.prompt_text = setup.prompt_text
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        render_generate(result)
+    if not result.all_match:
+        bad = [r.name for r in result.rows if not (r.matches_reference and r.ranks_agree)]
+        error(f"{', '.join(bad)}: generated tokens differ from the reference's (or between ranks)")
+        raise typer.Exit(1)
+
+
+def _fmt_bytes(n: float) -> str:
+    from .run import _fmt_bytes as fmt
+
+    return fmt(n)
+
+
+def render_generate(result) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title=styled(f"tree-attn generate: {result.model}, {result.prompt_tokens:,}-token prompt, "
+                     f"{result.world_size} ranks, {result.device} ({result.backend})"),
+        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+    )
+    for col, just in (("decode", "left"), ("ranks", "right"), ("median", "right"), ("p95", "right"),
+                      ("tokens/s", "right"), ("sent/rank", "right"), ("msgs", "right"), ("tokens", "left")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for r in result.rows:
+        same = "reference" if r.name == "reference" else ("same" if r.matches_reference and r.ranks_agree else "DIFFER")
+        table.add_row(styled(r.name), str(r.ranks), f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
+                      f"{r.tokens_per_s:.1f}", _fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
+                      styled(same, None if same != "DIFFER" else "bold red"))
+    out_console.print(table)
+    out_console.print(
+        f"per generated token (one decode step through all layers): latency on rank 0, bytes and messages each rank "
+        f"sends (max over ranks); reference = transformers' sdpa attention and cache in one process, one rank = "
+        f"tree-attn's paged kernel in one process; prefill {result.prefill_s:.1f} s in one process, its KV then split "
+        f"{result.shard_sizes} tokens over the ranks, the new tokens' KV on rank {result.world_size - 1}",
+        style="dim",
+    )
+    ref = result.rows[0]
+    out_console.print(line("ids: ", styled(", ".join(map(str, ref.tokens)))))
+    if ref.text is not None:
+        out_console.print(line("text: ", styled(repr(ref.text))))
+    elif result.random_weights:
+        out_console.print("(random weights: the ids are not text)", style="dim")
+    if result.all_match:
+        out_console.print(line(("all rows generated the reference's tokens", "bold green"),
+                               f" ({result.new_tokens} of {result.new_tokens})"))
