@@ -88,7 +88,7 @@ class DecodeContext:
         self._new = 0
 
 
-def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
     """``(out [H, S, D], lse [H, S])`` float32 of queries ``q [Hq, S, D]`` over ``k, v [Hkv, N, D]``;
     ``causal`` needs S == N (query i sees keys 0..i)."""
     if q.device.type == "cpu":
@@ -97,7 +97,12 @@ def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale
         )
         return out[0].float(), lse[0].float()
-    # Portable: blocks of query rows, float32 scores, exact log-sum-exp.
+    return attention_blockwise(q, k, v, scale, causal)
+
+
+def attention_blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """The portable path of :func:`attention_with_lse` (GPUs): blocks of query rows, float32
+    scores ``[Hq, rows, N]`` per block, exact log-sum-exp."""
     hq, s, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -127,9 +132,9 @@ def _prefill(ctx: PrefillContext, layer: int, query, key, value, scale: float) -
     ctx.k[layer][:, start:start + n] = key[0]
     ctx.v[layer][:, start:start + n] = value[0]
     q = query[0]
-    out, lse = _attention_with_lse(q, key[0], value[0], scale, causal=True)
+    out, lse = attention_with_lse(q, key[0], value[0], scale, causal=True)
     if start:
-        past_out, past_lse = _attention_with_lse(q, ctx.k[layer][:, :start], ctx.v[layer][:, :start], scale, causal=False)
+        past_out, past_lse = attention_with_lse(q, ctx.k[layer][:, :start], ctx.v[layer][:, :start], scale, causal=False)
         out, lse = merge_partials(torch.stack([out, past_out]), torch.stack([lse, past_lse]))
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, S, Hq, D]
 

@@ -1,0 +1,231 @@
+"""``tree-attn generate``: a real (tiny) model decoded with its KV cache paged and sharded over CPU
+ranks gives exactly the greedy tokens of transformers alone; prefill, the paged shard and the
+checks against float64; the CLI on a checkpoint folder with a tokenizer.
+
+These tests mean CPU ranks (``device_kind="cpu"``, ``--device cpu``); the GPU one is marked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.generate.checkpoints import transformers_greedy, write_checkpoint  # noqa: E402
+from tree_attn.errors import ConfigError  # noqa: E402
+from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.runner.generate import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
+from tree_attn.runner.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
+from tree_attn.runner.kv_store import PagedKVShard  # noqa: E402
+from tree_attn.runner.models import ModelSource, build_model  # noqa: E402
+
+SMALL = ModelSource(preset="small", layers=2, seed=3)
+HAS_GPU = torch.cuda.is_available()
+
+
+def _prompt(n: int, vocab: int, seed: int = 1) -> tuple[int, ...]:
+    return tuple(torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return build_model(SMALL, dtype=torch.float32, device="cpu")
+
+
+def _reference(source: ModelSource, prompt, n: int) -> list[int]:
+    model = build_model(source, dtype=torch.float32, device="cpu")
+    return transformers_greedy(model, list(prompt), n)
+
+
+# -- the whole job on CPU ranks ---------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, strategies", [
+    (2, (("tree", ReductionPlan("tree", 2)), ("ring", None))),
+    (4, (("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))),
+    (3, (("tree", ReductionPlan("tree", 3)),)),
+])
+def test_sharded_greedy_tokens_equal_transformers_alone(world, strategies, small_model):
+    prompt = _prompt(301, 4096)
+    expected = transformers_greedy(small_model, list(prompt), 32)
+    assert len(set(expected)) > 8, "the reference must not be a repeated token, or the check proves little"
+    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, strategies=strategies, timeout_s=60.0)
+    result = run_generate(spec)
+    names = [r.name for r in result.rows]
+    assert names[:2] == [REFERENCE, ONE_RANK] and len(names) == 2 + len(strategies)
+    for row in result.rows:
+        assert row.tokens == expected, row.name
+        assert row.matches_reference and row.ranks_agree, row.name
+        assert len(row.step_s) == 32 and all(t > 0 for t in row.step_s)
+    assert result.all_match
+    assert result.shard_sizes == spec.shard_sizes() and sum(result.shard_sizes) == 300
+    # bytes per token: a tree sends one merge state per layer at most per rank, (Hq, D + 1) float32
+    shape = ModelShape.from_config(small_model.config.to_dict())
+    state = shape.q_heads * (shape.head_dim + 1) * 4
+    tree = next(r for r in result.rows if r.name.startswith("tree"))
+    assert tree.messages_per_token % shape.layers == 0 and tree.bytes_per_token == tree.messages_per_token * state
+    if world == 2:
+        assert tree.messages_per_token == shape.layers  # one state per layer each way
+    ring = next((r for r in result.rows if r.name == "ring"), None)
+    if ring is not None:  # ring moves KV pages: far more than the tree's states
+        assert ring.bytes_per_token > 10 * tree.bytes_per_token
+
+
+def test_one_process_row_needs_the_whole_cache(small_model):
+    """Negative control: the same decode with half of the prefill KV missing gives other tokens,
+    so equal tokens are evidence, not an accident of the model."""
+    prompt = _prompt(301, 4096)
+    use_tree_attention(small_model)
+    pre = prefill(small_model, list(prompt), 4096, lambda t: None)
+    shape = ModelShape.from_config(small_model.config.to_dict())
+
+    def decode(first_token: int) -> list[int]:
+        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32, device="cpu")
+        keep = range(first_token, pre.length)
+        for layer in range(shape.layers):
+            store.write(layer, 0, *pre.tokens(layer, keep.start, keep.stop))
+        store.set_length(len(keep))
+        ctx = DecodeContext(store, "local", holds_new=True)
+        return decode_tokens(small_model, ctx, prompt[-1], pre.length, 16, lambda t: None, "x").tokens
+
+    whole = decode(0)
+    assert whole == transformers_greedy(small_model, list(prompt), 16)
+    assert decode(150) != whole
+
+
+# -- prefill and the paged shard against float64 ---------------------------------------------------
+
+SHAPES = [(1, 1, True), (37, 37, True), (130, 130, True), (5, 200, False)]
+
+
+# the prefill never asks for attention over no keys (a first chunk has no past); the portable path
+# still gives the empty state for it
+@pytest.mark.parametrize("path, s, n, causal", [("cpu-flash", *x) for x in SHAPES]
+                         + [("blockwise", *x) for x in SHAPES + [(70, 0, False)]])
+def test_prefill_attention_against_float64(path, s, n, causal):
+    gen = torch.Generator().manual_seed(s * 1000 + n)
+    q = torch.randn(8, s, 32, generator=gen)
+    k, v = torch.randn(2, n, 32, generator=gen), torch.randn(2, n, 32, generator=gen)
+    fn = attention_with_lse if path == "cpu-flash" else attention_blockwise
+    out, lse = fn(q, k, v, 0.3, causal)
+    scores = torch.einsum("hgsd,hnd->hgsn", q.double().view(2, 4, s, 32), k.double()) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref = torch.einsum("hgsn,hnd->hgsd", torch.softmax(scores, -1).nan_to_num(0.0), v.double())
+    if n:
+        torch.testing.assert_close(out.double(), ref.reshape(8, s, 32), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.reshape(8, s), atol=2e-6, rtol=1e-5)
+    else:
+        assert torch.isneginf(lse).all()
+
+
+def test_chunked_prefill_keeps_the_same_kv_as_one_chunk(small_model):
+    use_tree_attention(small_model)
+    prompt = list(_prompt(201, 4096, seed=5))
+    one = prefill(small_model, prompt, 4096, lambda t: None)
+    chunked = prefill(small_model, prompt, 37, lambda t: None)
+    assert one.length == chunked.length == 200
+    for layer in range(len(one.k)):
+        # layer 1's K and V come through layer 0's attention: equal up to float32 rounding
+        torch.testing.assert_close(chunked.k[layer], one.k[layer], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(chunked.v[layer], one.v[layer], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page", [1, 5, 16, 256])
+def test_paged_shard_round_trip(page):
+    gen = torch.Generator().manual_seed(page)
+    store = PagedKVShard.allocate(2, 75, 3, 8, dtype=torch.float32, device="cpu", page_size=page, seed=page)
+    assert sorted(store.block_table[0].tolist()) == list(range(store.block_table.shape[1]))  # a permutation
+    k, v = torch.randn(75, 3, 8, generator=gen), torch.randn(75, 3, 8, generator=gen)
+    for layer in range(2):
+        store.write(layer, 0, k[:40], v[:40])
+        store.write(layer, 40, k[40:], v[40:])
+    store.set_length(75)
+    assert int(store.seq_lens) == 75
+    rk, rv = store.read(1)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    with pytest.raises(ConfigError, match="KV shard full"):
+        store.write(0, store.capacity, k[:1], v[:1])
+
+
+# -- checkpoints: Llama with a tokenizer through the CLI, Qwen2 and Mistral -------------------------
+
+@pytest.mark.slow
+def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
+    folder = write_checkpoint(tmp_path / "tiny-llama", "llama", tokenizer=True)
+    prompt = "the tree attention model will merge the shard of each rank " * 12
+    env = {**os.environ, "TREE_ATTN_PROFILE_DIR": str(tmp_path / "profiles")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tree_attn", "generate", "--model", str(folder), "--prompt", prompt, "-w", "2",
+         "--device", "cpu", "--new-tokens", "32", "--json"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ids = tok.encode(prompt)
+    assert result["prompt_tokens"] == len(ids) and result["random_weights"] is False
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    expected = transformers_greedy(model, ids, 32)
+    assert result["all_match_reference"] is True
+    for row in result["rows"]:
+        assert row["tokens"] == expected, row["name"]
+        assert row["text"] == tok.decode(expected)
+    assert result["profile"]["chosen_by"] in ("default", "builtin", "saved")
+    assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("mistral", {"sliding_window": None})])
+def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
+    folder = write_checkpoint(tmp_path / model_type, model_type, seed=7, **extra)
+    source = ModelSource(path=str(folder))
+    prompt = _prompt(150, 160, seed=2)
+    expected = _reference(source, prompt, 16)
+    spec = GenerateSpec(source, prompt, new_tokens=16, world_size=2, strategies=(("tree", ReductionPlan("tree", 2)),),
+                        page_size=5, timeout_s=60.0)
+    result = run_generate(spec)
+    assert [r.tokens for r in result.rows] == [expected] * 3
+
+
+# -- the CLI's verdict ------------------------------------------------------------------------------
+
+def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
+    """The check behind exit 1: a result whose tree row lost a token is reported, not passed."""
+    from tree_attn.cli.app import main
+    from tree_attn.runner import generate as gen
+
+    def fake_run(spec, progress=None, tokenizer=None):
+        rows = [gen.GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3),
+                gen.GenerateRow("tree k=2", 2, [1, 2, 4], [0.01] * 3, matches_reference=False)]
+        return gen.GenerateResult("m", True, 10, 3, 2, "cpu", "gloo", "float32", 16, 0.1, rows, shard_sizes=[5, 4])
+
+    monkeypatch.setattr(gen, "run_generate", fake_run)
+    code = main(["generate", "--device", "cpu", "-w", "2", "--layers", "1", "--prompt-len", "10", "--new-tokens", "3"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "tree k=2: generated tokens differ from the reference" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+def test_generate_on_gpus_equals_transformers():
+    world = min(2, torch.cuda.device_count())
+    prompt = _prompt(301, 4096)
+    model = build_model(SMALL, dtype=torch.float32, device="cuda")
+    expected = transformers_greedy(model, list(prompt), 32)
+    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, device_kind="cuda", backend="nccl",
+                        strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)), timeout_s=120.0)
+    result = run_generate(spec)
+    for row in result.rows:
+        assert row.tokens == expected, row.name
+
