@@ -42,6 +42,14 @@ def _files(root: Path) -> None:
     (root / "garbage.txt").write_text("this is not a topology dump\nat all\n")
     (root / "truncated.txt").write_text("\n".join(H100.read_text().splitlines()[:6]) + "\n")
     (root / "anchored.yaml").write_text("schema_version: 1\ndevices: &d []\nlinks: *d\n")
+    # model folders for `generate`: no weight is ever read for these (the checks come first)
+    for name, config in (("gpt2-model", '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}'),
+                         ("no-weights", '{"model_type": "llama"}'), ("bad-config", "{not json")):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(config)
+    (root / "gpt2-model" / "model.safetensors").write_bytes(b"")
+    (root / "no-config").mkdir()
+    (root / "no-config" / "model.safetensors").write_bytes(b"")
 
 
 def _snapshot(root: Path) -> dict:
@@ -143,6 +151,36 @@ CASES = [
     ("tune-dtype-unknown", ["tune", *CPU, "--dtype", "fp8"], {}, 1, "dtype must be one of"),
     ("tune-topology-alias-bomb", ["tune", "--topology", "{d}/topo-bomb.yaml", "-o", "{d}/out.yaml"], {}, 1,
      "anchor &l0 is not accepted"),
+    # -- generate: the model folder, the prompt, sizes; all before a weight is read --------------------
+    ("generate-unsupported-architecture", ["generate", *CPU, "--model", "{d}/gpt2-model"], {}, 1,
+     "architecture 'gpt2' (['GPT2LMHeadModel']) is not supported"),
+    ("generate-model-folder-missing", ["generate", *CPU, "--model", "{d}/nowhere"], {}, 1, "no such folder"),
+    ("generate-config-missing", ["generate", *CPU, "--model", "{d}/no-config"], {}, 1, "config.json is missing"),
+    ("generate-config-not-json", ["generate", *CPU, "--model", "{d}/bad-config"], {}, 1, "not readable JSON"),
+    ("generate-no-safetensors", ["generate", *CPU, "--model", "{d}/no-weights"], {}, 1, "no *.safetensors weights"),
+    ("generate-layers-with-model", ["generate", *CPU, "--model", "{d}/no-weights", "--layers", "2"], {}, 1,
+     "--layers applies to a preset"),
+    ("generate-unknown-preset", ["generate", *CPU, "--preset", "gpt-5"], {}, 1, "unknown model preset 'gpt-5'"),
+    ("generate-layers-0", ["generate", *CPU, "--layers", "0"], {}, 1, "--layers must be an integer >= 1"),
+    ("generate-prompt-longer-than-max-len", ["generate", *CPU, "--prompt", "1,2,3,4,5", "--max-len", "4"], {}, 1,
+     "the prompt has 5 tokens, longer than --max-len 4"),
+    ("generate-prompt-len-longer-than-max-len", ["generate", *CPU, "--prompt-len", "9000", "--max-len", "8192"], {}, 1,
+     "--prompt-len 9,000 is longer than --max-len 8,192"),
+    ("generate-new-tokens-beyond-max-len", ["generate", *CPU, "--prompt", "1,2,3", "--max-len", "10", "--new-tokens", "8"],
+     {}, 1, "more than --max-len 10"),
+    ("generate-page-size-0", ["generate", *CPU, "--page-size", "0"], {}, 1, "--page-size must be an integer in 1..256"),
+    ("generate-page-size-300", ["generate", *CPU, "--page-size", "300"], {}, 1, "--page-size must be an integer in 1..256"),
+    ("generate-new-tokens-0", ["generate", *CPU, "--new-tokens", "0"], {}, 1, "--new-tokens must be an integer in 1.."),
+    ("generate-token-outside-vocab", ["generate", *CPU, "--prompt", "1,99999"], {}, 1,
+     "token id 99999 is outside the vocabulary 0..4095"),
+    ("generate-text-without-tokenizer", ["generate", *CPU, "--prompt", "hello world"], {}, 1,
+     "this model has no tokenizer"),
+    ("generate-world-100000", ["generate", *CPU, "-w", "100000"], {}, 1, "at most"),
+    ("generate-beyond-memory", ["generate", *CPU, "--preset", "llama-3.1-8b", "--layers", "1000"], {}, 1,
+     "GiB are available"),
+    ("generate-under-torchrun", ["generate", *CPU],
+     {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}, 1,
+     "generate spawns its own ranks; run it without torchrun"),
     # -- profiles (items 1, 5) -----------------------------------------------------------------------------
     ("profiles-show-missing", ["profiles", "show", "no-such-profile"], {}, 1, "no-such-profile"),
     ("profiles-show-alias-bomb", ["profiles", "show", "{d}/profile-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),

@@ -358,12 +358,21 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | 
     )
 
 
-def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
-    """Prefill, decode the reference and the one-process row here, then every strategy on
-    ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
-    from ..ranks.launch import launch_ranks
+@dataclass
+class OneProcess:
+    """What the launching process computed: the prefill KV and the reference and one-rank rows."""
 
-    say = progress or (lambda text: None)
+    prefill: PrefillContext
+    prefill_s: float
+    rows: list[GenerateRow]
+
+    @property
+    def reference(self) -> list[int]:
+        return self.rows[0].tokens
+
+
+def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> OneProcess:
+    """Load the model here, prefill the prompt, decode the reference and the one-rank row."""
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     say(f"loading {spec.source.label}")
     model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
@@ -376,7 +385,6 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     say(f"{REFERENCE}: decoding {spec.new_tokens} tokens with transformers' sdpa attention in one process")
     ref = reference_tokens(model, pre, first, spec.new_tokens)
     rows = [_row(REFERENCE, 1, [ref], None)]
-
     say(f"{ONE_RANK}: decoding with tree-attn's paged kernel in one process")
     local = PagedKVShard.allocate(shape.layers, start + spec.new_tokens + 1, shape.kv_heads, shape.head_dim,
                                   dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size, seed=spec.seed)
@@ -385,27 +393,38 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     local.set_length(start)
     ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=_kernel_config(spec))
     rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
-    del local, ctx, model
-    gc.collect()
+    return OneProcess(pre, prefill_s, rows)
+
+
+def decode_on_ranks(spec: GenerateSpec, pre: PrefillContext, reference: list[int],
+                    say: Callable[[str], None]) -> list[GenerateRow]:
+    """Split the prefill KV over ``spec.world_size`` spawned ranks; one row per strategy."""
+    from ..ranks.launch import launch_ranks
 
     folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
     try:
         _save_shards(pre, spec.shard_sizes(), folder)
-        del pre
-        gc.collect()
         say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
         per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
                                 device_kind=spec.device_kind, timeout_s=spec.timeout_s)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    for label in per_rank[0]:
-        rows.append(_row(label, spec.world_size, [runs[label] for runs in per_rank], ref.tokens))
+    return [_row(label, spec.world_size, [runs[label] for runs in per_rank], reference) for label in per_rank[0]]
+
+
+def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
+    """Prefill, decode the reference and the one-process row here, then every strategy on
+    ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
+    say = progress or (lambda text: None)
+    local = decode_in_one_process(spec, say)
+    gc.collect()  # the launcher's model is gone before the ranks load theirs
+    rows = local.rows + decode_on_ranks(spec, local.prefill, local.reference, say)
     if tokenizer is not None:
         for row in rows:
             row.text = tokenizer.decode(row.tokens)
     return GenerateResult(
         model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
         new_tokens=spec.new_tokens, world_size=spec.world_size, device=_device_name(spec.device_kind),
-        backend=spec.backend, dtype=spec.dtype, page_size=spec.page_size, prefill_s=prefill_s, rows=rows,
+        backend=spec.backend, dtype=spec.dtype, page_size=spec.page_size, prefill_s=local.prefill_s, rows=rows,
         shard_sizes=spec.shard_sizes(),
     )

@@ -101,7 +101,7 @@ def _param_bytes(config: dict, elem: int) -> int:
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
     from ..dtypes import parse_dtype, torch_dtype
-    from ..kernels.paged import check_block_size
+    from ..kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from ..ranks.launch import check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env
     from ..topology.host import default_cpu_ranks
     from .generate import GenerateSpec, ModelShape
@@ -115,10 +115,10 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     source = ModelSource(path=options.model, preset=options.preset, layers=options.layers, seed=options.seed)
     config = check_source(source)
     shape = ModelShape.from_config(config)
-    try:
-        check_block_size(options.page_size)
-    except ConfigError as exc:
-        raise ConfigError(f"--page-size: {exc}") from exc
+    page = options.page_size
+    if isinstance(page, bool) or not isinstance(page, int) or not MIN_BLOCK_SIZE <= page <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"--page-size must be an integer in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the block sizes the "
+                          f"decode kernels take); got {page!r}")
     n_new = options.new_tokens
     if isinstance(n_new, bool) or not isinstance(n_new, int) or not 1 <= n_new <= MAX_NEW_TOKENS:
         raise ConfigError(f"--new-tokens must be an integer in 1..{MAX_NEW_TOKENS}; got {n_new!r}")

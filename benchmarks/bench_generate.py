@@ -1,0 +1,105 @@
+"""``tree-attn generate`` at long contexts: per-token latency of tree vs ring vs one process, on
+CPU ranks (or GPUs with ``--device cuda``).
+
+For each context length the prompt (random ids) is prefilled once, in this process; the
+reference (transformers' sdpa attention and cache) and the one-rank row (tree-attn's paged kernel)
+decode here, then the prefill KV is split over 2 and over 4 spawned ranks and each strategy
+decodes the same tokens. Every row's tokens are checked against the reference's; a row that
+differs is marked and the script exits 1. Nothing here asserts a time.
+
+Cases:
+
+- ``small``: the default ``small`` preset (4 layers, 8 query / 2 KV heads, head dim 64);
+- ``8b-2layers``: the ``llama-3.1-8b`` preset (Llama-3.1-8B's layer shapes, 32 / 8 heads x 128)
+  with 2 layers.
+
+    python benchmarks/bench_generate.py --case small --ctx 8192 --ctx 16384 --ctx 32768 --ctx 65536
+    python benchmarks/bench_generate.py --case 8b-2layers --ctx 65536 --worlds 2 --worlds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.runner.generate import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
+from tree_attn.runner.models import PRESETS, ModelSource  # noqa: E402
+
+CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
+
+
+def _say(text: str) -> None:
+    print(f"  {text}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=sorted(CASES), default="small")
+    ap.add_argument("--ctx", type=int, action="append", help="prompt tokens (repeat; default 8192)")
+    ap.add_argument("--worlds", type=int, action="append", help="rank counts (repeat; default 2 and 4)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/generate-<case>.json)")
+    args = ap.parse_args()
+    contexts = args.ctx or [8192]
+    worlds = args.worlds or [2, 4]
+    source = CASES[args.case]
+    vocab = PRESETS[source.preset]["vocab_size"]
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.machine()}, {__import__('os').cpu_count()} cores)"
+    records = []
+    failed = False
+    for ctx in contexts:
+        prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
+        spec = GenerateSpec(source, prompt, new_tokens=args.new_tokens, world_size=worlds[0],
+                            strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)),
+                            device_kind=args.device, backend=backend, timeout_s=600.0)
+        print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
+        local = decode_in_one_process(spec, _say)
+        gc.collect()  # this process's model is gone before the ranks load theirs
+        rows = [(1, r) for r in local.rows]
+        for world in worlds:
+            print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
+            spec_w = dataclasses.replace(spec, world_size=world)
+            rows += [(world, r) for r in decode_on_ranks(spec_w, local.prefill, local.reference, _say)]
+        ring = {w: r.median_s for w, r in rows if r.name == "ring"}
+        for world, r in rows:
+            same = r.matches_reference and r.ranks_agree
+            failed |= not same
+            records.append(dict(case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
+                                p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s, bytes_per_rank_per_token=r.bytes_per_token,
+                                messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
+                                ring_over_this=(ring[world] / r.median_s) if world in ring else None,
+                                prefill_s=local.prefill_s))
+        del local
+    print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}; per-token latency on rank 0")
+    print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
+          f"{'sent/rank/token':>16} {'ring/this':>9} {'same':>5}")
+    for rec in records:
+        ratio = f"{rec['ring_over_this']:.2f}x" if rec["ring_over_this"] is not None else "-"
+        print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {rec['median_ms']:>10.2f} {rec['p95_ms']:>9.2f} "
+              f"{rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} {ratio:>9} "
+              f"{'yes' if rec['same_tokens'] else 'NO':>5}")
+    out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=device, backend=backend, torch=torch.__version__,
+                                   when=time.strftime("%Y-%m-%d %H:%M"), records=records), indent=2))
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
