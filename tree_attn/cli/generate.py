@@ -17,7 +17,7 @@ HELP = (
     "and cache, one process) and the one-rank row (tree-attn's paged kernel); then it splits the prefill "
     "KV over the ranks (rank r a contiguous slice, 16-token pages) and each strategy decodes the same "
     "tokens, the new tokens' KV going to the last rank. Every row must give the reference's tokens: "
-    "exit 1 if one does not. Needs the [models] extra (Hugging Face transformers)."
+    "exit 1 if one does not. Needs the \\[models] extra (Hugging Face transformers)."
 )
 
 
@@ -39,7 +39,7 @@ def generate_command(
     fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV: fp32 (default: greedy tokens comparable bit for bit in rounding), fp16 or bf16."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache: fp32 (default), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
     page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page (1..256)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),
