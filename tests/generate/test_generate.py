@@ -77,6 +77,19 @@ def test_sharded_greedy_tokens_equal_transformers_alone(world, strategies, small
         assert ring.bytes_per_token > 10 * tree.bytes_per_token
 
 
+@pytest.mark.slow
+def test_a_prompt_shorter_than_the_world_leaves_shards_empty(small_model):
+    """A 3-token prompt over 4 ranks: prefill slices [1, 1, 0, 0], so two ranks start empty (the
+    merge's identity) and only the last one grows; the tokens still equal transformers' alone."""
+    prompt = _prompt(3, 4096, seed=9)
+    spec = GenerateSpec(SMALL, prompt, new_tokens=12, world_size=4, strategies=(("tree", ReductionPlan("tree", 2)),),
+                        timeout_s=60.0)
+    assert spec.shard_sizes() == [1, 1, 0, 0]
+    result = run_generate(spec)
+    expected = transformers_greedy(small_model, list(prompt), 12)
+    assert [r.tokens for r in result.rows] == [expected] * 3
+
+
 def test_one_process_row_needs_the_whole_cache(small_model):
     """Negative control: the same decode with half of the prefill KV missing gives other tokens,
     so equal tokens are evidence, not an accident of the model."""
