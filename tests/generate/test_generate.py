@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -242,3 +243,80 @@ def test_generate_on_gpus_equals_transformers():
     for row in result.rows:
         assert row.tokens == expected, row.name
 
+
+
+# -- under torchrun: one node, and two "nodes" on loopback ------------------------------------------
+
+def _clean_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
+    env["TREE_ATTN_PROFILE_DIR"] = str(tmp_path / "profiles")
+    return env
+
+
+GEN_ARGS = ["generate", "--device", "cpu", "--layers", "2", "--seed", "3", "--prompt-len", "201", "--new-tokens", "16",
+            "--timeout", "60", "--json"]
+
+
+def _expected_for_cli_prompt() -> list[int]:
+    """What the CLI's arguments above decode, from transformers alone."""
+    from tree_attn.runner.generate_setup import parse_prompt
+
+    model = build_model(SMALL, dtype=torch.float32, device="cpu")
+    ids, _ = parse_prompt(None, 201, 4096, 3, None)
+    return transformers_greedy(model, ids, 16)
+
+
+@pytest.mark.slow
+def test_generate_under_torchrun_joins_the_job(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", *GEN_ARGS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # only rank 0 prints
+    assert proc.stderr.count("generating 16 tokens") == 1
+    assert result["world_size"] == 2 and result["all_match_reference"] is True
+    expected = _expected_for_cli_prompt()
+    assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "tree k=2", "ring"]
+    assert all(r["tokens"] == expected for r in result["rows"])
+
+
+@pytest.mark.slow
+def test_generate_across_two_nodes_on_loopback(tmp_path):
+    """2 torchrun "nodes" x 1 CPU rank (c10d rendezvous, gloo on loopback): the tree's one edge is
+    the network level; every row gives transformers' tokens."""
+    port = _free_port()
+    env = {**_clean_env(tmp_path), "GLOO_SOCKET_IFNAME": "lo"}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "tree-attn-generate-test", "-m", "tree_attn", *GEN_ARGS]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=tmp_path, start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    reports = [out for out, _ in outs if out.strip()]
+    assert len(reports) == 1, outs  # the node that holds rank 0 reports
+    result = json.loads(reports[0])
+    assert result["world_size"] == 2 and result["all_match_reference"] is True
+    assert "2 nodes x 1 ranks (torchrun)" in result["profile"]["text"]
+    assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "hier net k=2", "ring"]
+    expected = _expected_for_cli_prompt()
+    assert all(r["tokens"] == expected for r in result["rows"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,7 +17,10 @@ HELP = (
     "and cache, one process) and the one-rank row (tree-attn's paged kernel); then it splits the prefill "
     "KV over the ranks (rank r a contiguous slice, 16-token pages) and each strategy decodes the same "
     "tokens, the new tokens' KV going to the last rank. Every row must give the reference's tokens: "
-    "exit 1 if one does not. Needs the \\[models] extra (Hugging Face transformers)."
+    "exit 1 if one does not. Needs the \\[models] extra (Hugging Face transformers).\n\n"
+    "Under torchrun (one node or several) it joins the job instead of spawning: every rank loads the model "
+    "and prefills the prompt itself, keeps its slice, and rank 0 reports; across nodes the tree is planned "
+    "from the node layout, as in run."
 )
 
 
@@ -54,18 +57,26 @@ def generate_command(
         device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout, profile=profile_ref,
     ))
     spec = setup.spec
-    for n in setup.notices:
-        notice(n)
-    for w in setup.warnings:
-        warn(w)
-    err_console.print(setup.profile.text, markup=False)
-    err_console.print(
-        f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} ranks "
-        f"({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}",
-        markup=False,
-    )
-    result = run_generate(spec, progress=lambda text: err_console.print(text, markup=False, style="dim"),
-                          tokenizer=setup.tokenizer)
+    if setup.rank == 0:  # under torchrun every rank runs this: one voice is enough
+        for n in setup.notices:
+            notice(n)
+        for w in setup.warnings:
+            warn(w)
+        err_console.print(setup.profile.text, markup=False)
+        err_console.print(
+            f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} "
+            f"ranks ({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}",
+            markup=False,
+        )
+    say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
+    if setup.env is not None:
+        from ..runner.generate import run_generate_torchrun
+
+        result = run_generate_torchrun(spec, setup.env, progress=say, tokenizer=setup.tokenizer)
+        if result is None:  # a rank other than 0: rank 0 reports
+            return
+    else:
+        result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
     result.profile = setup.profile
     result.prompt_text = setup.prompt_text
     if json_out:

@@ -297,24 +297,22 @@ def _kernel_config(spec: GenerateSpec):
     return DecodeConfig.from_dict(spec.kernel_config)
 
 
-def generate_rank(env: RankEnv, spec: GenerateSpec, shard_dir: str) -> dict[str, StrategyRun]:
-    """On one rank: load the model and this rank's prefill slice (paged), then decode with every
-    strategy of ``spec`` from the same start. Returns one :class:`StrategyRun` per strategy label."""
+def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Tensor],
+                      v: list[torch.Tensor]) -> dict[str, StrategyRun]:
+    """On one rank of an initialised group: page this rank's prefill slice (``k[l], v[l]``
+    ``[n_r, Hkv, D]`` per layer) into a shard, then decode with every strategy of ``spec`` from the
+    same start. Returns one :class:`StrategyRun` per strategy label."""
     import torch.distributed as dist
 
     device = torch.device(env.device)
-    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
-    use_tree_attention(model)
     shape = ModelShape.from_config(model.config.to_dict())
-    saved = torch.load(os.path.join(shard_dir, f"rank{env.rank}.pt"), mmap=True, weights_only=True)
     n = spec.shard_sizes()[env.rank]
     last = env.rank == env.world_size - 1
     store = PagedKVShard.allocate(shape.layers, n + (spec.new_tokens + 1 if last else 0), shape.kv_heads,
                                   shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
                                   page_size=spec.page_size, seed=spec.seed + env.rank)
     for layer in range(shape.layers):
-        store.write(layer, 0, saved["k"][layer].to(device), saved["v"][layer].to(device))
-    del saved
+        store.write(layer, 0, k[layer].to(device), v[layer].to(device))
     capacities: list[Any] = [None] * env.world_size
     dist.all_gather_object(capacities, store.capacity)
     barrier(env)
@@ -329,6 +327,14 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, shard_dir: str) -> dict[str,
         runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: _progress(env, t), label)
         _progress(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
     return runs
+
+
+def generate_rank(env: RankEnv, spec: GenerateSpec, shard_dir: str) -> dict[str, StrategyRun]:
+    """A spawned rank: load the model and this rank's prefill slice from ``shard_dir``, decode."""
+    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=torch.device(env.device))
+    use_tree_attention(model)
+    saved = torch.load(os.path.join(shard_dir, f"rank{env.rank}.pt"), mmap=True, weights_only=True)
+    return decode_strategies(env, spec, model, saved["k"], saved["v"])
 
 
 def _save_shards(pre: PrefillContext, sizes: list[int], folder: str) -> None:
@@ -371,16 +377,22 @@ class OneProcess:
         return self.rows[0].tokens
 
 
-def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> OneProcess:
-    """Load the model here, prefill the prompt, decode the reference and the one-rank row."""
-    device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
+def load_and_prefill(spec: GenerateSpec, device: torch.device, say: Callable[[str], None]):
+    """``(model, prefill KV, seconds)``: the model on ``device``, routed through tree-attn, and the
+    prompt prefilled (all tokens but the last)."""
     say(f"loading {spec.source.label}")
     model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
     use_tree_attention(model)
-    shape = ModelShape.from_config(model.config.to_dict())
     t0 = time.perf_counter()
     pre = prefill(model, list(spec.prompt_ids), spec.prefill_chunk, say)
-    prefill_s = time.perf_counter() - t0
+    return model, pre, time.perf_counter() - t0
+
+
+def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callable[[str], None]) -> list[GenerateRow]:
+    """The reference row (transformers' sdpa and cache) and the one-rank row (tree-attn's paged
+    kernel, no collective), both in this process from the prefill ``pre``."""
+    device = pre.k[0].device
+    shape = ModelShape.from_config(model.config.to_dict())
     first, start = spec.prompt_ids[-1], pre.length
     say(f"{REFERENCE}: decoding {spec.new_tokens} tokens with transformers' sdpa attention in one process")
     ref = reference_tokens(model, pre, first, spec.new_tokens)
@@ -393,7 +405,14 @@ def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> One
     local.set_length(start)
     ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=_kernel_config(spec))
     rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
-    return OneProcess(pre, prefill_s, rows)
+    return rows
+
+
+def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> OneProcess:
+    """Load the model here, prefill the prompt, decode the reference and the one-rank row."""
+    device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
+    model, pre, prefill_s = load_and_prefill(spec, device, say)
+    return OneProcess(pre, prefill_s, one_process_rows(spec, model, pre, say))
 
 
 def decode_on_ranks(spec: GenerateSpec, pre: PrefillContext, reference: list[int],
@@ -412,6 +431,18 @@ def decode_on_ranks(spec: GenerateSpec, pre: PrefillContext, reference: list[int
     return [_row(label, spec.world_size, [runs[label] for runs in per_rank], reference) for label in per_rank[0]]
 
 
+def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, device: str, backend: str,
+            tokenizer) -> GenerateResult:
+    if tokenizer is not None:
+        for row in rows:
+            row.text = tokenizer.decode(row.tokens)
+    return GenerateResult(
+        model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
+        new_tokens=spec.new_tokens, world_size=spec.world_size, device=device, backend=backend, dtype=spec.dtype,
+        page_size=spec.page_size, prefill_s=prefill_s, rows=rows, shard_sizes=spec.shard_sizes(),
+    )
+
+
 def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
     """Prefill, decode the reference and the one-process row here, then every strategy on
     ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
@@ -419,12 +450,41 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     local = decode_in_one_process(spec, say)
     gc.collect()  # the launcher's model is gone before the ranks load theirs
     rows = local.rows + decode_on_ranks(spec, local.prefill, local.reference, say)
-    if tokenizer is not None:
-        for row in rows:
-            row.text = tokenizer.decode(row.tokens)
-    return GenerateResult(
-        model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
-        new_tokens=spec.new_tokens, world_size=spec.world_size, device=_device_name(spec.device_kind),
-        backend=spec.backend, dtype=spec.dtype, page_size=spec.page_size, prefill_s=local.prefill_s, rows=rows,
-        shard_sizes=spec.shard_sizes(),
-    )
+    return _result(spec, rows, local.prefill_s, _device_name(spec.device_kind), spec.backend, tokenizer)
+
+
+def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[str], None] | None = None,
+                          tokenizer=None) -> GenerateResult | None:
+    """Under torchrun this process is one rank (of a job on one node or several).
+
+    Every rank loads the model and prefills the whole prompt itself (nothing moves between nodes
+    for it: the wall time of one prefill, world-size times its compute) and keeps its own slice.
+    The ranks then join the group and decode with every strategy. Rank 0 gathers the rows, leaves
+    the group, and only then decodes the reference and the one-rank row, so no rank waits in a
+    collective for them. Returns the result on rank 0, None elsewhere.
+    """
+    import torch.distributed as dist
+
+    from ..ranks.launch import close_process_group, init_torchrun
+
+    say = progress if (progress is not None and env.rank == 0) else (lambda text: None)
+    model, pre, prefill_s = load_and_prefill(spec, torch.device(env.device), say)
+    sizes = spec.shard_sizes()
+    start, n = sum(sizes[:env.rank]), sizes[env.rank]
+    mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
+    k, v = [t.contiguous() for t, _ in mine], [t.contiguous() for _, t in mine]
+    if env.rank != 0:
+        del pre, mine  # only rank 0 needs the whole prefill again, for its one-process rows
+    init_torchrun(env, spec.timeout_s)
+    try:
+        runs = decode_strategies(env, spec, model, k, v)
+        gathered: list | None = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(runs, gathered, dst=0)
+        barrier(env)  # no rank tears its pairs down while a peer still moves the gathered runs
+    finally:
+        close_process_group()
+    if env.rank != 0:
+        return None
+    local = one_process_rows(spec, model, pre, say)
+    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens) for label in gathered[0]]
+    return _result(spec, rows, prefill_s, _device_name(spec.device_kind), env.backend, tokenizer)

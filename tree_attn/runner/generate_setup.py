@@ -47,6 +47,11 @@ class GenerateSetup:
     prompt_text: str | None = None
     notices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    env: Any = None  # ranks.launch.RankEnv under torchrun (this process is one rank), else None
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank if self.env is not None else 0
 
 
 def parse_prompt(text: str | None, prompt_len: int, vocab: int, seed: int, tokenizer) -> tuple[list[int], str | None]:
@@ -102,11 +107,17 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
     from ..dtypes import parse_dtype, torch_dtype
     from ..kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from ..ranks.launch import check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env
+    from ..ranks.launch import (
+        check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_layout,
+        torchrun_rendezvous,
+    )
     from ..topology.host import default_cpu_ranks
     from .generate import GenerateSpec, ModelShape
     from .memory import available_host_bytes
-    from .run_setup import build_plans, kernel_config_for, parse_strategies, resolve_device_kind, select_profile
+    from .run_setup import (
+        CHOSEN_DEFAULT, ProfileChoice, build_plans, kernel_config_for, multinode_plan, parse_strategies,
+        resolve_device_kind, select_profile,
+    )
 
     check_timeout(options.timeout_s)
     if isinstance(options.seed, bool) or not isinstance(options.seed, int) or not 0 <= options.seed < 2**40:
@@ -137,20 +148,26 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     _check_window(config, len(ids) + n_new)
 
     device_kind, n_gpus = resolve_device_kind(options.device)
-    if torchrun_env(device_kind, options.backend) is not None:
-        raise ConfigError("generate spawns its own ranks; run it without torchrun")
+    trun = torchrun_env(device_kind, options.backend)
+    if trun is not None:
+        torchrun_rendezvous(trun)  # MASTER_ADDR / MASTER_PORT named if missing, before any work
+        if options.world_size is not None and options.world_size != trun.world_size:
+            raise ConfigError(f"torchrun started {trun.world_size} ranks but --world-size is {options.world_size}; "
+                              "omit --world-size under torchrun")
     world = options.world_size
     if world is None:
-        world = n_gpus if device_kind == "cuda" else default_cpu_ranks()
-    if device_kind == "cuda" and world > n_gpus:
+        world = trun.world_size if trun else (n_gpus if device_kind == "cuda" else default_cpu_ranks())
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError(f"--world-size must be an integer >= 1; got {world!r}")
+    if device_kind == "cuda" and trun is None and world > n_gpus:
         raise ConfigError(f"world size {world} is larger than the {n_gpus} GPUs of this machine")
-    if device_kind == "cpu":
+    if device_kind == "cpu" and trun is None:
         check_cpu_ranks(world)
     dtype = parse_dtype("float32" if options.dtype == "auto" else options.dtype)
     backend = resolve_backend(options.backend, device_kind)
     notices: list[str] = []
     warnings: list[str] = []
-    if device_kind == "cpu":
+    if device_kind == "cpu" and trun is None:
         why = "no GPU in use" if options.device == "auto" else "--device cpu"
         notices.append(f"{why}: spawning {world} CPU rank{'s' if world != 1 else ''} (gloo)")
         crowded = oversubscription_warning(world)
@@ -171,8 +188,20 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
-    profile, choice, profile_warnings = select_profile(options.profile, world, device_kind)
-    plans = build_plans(parse_strategies(options.strategy), options.fanout, world, profile)
+    names = parse_strategies(options.strategy)
+    layout = torchrun_layout(trun) if trun is not None else None
+    if layout is not None and layout.nodes > 1:
+        # Several nodes: a profile describes one machine; the tree comes from the node layout.
+        if options.profile is not None:
+            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
+                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
+        profile, profile_warnings = None, []
+        plan, plan_text = multinode_plan(layout, device_kind, options.fanout)
+        choice = ProfileChoice(None, None, None, CHOSEN_DEFAULT, plan_text)
+        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world, None))
+    else:
+        profile, choice, profile_warnings = select_profile(options.profile, world, device_kind)
+        plans = build_plans(names, options.fanout, world, profile)
     spec = GenerateSpec(
         source=source, prompt_ids=tuple(ids), new_tokens=n_new, world_size=world, strategies=plans,
         device_kind=device_kind, backend=backend, dtype=dtype, page_size=options.page_size,
@@ -181,4 +210,4 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
                                         len(ids) + n_new, world),
     )
     return GenerateSetup(spec=spec, profile=choice, tokenizer=tokenizer, prompt_text=text, notices=tuple(notices),
-                         warnings=tuple(warnings + list(profile_warnings)))
+                         warnings=tuple(warnings + list(profile_warnings)), env=trun)
