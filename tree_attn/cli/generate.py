@@ -89,15 +89,11 @@ def generate_command(
         raise typer.Exit(1)
 
 
-def _fmt_bytes(n: float) -> str:
-    from .run import _fmt_bytes as fmt
-
-    return fmt(n)
-
-
 def render_generate(result) -> None:
     from rich import box
     from rich.table import Table
+
+    from .run import _fmt_bytes
 
     table = Table(
         title=styled(f"tree-attn generate: {result.model}, {result.prompt_tokens:,}-token prompt, "

@@ -27,10 +27,9 @@ from typing import Any, Callable
 import torch
 
 from ..dtypes import torch_dtype
-from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
 from ..ranks.launch import RankEnv, barrier
-from .decode_run import percentile
+from .decode_run import _device_name, percentile
 from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
 from .kv_store import PAGE_SIZE, PagedKVShard
 from .models import ModelSource, build_model
@@ -345,12 +344,6 @@ def _save_shards(pre: PrefillContext, sizes: list[int], folder: str) -> None:
         torch.save({"k": [k.contiguous().cpu() for k, _ in parts], "v": [v.contiguous().cpu() for _, v in parts]},
                    os.path.join(folder, f"rank{rank}.pt"))
         start += n
-
-
-def _device_name(device_kind: str) -> str:
-    from .decode_run import _device_name as name
-
-    return name(device_kind)
 
 
 def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | None) -> GenerateRow:

@@ -114,10 +114,7 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     from ..topology.host import default_cpu_ranks
     from .generate import GenerateSpec, ModelShape
     from .memory import available_host_bytes
-    from .run_setup import (
-        CHOSEN_DEFAULT, ProfileChoice, build_plans, kernel_config_for, multinode_plan, parse_strategies,
-        resolve_device_kind, select_profile,
-    )
+    from .run_setup import choose_plans, kernel_config_for, parse_strategies, resolve_device_kind
 
     check_timeout(options.timeout_s)
     if isinstance(options.seed, bool) or not isinstance(options.seed, int) or not 0 <= options.seed < 2**40:
@@ -190,18 +187,8 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
     names = parse_strategies(options.strategy)
     layout = torchrun_layout(trun) if trun is not None else None
-    if layout is not None and layout.nodes > 1:
-        # Several nodes: a profile describes one machine; the tree comes from the node layout.
-        if options.profile is not None:
-            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
-                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
-        profile, profile_warnings = None, []
-        plan, plan_text = multinode_plan(layout, device_kind, options.fanout)
-        choice = ProfileChoice(None, None, None, CHOSEN_DEFAULT, plan_text)
-        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world, None))
-    else:
-        profile, choice, profile_warnings = select_profile(options.profile, world, device_kind)
-        plans = build_plans(names, options.fanout, world, profile)
+    profile, choice, profile_warnings, plans = choose_plans(options.profile, names, options.fanout, world, device_kind,
+                                                            layout)
     spec = GenerateSpec(
         source=source, prompt_ids=tuple(ids), new_tokens=n_new, world_size=world, strategies=plans,
         device_kind=device_kind, backend=backend, dtype=dtype, page_size=options.page_size,

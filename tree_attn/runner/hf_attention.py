@@ -26,7 +26,10 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..kernels.dispatch import decode_attention
 from ..merge import merge_partials
+from ..reduce.collectives import tree_decode
+from ..reduce.ring import ring_decode
 from ..reduce.comm import CommStats
 from ..reduce.plan import ReductionPlan
 from .kv_store import PagedKVShard
@@ -142,10 +145,6 @@ def _prefill(ctx: PrefillContext, layer: int, query, key, value, scale: float) -
 def _decode(ctx: DecodeContext, layer: int, query, key, value, scale: float) -> torch.Tensor:
     """One layer of a decode step on this rank: store the new K/V (if this rank holds them), then
     attention over every rank's shard."""
-    from ..kernels.dispatch import decode_attention
-    from ..reduce.collectives import tree_decode
-    from ..reduce.ring import ring_decode
-
     store = ctx.store
     b, _, sq, d = query.shape
     if b != 1:

@@ -306,6 +306,25 @@ def multinode_plan(layout, device_kind: str, fanout: int | None) -> tuple:
     return plan, text
 
 
+def choose_plans(profile_ref: str | None, names: list[str], fanout: int | None, world_size: int, device_kind: str,
+                 layout=None) -> tuple:
+    """``(profile, ProfileChoice, warnings, plans)`` for the strategies ``names``.
+
+    One machine: the profile (``--profile``, saved, built-in or none) gives the tree's plan and the
+    kernel configs. A torchrun job over several nodes (``layout.nodes > 1``): a profile describes
+    one machine, so ``--profile`` is refused and the tree is planned from the node layout.
+    """
+    if layout is not None and layout.nodes > 1:
+        if profile_ref is not None:
+            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
+                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
+        plan, text = multinode_plan(layout, device_kind, fanout)
+        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world_size, None))
+        return None, ProfileChoice(None, None, None, CHOSEN_DEFAULT, text), [], plans
+    profile, choice, warnings = select_profile(profile_ref, world_size, device_kind)
+    return profile, choice, warnings, build_plans(names, fanout, world_size, profile)
+
+
 def plan_run(options: RunOptions) -> RunSetup:
     """Resolve ``options`` against this machine into a :class:`RunSetup`.
 
@@ -351,18 +370,7 @@ def plan_run(options: RunOptions) -> RunSetup:
             run_warnings.append(crowded)
 
     layout = torchrun_layout(trun) if trun is not None else None
-    if layout is not None and layout.nodes > 1:
-        # Several nodes: a profile describes one machine; the tree comes from the node layout.
-        if options.profile is not None:
-            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
-                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
-        profile, warnings = None, []
-        plan, text = multinode_plan(layout, device_kind, options.fanout)
-        choice = ProfileChoice(None, None, None, CHOSEN_DEFAULT, text)
-        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world_size, None))
-    else:
-        profile, choice, warnings = select_profile(options.profile, world_size, device_kind)
-        plans = build_plans(names, options.fanout, world_size, profile)
+    profile, choice, warnings, plans = choose_plans(options.profile, names, options.fanout, world_size, device_kind, layout)
     warnings = run_warnings + list(warnings)
     spec = RunSpec(
         world_size=world_size,
