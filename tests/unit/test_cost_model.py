@@ -117,6 +117,34 @@ def test_cpu_ranks_beyond_the_cores_share_them():
     assert predict_step(c2, w, "tree").local_us == pytest.approx(3.0 + w.shard_bytes(2) / (500.0 * 1e3))
 
 
+def test_cpu_ring_round_shares_the_cores_but_not_the_waiting():
+    """CPU ranks (no overlap): a round is compute + exchange; beyond the cores the cores' work
+    (compute and the exchange's on-core part) is shared, the exchange's waiting is not."""
+    dev = dataclasses.replace(DEV, shared_cores=2, overlap=False)
+    link = dataclasses.replace(LINK, bulk_gbps=0.5, bulk_latency_us=100.0, bulk_cpu_fraction=0.25)
+    w = dataclasses.replace(W, seq_len=8_000)
+
+    def round_us(g):
+        c = ClusterSpec("cpu", dev, ranks_per_node=g, intra=link, step_overhead_us=7.0)
+        pred = predict_step(c, w, "ring")
+        alone = 3.0 + w.shard_bytes(g) / (500.0 * 1e3)
+        merge = 2.0 * max(1.0, g / 2)
+        return pred, alone, 100.0 + (w.shard_bytes(g) + 4) / 0.5e3, merge
+
+    pred, alone, transfer, merge = round_us(2)  # ranks = cores: compute + exchange
+    assert pred.time_us == pytest.approx(7.0 + alone + (alone + transfer + merge))
+    pred, alone, transfer, merge = round_us(8)  # 4 ranks per core
+    busy = 4 * (alone + 0.25 * transfer)
+    assert busy > alone + transfer  # this shape is core-bound
+    assert pred.time_us == pytest.approx(7.0 + 4 * alone + 7 * (busy + merge))
+    # All of the exchange on a core (the default): everything scales by ranks / cores.
+    c = ClusterSpec("cpu", dev, ranks_per_node=8, intra=dataclasses.replace(link, bulk_cpu_fraction=None),
+                    step_overhead_us=7.0)
+    assert predict_step(c, w, "ring").time_us == pytest.approx(7.0 + 4 * alone + 7 * (4 * (alone + transfer) + merge))
+    with pytest.raises(ConfigError, match="bulk_cpu_fraction"):
+        dataclasses.replace(link, bulk_cpu_fraction=1.5)
+
+
 def test_awkward_shapes_world_sizes_3_5_6_and_one_rank():
     for p in (1, 3, 5, 6):
         c = cluster(g=p)
@@ -206,6 +234,24 @@ def test_calibration_line_through_two_points():
     assert fixed == pytest.approx(10.0) and gbps == pytest.approx(2.0)
     fixed, gbps = _line({1000: 600e-6, 4000: 500e-6}, 1000)  # noise: the long point's rate
     assert fixed == 0.0 and gbps == pytest.approx(4e6 / 500e-6 / 1e9)
+
+
+def test_cpu_calibration_measures_every_term_on_cpu_ranks():
+    """calibrate_cpu on this host's CPU ranks (gloo; a short run): every measured term is set and
+    sane, and the calibrated cluster predicts all three strategies at 2 and 8 ranks."""
+    from tree_attn.cost.calibrate import calibrate_cpu
+
+    c = calibrate_cpu(repeats=1, iterations=2)
+    link, dev = c.intra, c.device
+    assert dev.mem_gbps > 0 and dev.merge_us > 0 and dev.shared_cores >= 1 and not dev.overlap
+    assert link.bulk_gbps > 0 and link.bulk_latency_us >= 0 and 0 < link.bulk_cpu_fraction <= 1
+    assert link.p2p_gbps > 0 and link.p2p_latency_us > 0 and c.step_overhead_us > 0
+    w = Workload(seq_len=65_536, dtype="fp32")
+    for ranks in (2, 8):
+        cr = c.with_shape(1, ranks)
+        preds = {s: predict_step(cr, w, s) for s in ("tree", "allreduce", "ring")}
+        assert all(p.time_us > p.local_us > 0 for p in preds.values())
+        assert preds["ring"].bytes_per_rank == (ranks - 1) * (w.shard_bytes(ranks) + 4)
 
 
 @pytest.mark.gpu

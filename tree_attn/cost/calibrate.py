@@ -88,39 +88,47 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
     return out
 
 
-# The ring's KV-block exchange measured: K and V of a BULK_TOKENS-token shard each way.
-BULK_TOKENS = 8192
+# The ring's KV-block exchange measured at two block lengths (K and V of 2,048 and 16,384 tokens
+# each way: 8 and 64 MiB per tensor in fp32), for a line: a fixed cost and a bandwidth.
+BULK_TOKENS = (2048, 16384)
 
 
-def _ring_exchange(env, sync, dev, dt, repeats: int) -> tuple[int, float]:
-    """``(bytes, seconds)`` of one ring round's exchange as ``reduce.ring`` does it: every rank
-    sends its K and V block to its successor and receives its predecessor's into buffers
-    allocated for the round (on CPU ranks the fresh pages are faulted in by the receive, which
-    costs about as much as the copy itself), all ranks at once."""
+def _ring_exchange(env, sync, dev, dt, repeats: int) -> dict[int, tuple[float, float]]:
+    """``{bytes: (seconds, cpu seconds)}`` of one ring round's exchange as ``reduce.ring`` does it,
+    at each of :data:`BULK_TOKENS`: every rank sends its K and V block to its successor and receives
+    its predecessor's into buffers allocated for the round (on CPU ranks the fresh pages are faulted
+    in by the receive, which costs about as much as the copy itself), all ranks at once. The cpu
+    seconds are this process's (``time.process_time``, gloo's threads included): the part of the
+    exchange that needs a core."""
     import torch
     import torch.distributed as dist
 
     from ..ranks.launch import barrier
 
-    shape = (SHAPE["batch"], BULK_TOKENS, SHAPE["kv_heads"], SHAPE["head_dim"])
-    k, v = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
     p = env.world_size
     succ, pred = (env.rank + 1) % p, (env.rank - 1) % p
-    ts = []
-    for it in range(2 + repeats):
-        barrier(env)
-        sync()
-        t0 = time.perf_counter()
-        nk, nv = torch.empty_like(k), torch.empty_like(v)
-        ops = [dist.P2POp(dist.isend, k, succ), dist.P2POp(dist.isend, v, succ),
-               dist.P2POp(dist.irecv, nk, pred), dist.P2POp(dist.irecv, nv, pred)]
-        for r in dist.batch_isend_irecv(ops):
-            r.wait()
-        sync()
-        if it >= 2:
-            ts.append(time.perf_counter() - t0)
-        del nk, nv
-    return 2 * k.numel() * k.element_size(), statistics.median(ts)
+    out = {}
+    for tokens in BULK_TOKENS:
+        shape = (SHAPE["batch"], tokens, SHAPE["kv_heads"], SHAPE["head_dim"])
+        k, v = torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev)
+        ts, cpu = [], []
+        for it in range(2 + repeats):
+            barrier(env)
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            nk, nv = torch.empty_like(k), torch.empty_like(v)
+            ops = [dist.P2POp(dist.isend, k, succ), dist.P2POp(dist.isend, v, succ),
+                   dist.P2POp(dist.irecv, nk, pred), dist.P2POp(dist.irecv, nv, pred)]
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+            sync()
+            if it >= 2:
+                ts.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            del nk, nv
+        out[2 * k.numel() * k.element_size()] = (statistics.median(ts), statistics.median(cpu))
+        del k, v
+    return out
 
 
 def _ping_pong(env, sync, dev, repeats: int) -> dict[int, float]:
@@ -203,12 +211,17 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     else:
         alpha_us, beta = link.latency_us, link.bandwidth_gbps
         how = f"probe --measure over 2 CPU ranks (gloo, loopback), {iterations} iterations"
-    bulk = None
-    if n > 1:
-        nbytes = res[0]["bulk"][0]
-        bulk = nbytes / max(r["bulk"][1] for r in res) / 1e9
+    bulk = bulk_fixed_us = bulk_cpu = None
+    if n > 1:  # the slowest rank's exchange at each length, a line through the two
+        sizes = sorted(res[0]["bulk"])
+        wall = {nb: max(r["bulk"][nb][0] for r in res) for nb in sizes}
+        bulk_fixed_us, bulk = _line(wall, 1)
+        # The part of the long exchange spent on a core, over the ranks (clamped to (0, 1]).
+        long = sizes[-1]
+        bulk_cpu = min(1.0, max(0.01, sum(r["bulk"][long][1] for r in res) / sum(r["bulk"][long][0] for r in res)))
     lp = LinkParams("host_loopback", p2p_latency_us=alpha_us, p2p_gbps=beta, ar_step_us=ar_step, ar_gbps=beta,
-                    bulk_gbps=bulk, source=f"measured: {how}; bulk = a ring round's KV exchange on {n} ranks")
+                    bulk_gbps=bulk, bulk_latency_us=bulk_fixed_us, bulk_cpu_fraction=bulk_cpu,
+                    source=f"measured: {how}; bulk = a ring round's KV exchange on {n} ranks at two block sizes")
     dev = DeviceParams(
         "cpu rank", mem_gbps=gbps, kernel_fraction=1.0, kernel_fixed_us=fixed_us, merge_us=merge_us,
         collective_us=0.0, shared_cores=cores, overlap=False,
@@ -220,7 +233,8 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
         step_overhead_us=barrier_us,
         notes=(f"calibrated on {cores} cores: local line {fixed_us:.0f} us + bytes / {gbps:.2f} GB/s, "
                f"merge {merge_us:.0f} us, barrier {barrier_us:.0f} us, p2p {alpha_us:.0f} us + bytes / "
-               f"{beta:.2f} GB/s, ring exchange {bulk or 0:.2f} GB/s, all-reduce of {meas.allreduce_bytes} B {meas.allreduce_latency_us:.0f} us",),
+               f"{beta:.2f} GB/s, ring exchange {bulk_fixed_us or 0:.0f} us + bytes / {bulk or 0:.2f} GB/s "
+               f"({100 * (bulk_cpu or 0):.0f}% of it on a core), all-reduce of {meas.allreduce_bytes} B {meas.allreduce_latency_us:.0f} us",),
     )
 
 

@@ -15,6 +15,8 @@ What a step is, as ``reduce.collectives`` and ``reduce.ring`` run it:
 - ring: ``p`` rounds; in each of the first ``p - 1`` a rank forwards the KV block it holds to its
   successor while it computes on it, so a round lasts ``max(compute, transfer)`` (the overlap),
   then a ``merge_two``. All ranks transfer at once, so a round waits for the ring's slowest edge.
+  On CPU ranks (no overlap: gloo copies on the cores that compute) a round is compute + transfer,
+  and with more ranks than cores it lasts the longer of that and the cores' shared work.
 
 Bytes per rank follow ``reduce.comm``'s counting (the same numbers ``tree-attn run`` reports), and
 peak memory per rank counts the KV shard plus what the step allocates (ring: two more shards in
@@ -207,8 +209,18 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
         return _prediction("ring", "ring", cluster, w, compute, 0.0, 0, 0, 0)
     # Every rank sends at once: a round waits for the ring's slowest edge (r -> r + 1).
     slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.bulk_us(shard))
-    transfer = slowest.bulk_us(shard + 4 * w.batch) * _core_share(cluster)  # the block and its lengths
-    both = max(compute, transfer) if cluster.device.overlap else compute + transfer
+    transfer = slowest.bulk_us(shard + 4 * w.batch)  # the block and its lengths
+    if cluster.device.overlap:
+        both = max(compute, transfer)
+    else:
+        # CPU ranks: gloo's copies run on the cores that compute, so a round is compute + transfer.
+        # With more ranks than cores, the cores' work (the compute and the part of the exchange
+        # spent on a core) is shared, while the rest of the exchange is waiting, which other
+        # ranks' work fills: the round lasts the longer of the two.
+        share = _core_share(cluster)
+        alone = compute / share
+        busy = alone + transfer * (slowest.bulk_cpu_fraction or 1.0)
+        both = max(alone + transfer, busy * share)
     rounds = (p - 1) * (both + merge)
     # The first block's compute counts as ``local``; the rounds' compute after the first block,
     # the transfers and the merges as ``comm``: rounds + last compute - first compute = rounds.

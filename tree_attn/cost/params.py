@@ -49,6 +49,10 @@ class LinkParams:
         ar_gbps: all-reduce bus bandwidth over this class, GB/s.
         bulk_gbps: bandwidth of a ring round's KV-block exchange (every rank sends and receives a
             whole block at once, into buffers allocated for the round), GB/s; None = ``p2p_gbps``.
+        bulk_latency_us: the fixed cost of that exchange, microseconds; None = ``p2p_latency_us``.
+        bulk_cpu_fraction: CPU ranks only: the part of the exchange's time its rank spends on a
+            core (gloo's copies, its socket calls); the rest is waiting, which other ranks' work
+            can fill when ranks outnumber cores. None = 1 (all of it).
         source: where the numbers come from, in words (a datasheet, a measurement...).
     """
 
@@ -58,11 +62,21 @@ class LinkParams:
     ar_step_us: float
     ar_gbps: float
     bulk_gbps: float | None = None
+    bulk_latency_us: float | None = None
+    bulk_cpu_fraction: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
         if self.bulk_gbps is not None:
             object.__setattr__(self, "bulk_gbps", _positive(f"{self.kind}.bulk_gbps", self.bulk_gbps))
+        if self.bulk_latency_us is not None:
+            object.__setattr__(self, "bulk_latency_us",
+                               _positive(f"{self.kind}.bulk_latency_us", self.bulk_latency_us, zero_ok=True))
+        if self.bulk_cpu_fraction is not None:
+            f = _positive(f"{self.kind}.bulk_cpu_fraction", self.bulk_cpu_fraction)
+            if f > 1:
+                raise ConfigError(f"{self.kind}.bulk_cpu_fraction: expected a number in (0, 1], got {f!r}")
+            object.__setattr__(self, "bulk_cpu_fraction", f)
         if self.kind not in LINK_CLASSES:
             raise ConfigError(f"link class {self.kind!r}: expected one of {', '.join(LINK_CLASSES)}")
         for name in ("p2p_latency_us", "ar_step_us"):
@@ -76,7 +90,8 @@ class LinkParams:
 
     def bulk_us(self, nbytes: float) -> float:
         """Time of a ring round's exchange of ``nbytes`` each way: alpha + bytes / bulk beta."""
-        return self.p2p_latency_us + nbytes / ((self.bulk_gbps or self.p2p_gbps) * 1e3)
+        alpha = self.p2p_latency_us if self.bulk_latency_us is None else self.bulk_latency_us
+        return alpha + nbytes / ((self.bulk_gbps or self.p2p_gbps) * 1e3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
