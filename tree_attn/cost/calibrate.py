@@ -5,14 +5,18 @@ What is measured, and what it sets:
 
 - the link: ``probe --measure`` over 2 ranks (``topology.measure``): point-to-point alpha (half a
   ping-pong of 8 bytes), beta (4 MiB on CPU ranks, 64 MiB on GPUs), and the all-reduce of the
-  decode message, which gives the all-reduce's per-step alpha;
+  decode message, which gives the all-reduce's per-step alpha. On CPU ranks the ping-pongs and
+  the all-reduce are timed again, each started right after a barrier as a step's messages are
+  (back to back, gloo's small messages on loopback wait a bimodal ~0.6-3.6 ms wake-up);
 - the local attention: ``decode_attention`` over the Llama-3.1-8B shape at two shard lengths,
   timed on as many ranks at once as the device is shared by in a run (on CPU ranks: one per
   core, so the cores' shared memory bandwidth is in the number); a line through the two points
   gives the fixed cost and the achieved bandwidth;
+- the ring's KV exchange (CPU ranks): one round's exchange at two block sizes (a line), and the
+  part of it its rank spends on a core (process CPU time);
 - the merge: ``merge_states`` of three packed states (a binary-tree node);
 - the step overhead (CPU ranks): the barrier that starts every timed step of ``tree-attn run``,
-  priced as the small all-reduce ``probe --measure`` times (a gloo barrier is one).
+  priced as the barrier-started all-reduce above (a gloo barrier is a small all-reduce).
 """
 
 from __future__ import annotations
@@ -85,7 +89,35 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
             ts.append(time.perf_counter() - t0)
     out["merge"] = statistics.median(ts)
     out["p2p"] = _ping_pong(env, sync, dev, repeats) if env.world_size > 1 else {}
+    out["allreduce"] = _allreduce_after_barrier(env, sync, dev, repeats) if env.world_size > 1 else None
     return out
+
+
+# The decode message all-reduced: a packed state of the calibration shape, float32 [B, Hq, D + 1].
+ALLREDUCE_BYTES = 4 * SHAPE["batch"] * SHAPE["q_heads"] * (SHAPE["head_dim"] + 1)
+
+
+def _allreduce_after_barrier(env, sync, dev, repeats: int) -> float:
+    """Median seconds of an all-reduce of the decode message, each started right after a barrier
+    as a step's collectives start after its local attention. (Back to back, as ``probe --measure``
+    times them, gloo's small all-reduces on loopback land on a bimodal ~0.6-3.6 ms: a wake-up
+    that a step's all-reduce does not see in the same way.)"""
+    import torch
+    import torch.distributed as dist
+
+    from ..ranks.launch import barrier
+
+    buf = torch.zeros(ALLREDUCE_BYTES // 4, dtype=torch.float32, device=dev)
+    ts = []
+    for it in range(3 + 3 * repeats):
+        barrier(env)
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        sync()
+        if it >= 3:
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 # The ring's KV-block exchange measured at two block lengths (K and V of 2,048 and 16,384 tokens
@@ -196,18 +228,20 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
     fixed_us, gbps = _line(local, per_token)
     merge_us = max(r["merge"] for r in res) * 1e6
-    # A run's step starts at a barrier, and a gloo barrier is a small all-reduce: its measured
-    # latency (probe --measure) is the step overhead. (Back-to-back barriers timed alone wait
-    # ~2-4 ms for a wake-up on loopback, as back-to-back ping-pongs do; a step's barrier follows
-    # work.)
-    barrier_us = meas.allreduce_latency_us
-    # One all-reduce of the decode message over 2 ranks is 2 steps (ring: reduce-scatter + gather).
-    ar_step = meas.allreduce_latency_us / 2
+    # A run's step starts at a barrier, and a gloo barrier is a small all-reduce: its latency is
+    # the step overhead (the ranks leave it at different times). Measured as a step sees it, right
+    # after a barrier (see _allreduce_after_barrier); probe --measure's back-to-back figure where
+    # there is one rank only.
+    ar_s = max(r["allreduce"] for r in res) if n > 1 else None
+    ar_us = ar_s * 1e6 if ar_s is not None else meas.allreduce_latency_us
+    barrier_us = ar_us
+    # One all-reduce of the decode message over n ranks is 2 (n - 1) steps (reduce-scatter + gather).
+    ar_step = ar_us / (2 * (n - 1)) if n > 1 else meas.allreduce_latency_us / 2
     pp = res[0]["p2p"] if n > 1 else {}
     if pp:  # barrier-started ping-pongs (see _ping_pong): alpha from 8 B, beta from 4 MiB
         alpha_us = pp[8] * 1e6
         beta = 4 * 2**20 / max(1e-9, pp[4 * 2**20] - pp[8]) / 1e9
-        how = f"barrier-started ping-pong over {n} CPU ranks (gloo, loopback); all-reduce from probe --measure"
+        how = f"barrier-started ping-pong and all-reduce over {n} CPU ranks (gloo, loopback)"
     else:
         alpha_us, beta = link.latency_us, link.bandwidth_gbps
         how = f"probe --measure over 2 CPU ranks (gloo, loopback), {iterations} iterations"
@@ -234,7 +268,8 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
         notes=(f"calibrated on {cores} cores: local line {fixed_us:.0f} us + bytes / {gbps:.2f} GB/s, "
                f"merge {merge_us:.0f} us, barrier {barrier_us:.0f} us, p2p {alpha_us:.0f} us + bytes / "
                f"{beta:.2f} GB/s, ring exchange {bulk_fixed_us or 0:.0f} us + bytes / {bulk or 0:.2f} GB/s "
-               f"({100 * (bulk_cpu or 0):.0f}% of it on a core), all-reduce of {meas.allreduce_bytes} B {meas.allreduce_latency_us:.0f} us",),
+               f"({100 * (bulk_cpu or 0):.0f}% of it on a core), all-reduce of {ALLREDUCE_BYTES} B {ar_us:.0f} us "
+               f"(back to back, probe --measure: {meas.allreduce_latency_us:.0f} us)",),
     )
 
 
