@@ -67,6 +67,19 @@ def warn(message: str) -> None:
     err_console.print(line(("warning:", "bold yellow"), " ", message))
 
 
+def announce_setup(setup: Any, summary: str) -> None:
+    """What a planned job says before it starts, on stderr, once (rank 0 under torchrun): its
+    notices, its warnings, the profile it uses and a one-line ``summary`` of the work."""
+    if setup.rank != 0:
+        return
+    for n in setup.notices:
+        notice(n)
+    for w in setup.warnings:
+        warn(w)
+    err_console.print(setup.profile.text, markup=False)
+    err_console.print(summary, markup=False)
+
+
 def error(message: str) -> None:
     """The one red error line on stderr (a message that spans lines is joined into one)."""
     message = " ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())

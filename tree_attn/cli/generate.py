@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import err_console, error, line, notice, out_console, print_json, styled, warn
+from .common import announce_setup, err_console, error, line, out_console, print_json, styled
 
 HELP = (
     "Greedy decoding of a Llama-family model (Llama, Qwen2, Mistral) with its KV cache paged and "
@@ -57,17 +57,9 @@ def generate_command(
         device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout, profile=profile_ref,
     ))
     spec = setup.spec
-    if setup.rank == 0:  # under torchrun every rank runs this: one voice is enough
-        for n in setup.notices:
-            notice(n)
-        for w in setup.warnings:
-            warn(w)
-        err_console.print(setup.profile.text, markup=False)
-        err_console.print(
-            f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} "
-            f"ranks ({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}",
-            markup=False,
-        )
+    announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
+        f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} "
+        f"ranks ({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
     if setup.env is not None:
         from ..runner.generate import run_generate_torchrun

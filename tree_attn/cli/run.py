@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import err_console, error, line, notice, out_console, print_json, styled, warn
+from .common import announce_setup, err_console, error, line, out_console, print_json, styled
 
 HELP = (
     "Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.\n\n"
@@ -64,18 +64,10 @@ def run_command(
         return
     setup = plan_run(options)
     spec = setup.spec
-    if setup.rank == 0:  # under torchrun every rank runs this: one voice is enough
-        for n in setup.notices:
-            notice(n)
-        for w in setup.warnings:
-            warn(w)
-        err_console.print(setup.profile.text, markup=False)
-        err_console.print(
-            f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
-            f"{spec.seq_len:,} tokens over {spec.world_size} ranks ({spec.backend}); "
-            f"strategies: {', '.join(p.label if p else 'ring' for _, p in spec.plans)}",
-            markup=False,
-        )
+    announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
+        f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
+        f"{spec.seq_len:,} tokens over {spec.world_size} ranks ({spec.backend}); "
+        f"strategies: {', '.join(p.label if p else 'ring' for _, p in spec.plans)}"))
     result = run_decode(spec)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return
