@@ -31,8 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from tree_attn.cost import ClusterSpec, Workload, cluster_plan, predict_step, preset  # noqa: E402
-from tree_attn.cost.fit import cluster_from_dict  # noqa: E402
+from tree_attn.cost import ClusterSpec, Workload, predict_step, preset  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
 
 # The paper's numbers (arXiv 2408.04093): its headline and Table 1 (Llama-3.1-8B, 8x H100).

@@ -9,7 +9,6 @@ The count of cases is recorded in benchmarks/RESULTS.md ("Reliability").
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path

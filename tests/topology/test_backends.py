@@ -13,7 +13,6 @@ from tree_attn.errors import TopologyError
 from tree_attn.topology import (
     LinkKind,
     P2PStatus,
-    load_dump,
     load_dumps,
     probe_amdsmi,
     probe_nvml,

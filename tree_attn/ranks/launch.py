@@ -410,7 +410,6 @@ def _child(
         os.environ["GLOO_SOCKET_IFNAME"] = lo
 
     import torch
-    import torch.distributed as dist
 
     try:
         device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"

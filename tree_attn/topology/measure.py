@@ -85,11 +85,10 @@ def _cuda_pair(torch: Any, a: int, b: int, nbytes: int, small: int, iters: int) 
         y = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
         xs = torch.empty(max(1, small), dtype=torch.uint8, device=f"cuda:{src}")
         ys = torch.empty(max(1, small), dtype=torch.uint8, device=f"cuda:{dst}")
-        t_big = _cuda_time(torch, src, lambda: y.copy_(x, non_blocking=True), iters)
-        t_small = _cuda_time(torch, src, lambda: ys.copy_(xs, non_blocking=True), iters)
+        t_big = _cuda_time(torch, src, lambda x=x, y=y: y.copy_(x, non_blocking=True), iters)
+        t_small = _cuda_time(torch, src, lambda x=xs, y=ys: y.copy_(x, non_blocking=True), iters)
         bws.append(nbytes / t_big / 1e9)
         lats.append(t_small * 1e6)
-        del x, y, xs, ys
     return min(bws), max(lats)
 
 
