@@ -1,46 +1,74 @@
 #!/usr/bin/env bash
-# Everything the project checks on a GPU machine, in one go, logs and JSON under OUTDIR:
-# the GPU tests, the README's whole test command, the GPU benchmarks, and probe / tune / run on
-# the GPUs there are. Each step is timed out and logged on its own, so one failure does not hide
-# the rest; the summary at the end lists each step's exit code.
+# Everything the project checks on a GPU machine, logs and JSON under OUTDIR: the README's whole
+# test command, the GPU benchmarks, and probe / tune / run / the cost model's calibration on the
+# GPUs there are. Each step is timed out and logged on its own, so one failure does not hide the
+# rest; the summary at the end (and OUTDIR/summary.txt) lists each step's exit code and seconds.
 #
-#   bash benchmarks/gpu_checks.sh OUTDIR [--quick]
+#   bash benchmarks/gpu_checks.sh OUTDIR [--quick] [GROUP|STEP ...]
+#
+# Groups, each sized to finish within about 10 minutes on one H100/H200 with --quick:
+#   tests  the README's test command (the GPU tests are part of it; `gpu-tests` runs them alone)
+#   bench  bench-kernel, bench-step, bench-host, bench-paged
+#   cli    probe, probe-measure, tune, run, run-eager, calibrate-costmodel, simulate-calibrated
+# With no group or step named, every group runs in turn (about 30 minutes).
 set -u
-out=${1:?usage: gpu_checks.sh OUTDIR [--quick]}
-quick=${2:-}
+usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
+[ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+out=$(realpath -m "$1"); shift  # absolute before the cd below
+quick=""
+if [ "${1:-}" = "--quick" ]; then quick="--quick"; shift; fi
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
-: > "$summary"
+touch "$summary"
 
-step() {  # step NAME TIMEOUT_S COMMAND...
+all_steps=(whole-suite bench-kernel bench-step bench-host bench-paged probe probe-measure tune run run-eager
+           calibrate-costmodel simulate-calibrated)
+selected=()
+for arg in "${@:-tests bench cli}"; do
+  for word in $arg; do
+    case $word in
+      tests) selected+=(whole-suite) ;;
+      bench) selected+=(bench-kernel bench-step bench-host bench-paged) ;;
+      cli) selected+=(probe probe-measure tune run run-eager calibrate-costmodel simulate-calibrated) ;;
+      gpu-tests|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|calibrate-costmodel|simulate-calibrated)
+        selected+=("$word") ;;
+      *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
+    esac
+  done
+done
+
+step() {  # step NAME TIMEOUT_S COMMAND...: runs only when NAME was selected
   local name=$1 limit=$2; shift 2
+  [[ " ${selected[*]} " == *" $name "* ]] || return 0
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  # -k: a step blocked in a hung CUDA or NCCL call cannot run its SIGTERM handler; kill it 15 s later.
+  timeout -k 15 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$summary"
+  printf '%-20s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$summary"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
-step gpu-tests 600 python3 -m pytest -q -m gpu -rs
-step whole-suite 900 python3 -m pytest -q -rs
+cli=(python3 -m tree_attn)
+step gpu-tests 540 python3 -m pytest -q -m gpu -rs
+step whole-suite 560 python3 -m pytest -q -rs
 if [ "$quick" = "--quick" ]; then
-  step bench-kernel 600 python3 benchmarks/bench_kernel.py --quick --out "$out/bench_kernel.json"
-  step bench-step 600 python3 benchmarks/bench_step.py --lens 4k,64k,1m --steps 30 --out "$out/bench_step.json"
+  step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --out "$out/bench_kernel.json"
+  step bench-step 200 python3 benchmarks/bench_step.py --lens 4k,64k,1m --steps 30 --out "$out/bench_step.json"
 else
   step bench-kernel 900 python3 benchmarks/bench_kernel.py --out "$out/bench_kernel.json"
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
-step bench-host 300 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
-step bench-paged 600 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
-step probe 120 tree-attn probe
-step probe-measure 300 tree-attn probe --measure --json
-step tune 600 tree-attn tune --quick --json
-step run 600 tree-attn run --seq-len 65536 --strategy tree,allreduce,ring --json
-step run-eager 600 tree-attn run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
-# The cost model's single-GPU terms and this node's links, measured; then the model against runs here.
-step calibrate-costmodel 600 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
-step simulate-calibrated 120 tree-attn simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json
+step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
+step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
+step probe 30 "${cli[@]}" probe
+step probe-measure 60 "${cli[@]}" probe --measure --json
+step tune 150 "${cli[@]}" tune --quick --force --json
+step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --json
+step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
+# The cost model's single-GPU terms and this node's links, measured; then the model from them.
+step calibrate-costmodel 120 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
+step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json
 cat "$summary"

@@ -265,6 +265,34 @@ def test_gpu_calibration_measures_this_node():
 
     c = calibrate_gpu(repeats=3, long_tokens=65536)
     assert 0 < c.device.kernel_fraction <= 1 and c.device.kernel_fixed_us >= 0 and c.device.merge_us > 0
-    assert c.ranks_per_node == torch.cuda.device_count()
+    gpus = torch.cuda.device_count()
+    assert c.ranks_per_node == (gpus if gpus > 1 else 8)  # one GPU: the preset node's shape
+    assert c.network is not None
     for strat in ("tree", "allreduce", "ring"):
         assert predict_step(c, Workload(65536), strat).time_us > 0
+        assert predict_step(c.with_shape(16, 8), Workload(5_120_000), strat).time_us > 0
+
+
+def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
+    """calibrate_gpu's cluster: the measured device on the probed node; the network (and, on one
+    GPU, the node's links) from the preset of that kind of GPU, so that `simulate` can price
+    clusters from a one-GPU calibration."""
+    from tree_attn.cost.calibrate import gpu_cluster
+    from tree_attn.cost.presets import preset_for_device
+    from tree_attn.topology import Topology, load_dump
+
+    assert [preset_for_device(n) for n in ("NVIDIA H200", "AMD Instinct MI300X", "NVIDIA GeForce RTX 4090")] == [
+        "h100-sxm", "mi300x", "rtx4090-pcie"]
+    dev = dataclasses.replace(preset("h100-sxm").device, name="NVIDIA H200", kernel_fraction=0.9, kernel_fixed_us=7.0)
+    h200 = load_dump("tests/fixtures/topology/h200_hgx_8gpu_12nic_nvidia-smi_topo_m.txt")
+    one = Topology(devices=h200.devices[:1], links=[], source=h200.source)
+    c1 = gpu_cluster(one, dev, fixed_us=7.0, gbps=4000.0)
+    assert c1.device == dev and c1.step_overhead_us == 0.0  # the measured fixed cost holds the launch
+    assert (c1.ranks_per_node, c1.intra, c1.network) == (8, preset("h100-sxm").intra, preset("h100-sxm").network)
+    assert any("no link was measured" in n for n in c1.notes)
+    c8 = gpu_cluster(h200, dev, fixed_us=7.0, gbps=4000.0)
+    assert c8.ranks_per_node == 8 and c8.network == preset("h100-sxm").network and c8.device == dev
+    for c in (c1, c8):
+        big = c.with_shape(16, 8)
+        for strat in ("tree", "allreduce", "ring"):
+            assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us

@@ -283,7 +283,7 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     from ..ranks.launch import launch_ranks
     from ..topology.measure import measure_topology
     from ..topology.probe import probe_topology
-    from .fit import cluster_from_topology, device_for
+    from .fit import device_for
     from .model import DTYPE_BYTES
 
     if not torch.cuda.is_available():
@@ -303,12 +303,30 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
         torch.cuda.get_device_name(0), mem_gbps=mem, kernel_fraction=min(1.0, gbps / mem), kernel_fixed_us=fixed_us,
         merge_us=res["merge"] * 1e6, collective_us=base.collective_us if base is not None else 5.0,
         memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-        source=(f"measured on GPU 0: decode_attention at {tokens[0]} and {tokens[1]} tokens ({dtype}), eager "
-                f"(host time included); memory bandwidth {'datasheet' if base is not None else 'measured'}"),
+        source=(f"measured on GPU 0: the local step at {tokens[0]} and {tokens[1]} tokens ({dtype}), a CUDA graph "
+                f"replay timed by the host clock to its end (launch included); memory bandwidth "
+                f"{'datasheet' if base is not None else 'measured'}"),
     )
-    if len(topo) == 1:
-        from .presets import NVSWITCH_H100
+    return gpu_cluster(topo, dev, fixed_us=fixed_us, gbps=gbps)
 
-        return ClusterSpec(f"1x {dev.name} (calibrated)", dev, ranks_per_node=1, intra=NVSWITCH_H100)
-    cluster = cluster_from_topology(topo, device=dev, name=f"{len(topo)}x {dev.name} (calibrated)")
-    return dataclasses.replace(cluster, notes=cluster.notes + (f"kernel {gbps:.0f} GB/s, fixed {fixed_us:.1f} us",))
+
+def gpu_cluster(topo, dev: DeviceParams, *, fixed_us: float, gbps: float) -> ClusterSpec:
+    """The cluster a GPU calibration describes: ``dev`` (the measured single-GPU terms) on the
+    probed node ``topo``. What one node cannot measure comes from the built-in cluster of this
+    kind of GPU (:func:`presets.preset_for_device`): the network between nodes always, and on a
+    one-GPU machine the node's links too. The measured fixed cost already holds a graph launch, so
+    no step overhead is added on top."""
+    from .fit import cluster_from_topology
+    from .presets import preset, preset_for_device
+
+    like = preset(preset_for_device(dev.name))
+    measured = f"kernel {gbps:.0f} GB/s, fixed {fixed_us:.1f} us (measured)"
+    if len(topo) == 1:
+        return dataclasses.replace(
+            like, name=f"{dev.name} (calibrated on one GPU; {like.name} links)", device=dev, step_overhead_us=0.0,
+            notes=like.notes + (measured, f"one GPU here: no link was measured; the node's links and the "
+                                          f"network are the {like.name} preset's"),
+        )
+    cluster = cluster_from_topology(topo, device=dev, network=like.network, name=f"{len(topo)}x {dev.name} (calibrated)")
+    return dataclasses.replace(cluster, step_overhead_us=0.0, notes=cluster.notes + (
+        measured, f"the network between nodes is the {like.name} preset's (not measured)"))

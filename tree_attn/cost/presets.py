@@ -91,6 +91,18 @@ PRESETS: dict[str, ClusterSpec] = {
 }
 
 
+def preset_for_device(device_name: str) -> str:
+    """The name of the built-in cluster whose GPUs are most like ``device_name``: the one to borrow
+    links and a network from where a machine cannot measure them (AMD Instinct: ``mi300x``;
+    GeForce: ``rtx4090-pcie``; any other: ``h100-sxm``)."""
+    low = device_name.lower()
+    if "instinct" in low or "mi3" in low or "amd" in low:
+        return "mi300x"
+    if "geforce" in low or "rtx" in low:
+        return "rtx4090-pcie"
+    return "h100-sxm"
+
+
 def preset(name: str) -> ClusterSpec:
     """A built-in cluster preset by name."""
     try:
