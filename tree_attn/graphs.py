@@ -31,15 +31,24 @@ class CapturedStep:
     A step that talks to other ranks makes this constructor collective: every rank must build its
     CapturedStep at the same point of the program (the warm-up runs communicate).
 
-    If capture fails (an old NCCL, a backend that cannot be captured), a warning says why and the
-    step runs eagerly: the same results, host-bound timing. ``captured`` says which happened and
-    ``why_eager`` why not.
+    If capture fails (a kernel that cannot be captured), a warning says why and the step runs
+    eagerly: the same results, host-bound timing. ``captured`` says which happened and
+    ``why_eager`` why not. A step that communicates (``communicates=True``) does not fall back:
+    a capture that failed inside an NCCL group call can leave the group open, and later calls on
+    that process group would then hang or misbehave; the error is raised, with the way around it.
+
+    Call :meth:`close` (or use the owning step as a context manager) when done: NCCL's teardown
+    waits for every graph that holds one of its kernels, so a graph still alive at
+    ``destroy_process_group`` (kept by a traceback, say) hangs it.
     """
 
     def __init__(
-        self, fn: Callable[[], Any], device: torch.device, *, enabled: bool = True, warmup: int = 2
+        self, fn: Callable[[], Any], device: torch.device, *, enabled: bool = True, warmup: int = 2,
+        communicates: bool = False,
     ) -> None:
         self.fn = fn
+        self.communicates = communicates
+        self.closed = False
         self.device = torch.device(device)
         self.graph = None
         self.outputs: Any = None
@@ -70,6 +79,14 @@ class CapturedStep:
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 self.outputs = self.fn()
         except Exception as exc:  # noqa: BLE001 - reported, then the step runs eagerly
+            if self.communicates:
+                from .errors import DistributedError
+
+                raise DistributedError(
+                    f"capturing the decode step as a CUDA graph failed ({type(exc).__name__}: {exc}); the step "
+                    "talks to other ranks, so it is not retried eagerly on the same process group. Run it "
+                    "without graphs (`--no-cuda-graph`, or cuda_graph=False)"
+                ) from exc
             torch.cuda.synchronize(self.device)
             self.why_eager = f"capture failed ({type(exc).__name__}: {exc})"
             warnings.warn(f"CUDA graph {self.why_eager}; running the step eagerly", RuntimeWarning, stacklevel=3)
@@ -79,10 +96,21 @@ class CapturedStep:
 
     def __call__(self) -> Any:
         """One step: replay the graph (or run ``fn`` eagerly); returns the step's outputs."""
+        if self.closed:
+            raise RuntimeError("this decode step was closed; build a new one")
         if self.graph is None:
             return self.fn()
         self.graph.replay()
         return self.outputs
+
+    def close(self) -> None:
+        """Wait for the device, then free the graph (and the NCCL kernels it holds). Idempotent."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = None
+        self.outputs = None
+        self.closed = True
 
 
 class StaticStep:
@@ -100,3 +128,14 @@ class StaticStep:
     def why_eager(self) -> str | None:
         """Why the step runs eagerly (None when it is captured)."""
         return self.graph.why_eager
+
+    def close(self) -> None:
+        """Free the step's CUDA graph (see :meth:`CapturedStep.close`); the step cannot run after."""
+        self.graph.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False

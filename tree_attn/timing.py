@@ -9,9 +9,12 @@ as ``tune`` once did, ranks configs by noise. So:
   for the host); the median over replays, divided by the calls per graph;
 - the calls rotate over several input buffers totalling at least 3x the L2 cache, so no call
   reads what the previous one left in L2;
-- the host's issue time per eager call is measured too, and a timing whose host time reaches its
-  device time is flagged (``host_bound``): it would be the host's clock, not the device's;
-- where capture fails, events around back-to-back eager calls, with the same flag.
+- before the start event the stream is held by a spin kernel while the host issues the timed
+  work, so the events bracket device work only (not a graph's launch latency);
+- the host's issue time per eager call is measured too;
+- where capture fails, events around back-to-back eager calls, the stream held for as long as
+  issuing them takes; where it cannot be held, a timing whose host time comes near its device
+  time is flagged (``host_bound``): it would be the host's clock, not the device's.
 
 On CPU tensors (Triton's interpreter, CPU ranks) the host clock is the device's: ``method`` says
 ``host-clock``.
@@ -29,6 +32,15 @@ import torch
 # At least this many bytes of rotated inputs, in multiples of the L2 cache, so calls stream from DRAM.
 L2_MULTIPLE = 3
 
+# An eager timing is host-bound when issuing a call takes at least this fraction of its measured
+# time (the measured time of a host-bound loop is the host's, slightly more: never below it).
+HOST_BOUND_MARGIN = 0.8
+
+# Before the start event, the stream is held busy this long (a spin kernel) so that the whole
+# timed work is queued behind it: the events then bracket device work only, not the host's time
+# to issue the first launch or a graph's launch latency.
+HOLD_US = 50.0
+
 
 @dataclass(frozen=True)
 class CallTiming:
@@ -40,18 +52,24 @@ class CallTiming:
         method: "cuda-graph" (events around graph replays), "cuda-events" (events around eager
             back-to-back calls) or "host-clock" (CPU).
         samples: how many medians' worth of repeats were taken.
+        held: the timed work was queued behind a spin kernel that outlasted its issuing, so the
+            events saw device work only, even for eager calls (see :func:`hold_stream`).
     """
 
     device_us: float
     host_us: float
     method: str
     samples: int
+    held: bool = False
 
     @property
     def host_bound(self) -> bool:
-        """True when issuing a call takes the host as long as the device runs it: with eager
-        events the GPU then idles between calls, and the timing measures Python."""
-        return self.method == "cuda-events" and self.host_us >= self.device_us
+        """True when the host may have been the clock. With eager calls between events the GPU
+        runs at most as fast as the host issues: the measured time is about max(device, host), so
+        a host that issues at close to the measured rate (within :data:`HOST_BOUND_MARGIN`) may
+        have made the GPU wait, and the time may be Python's. Graph replays, and eager calls
+        issued while the stream was held, are never flagged."""
+        return self.method == "cuda-events" and not self.held and self.host_us >= HOST_BOUND_MARGIN * self.device_us
 
 
 def rotation_count(bytes_per_input: int, l2_bytes: int, free_bytes: int, *, cap: int = 256) -> int:
@@ -98,11 +116,16 @@ def time_calls(
 
     host_us = _host_issue_us(sequence, device)
     graph = _capture(sequence, device) if use_graph else None
+    # Hold the stream while the host issues: a graph replay (one launch), or every eager call
+    # with room to spare, so the events bracket back-to-back device work only.
+    hold_us = HOLD_US if graph is not None else HOLD_US + 1.5 * host_us * per_sample
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     samples = []
+    held = True
     for _ in range(repeats):
         torch.cuda.synchronize(device)
+        held = hold_stream(device, hold_us) and held
         start.record()
         if graph is not None:
             graph.replay()
@@ -114,26 +137,46 @@ def time_calls(
         samples.append(start.elapsed_time(end) * 1e3 / per_sample)
     return CallTiming(
         device_us=statistics.median(samples), host_us=host_us,
-        method="cuda-graph" if graph is not None else "cuda-events", samples=repeats,
+        method="cuda-graph" if graph is not None else "cuda-events", samples=repeats, held=held,
     )
 
 
-def _host_issue_us(sequence: Sequence[Callable[[], object]], device: torch.device) -> float:
-    """Host time per eager call: the issue loop alone, the device drained before and after."""
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for fn in sequence:
-        fn()
-    issued = time.perf_counter() - t0
-    torch.cuda.synchronize(device)
-    return issued / len(sequence) * 1e6
+def _host_issue_us(sequence: Sequence[Callable[[], object]], device: torch.device, passes: int = 3) -> float:
+    """Host time per eager call: the issue loop alone, the device drained before and after each
+    pass; the median of ``passes``."""
+    per_call = []
+    for _ in range(passes):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for fn in sequence:
+            fn()
+        per_call.append((time.perf_counter() - t0) / len(sequence) * 1e6)
+        torch.cuda.synchronize(device)
+    return statistics.median(per_call)
+
+
+def hold_stream(device: torch.device | str, us: float = HOLD_US) -> bool:
+    """Queue a spin kernel of about ``us`` microseconds on the current stream, so that work the
+    host issues next waits behind it instead of starting as each launch arrives (see
+    :data:`HOLD_US`), as benchmark harnesses' "blocking kernel" does. The cycle count comes from
+    the device's clock rate (2 GHz assumed where torch does not report it: then a longer spin
+    on a slower clock, never a shorter one on these GPUs). False: no ``torch.cuda._sleep`` here,
+    nothing queued."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return False
+    rate_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000
+    sleep(int(us * rate_khz / 1e3))
+    return True
 
 
 def _capture(sequence: Sequence[Callable[[], object]], device: torch.device):
     """A CUDA graph of the calls in order, or None if they cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # A stream of this device: torch's default capture stream belongs to whichever device was
+        # current when it was first made.
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
             for fn in sequence:
                 fn()
     except Exception:  # noqa: BLE001 - the caller falls back to eager calls between events

@@ -49,6 +49,63 @@ def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest(device):
     assert len(per_bucket) == 2 and "64 tokens" in per_bucket[0]
 
 
+def test_a_config_that_cannot_run_here_is_skipped_not_fatal(device, monkeypatch):
+    """A candidate Triton cannot build on this device (out of shared memory, say: ConfigError) is
+    recorded with its error and skipped; the bucket is decided among the others. Only when no
+    candidate can run does the search stop, with the reason."""
+    from tree_attn.errors import ConfigError
+    from tree_attn.kernels import triton_launch
+
+    real = triton_launch.TritonDecodeLaunch
+    refused = []
+
+    def launch(q, k, v, seq_lens, *, config=None, **kw):
+        if not refused or config == refused[0]:
+            refused[:1] = [config]
+            raise ConfigError(f"config {config.describe()} needs more shared memory than this device has")
+        return real(q, k, v, seq_lens, config=config, **kw)
+
+    monkeypatch.setattr(triton_launch, "TritonDecodeLaunch", launch)
+    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
+                          dtype="float32", quick=True, buckets=(64,))
+    messages = []
+    (r,) = tune_kernels(options, progress=messages.append, device=_tuning_device(device))
+    failed = [t for t in r.timings if t.error is not None]
+    assert [t.config for t in failed] == refused and "shared memory" in failed[0].error
+    assert failed[0].median_us is None and r.chosen.error is None and r.chosen.median_us > 0
+    assert any("could not run here" in m for m in messages)
+
+    monkeypatch.setattr(triton_launch, "TritonDecodeLaunch", lambda *a, config=None, **kw: (_ for _ in ()).throw(
+        ConfigError("no shared memory at all")))
+    with pytest.raises(ConfigError, match="none of the 3 candidate configs could run.*no shared memory at all"):
+        tune_kernels(options, device=_tuning_device(device))
+
+
+def test_the_timed_configs_span_split_counts_and_include_the_default():
+    """The model's time saturates (dozens of configs tie, one split count): the survivors must
+    still cover several split counts, and the default config (what runs without a profile)."""
+    from tree_attn.kernels.config import default_config
+    from tree_attn.kernels.perf_model import (KNOWN_DEVICES, RankedConfig, candidate_configs, predict_time_us,
+                                              rank_candidates, tuning_survivors)
+    from tree_attn.kernels.shapes import DecodeShape
+
+    spec = KNOWN_DEVICES["h100-sxm"]
+    for n in (4096, 65536, 1 << 20):
+        shape = DecodeShape(1, 32, 8, 128, n)
+        ranked = rank_candidates(candidate_configs(shape, torch.bfloat16, spec), shape, torch.bfloat16, spec)
+        assert len({r.config.num_splits for r in ranked[:8]}) == 1  # what a plain top-8 would time
+        default = default_config(shape, torch.bfloat16, spec)
+        include = RankedConfig(default, predict_time_us(default, shape, torch.bfloat16, spec))
+        for k in (3, 8):
+            chosen = tuning_survivors(ranked, k, include)
+            assert len(chosen) == k and len({r.config for r in chosen}) == k
+            assert default in [r.config for r in chosen]
+            assert len({r.config.num_splits for r in chosen}) >= min(3, k)
+            assert [r.predicted_us for r in chosen] == sorted(r.predicted_us for r in chosen)
+            assert all(r.predicted_us <= 1.5 * ranked[0].predicted_us for r in chosen if r.config != default)
+    assert tuning_survivors([], 3) == []
+
+
 def test_kernel_search_is_skipped_on_cpu_ranks_by_default():
     options = TuneOptions(world_size=2, device_kind="cpu", backend="gloo")
     assert tune_kernels(options) == []
@@ -74,8 +131,13 @@ def test_timing_flags_a_host_bound_measurement():
     """A timing whose issue time reaches its device time measured Python: it must not rank configs."""
     from tree_attn.timing import CallTiming, rotation_count
 
+    # Eager calls between events measure about max(device, host): a host-bound loop reads just
+    # above its issue time, and that is what must be flagged.
+    assert CallTiming(device_us=41.0, host_us=40.0, method="cuda-events", samples=3).host_bound
     assert CallTiming(device_us=5.0, host_us=40.0, method="cuda-events", samples=3).host_bound
-    assert not CallTiming(device_us=50.0, host_us=40.0, method="cuda-events", samples=3).host_bound
+    assert not CallTiming(device_us=60.0, host_us=40.0, method="cuda-events", samples=3).host_bound
+    # issued while a spin kernel held the stream: the events saw device work only
+    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-events", samples=3, held=True).host_bound
     assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound  # replays: device time
     # rotated inputs: 3x L2 (50 MiB) in 4 MiB inputs -> 39 + 1, capped by 40% of free memory and by `cap`
     assert rotation_count(4 << 20, 50 << 20, 10 << 30) == 39

@@ -21,11 +21,12 @@ def test_torchrun_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     env = torchrun_env("cpu")
     assert (env.rank, env.world_size, env.local_rank, env.device, env.backend) == (3, 4, 1, "cpu", "gloo")
-    # A GPU host: the local rank picks the device, nccl by default, gloo when asked for.
+    # A GPU host: the local rank picks the device, nccl by default; gloo cannot send GPU tensors.
     monkeypatch.setattr(launch, "gpu_count", lambda: 2)
     env = torchrun_env()
     assert (env.device, env.backend) == ("cuda:1", "nccl")
-    assert torchrun_env("cuda", "gloo").backend == "gloo"
+    with pytest.raises(ConfigError, match="gloo backend cannot send GPU tensors"):
+        torchrun_env("cuda", "gloo")
     # --device cpu on a GPU host stays on CPU ranks
     assert torchrun_env("cpu").device == "cpu"
     with pytest.raises(ConfigError, match="nccl backend needs GPU ranks"):

@@ -75,6 +75,7 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
             if it >= 2:
                 ts.append(time.perf_counter() - t0)
         out["local"][n] = statistics.median(ts)
+        step.close()  # free its graph before the next one (and before the group's teardown)
         del k, v, step
     out["bulk"] = _ring_exchange(env, sync, dev, dt, repeats) if env.world_size > 1 else None
     states = torch.randn(3, b, hq, d, generator=g).to(dev)

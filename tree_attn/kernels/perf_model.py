@@ -527,6 +527,45 @@ def rank_candidates(
     return ranked
 
 
+def tuning_survivors(
+    ranked: list[RankedConfig], k: int, include: RankedConfig | None = None, *, max_slowdown: float = 1.5
+) -> list[RankedConfig]:
+    """The ``k`` configs ``tune`` times, from ``ranked`` (the model's order): ``include`` (the
+    launch heuristic's default, what runs without a profile, so tuning can keep it), then the
+    model's best config of each split count in turn, round robin, over the split counts whose best
+    is predicted within ``max_slowdown`` x the overall best. Returned in the model's order.
+
+    The model's time saturates once enough programs stream: dozens of configs tie for first place,
+    all with one split count, so a plain top-k would time warps and stages only and let the
+    model alone decide the split count, the choice that matters most on the device.
+    """
+    by_splits: dict[int, list[RankedConfig]] = {}
+    limit = ranked[0].predicted_us * max_slowdown if ranked else 0.0
+    for r in ranked:  # groups in the order of their best prediction; each group in model order
+        splits = r.config.num_splits or 0
+        if splits in by_splits or r.predicted_us <= limit:
+            by_splits.setdefault(splits, []).append(r)
+    chosen: list[RankedConfig] = []
+    taken: dict[int, int] = {}  # configs chosen per split count
+
+    def take(r: RankedConfig) -> None:
+        chosen.append(r)
+        taken[r.config.num_splits or 0] = taken.get(r.config.num_splits or 0, 0) + 1
+
+    if include is not None:
+        take(include)
+    rest = {splits: [r for r in group if include is None or r.config != include.config]
+            for splits, group in by_splits.items()}
+    depth = 0
+    while len(chosen) < k and any(rest.values()):
+        depth += 1  # each pass gives every split count up to `depth` configs
+        for splits, group in rest.items():
+            if len(chosen) < k and group and taken.get(splits, 0) < depth:
+                take(group.pop(0))
+    order = {r.config: i for i, r in enumerate(ranked)}
+    return sorted(chosen, key=lambda r: (r.predicted_us, order.get(r.config, len(order))))
+
+
 def best_predicted_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -> DecodeConfig:
     """The model's favourite among :func:`candidate_configs` (the default heuristic is used at
     launch instead; this is for comparing the two)."""
@@ -537,6 +576,7 @@ def best_predicted_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpe
 __all__: Sequence[str] = (
     "DeviceSpec",
     "KNOWN_DEVICES",
+    "tuning_survivors",
     "CPU_INTERPRETER",
     "Prediction",
     "RankedConfig",

@@ -150,6 +150,11 @@ def resolve_backend(backend: str, device_kind: str) -> str:
         return "nccl" if device_kind == "cuda" else "gloo"
     if backend == "nccl" and device_kind != "cuda":
         raise ConfigError("the nccl backend needs GPU ranks; use --backend gloo (or auto) on CPU ranks")
+    if backend == "gloo" and device_kind == "cuda":
+        # gloo has no point-to-point sends of GPU tensors (torch.distributed's backend table),
+        # and the tree and the ring are made of them.
+        raise ConfigError("the gloo backend cannot send GPU tensors point to point; use --backend nccl (or auto) "
+                          "on GPU ranks, or --device cpu for CPU ranks over gloo")
     return backend
 
 

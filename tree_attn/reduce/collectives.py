@@ -298,7 +298,8 @@ class TreeDecodeStep(StaticStep):
         self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
+        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph,
+                                  communicates=dist.get_world_size(group) > 1)
 
     @property
     def traffic(self):

@@ -160,69 +160,76 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
         label = plan.label if plan is not None else "ring"
         stats = CommStats()
         q_static = make_query(spec, 0).to(device)
-        why_eager = RING_EAGER
-        if name == "ring":
-            # The first call checks shapes and learns the shard lengths; timed calls are given them.
-            ring_decode(q_static, k, v, impl=spec.impl, config=config)
+        prepared = None
+        try:
+            why_eager = RING_EAGER
+            if name == "ring":
+                # The first call checks shapes and learns the shard lengths; timed calls are given them.
+                ring_decode(q_static, k, v, impl=spec.impl, config=config)
 
-            def step() -> tuple[torch.Tensor, torch.Tensor]:
-                return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(), stats=stats)
-        else:
-            # Collective: every rank builds its step here (shape check, warm-up, capture).
-            prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
-                                      cuda_graph=spec.cuda_graph and cuda)
-            why_eager = prepared.why_eager
+                def step() -> tuple[torch.Tensor, torch.Tensor]:
+                    return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(), stats=stats)
+            else:
+                # Collective: every rank builds its step here (shape check, warm-up, capture).
+                prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
+                                          cuda_graph=spec.cuda_graph and cuda)
+                why_eager = prepared.why_eager
 
-            def step() -> tuple[torch.Tensor, torch.Tensor]:
-                return prepared(stats)
+                def step() -> tuple[torch.Tensor, torch.Tensor]:
+                    return prepared(stats)
 
-        _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
-                       + ("" if why_eager is None else f" ({why_eager})"))
-        for w in range(spec.warmup):
-            q_static.copy_(make_query(spec, w).to(device))
-            step()
-        times: list[float] = []
-        device_times: list[float] = []
-        per_step_bytes: list[int] = []
-        per_step_msgs: list[int] = []
-        last_note = time.monotonic()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        with MemoryMonitor(env.device) as mem:
-            for s in range(spec.steps):
-                q_next = make_query(spec, s).to(device)  # made before the step: a real loop has it on the device
-                stats.reset()
-                barrier(env)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    events[0].record()
-                t0 = time.perf_counter()
-                q_static.copy_(q_next)
-                out, lse = step()
-                if cuda:
-                    events[1].record()
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-                if cuda:
-                    device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
-                per_step_bytes.append(stats.bytes_sent)
-                per_step_msgs.append(stats.messages)
-                # A progress line every tenth of the steps, and at least every PROGRESS_S seconds.
-                if s and (s % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S):
-                    _progress(env, f"{label}: step {s}/{spec.steps}")
-                    last_note = time.monotonic()
-        reports[label] = RankReport(
-            step_s=times,
-            bytes_sent_per_step=max(per_step_bytes),
-            messages_per_step=max(per_step_msgs),
-            peak_mem_bytes=mem.result.peak_bytes,
-            peak_mem_above_start_bytes=mem.result.above_start_bytes,
-            out=out.cpu(),
-            lse=lse.cpu(),
-            device_step_s=device_times,
-            execution="eager" if why_eager is not None else "cuda graph",
-            why_eager=why_eager,
-        )
-        _progress(env, f"{label}: median step {1e3 * statistics.median(times):.2f} ms")
+            _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
+                           + ("" if why_eager is None else f" ({why_eager})"))
+            for w in range(spec.warmup):
+                q_static.copy_(make_query(spec, w).to(device))
+                step()
+            times: list[float] = []
+            device_times: list[float] = []
+            per_step_bytes: list[int] = []
+            per_step_msgs: list[int] = []
+            last_note = time.monotonic()
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+            with MemoryMonitor(env.device) as mem:
+                for s in range(spec.steps):
+                    q_next = make_query(spec, s).to(device)  # made before the step: a real loop has it on the device
+                    stats.reset()
+                    barrier(env)
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                        events[0].record()
+                    t0 = time.perf_counter()
+                    q_static.copy_(q_next)
+                    out, lse = step()
+                    if cuda:
+                        events[1].record()
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - t0)
+                    if cuda:
+                        device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
+                    per_step_bytes.append(stats.bytes_sent)
+                    per_step_msgs.append(stats.messages)
+                    # A progress line every tenth of the steps, and at least every PROGRESS_S seconds.
+                    if s and (s % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S):
+                        _progress(env, f"{label}: step {s}/{spec.steps}")
+                        last_note = time.monotonic()
+            reports[label] = RankReport(
+                step_s=times,
+                bytes_sent_per_step=max(per_step_bytes),
+                messages_per_step=max(per_step_msgs),
+                peak_mem_bytes=mem.result.peak_bytes,
+                peak_mem_above_start_bytes=mem.result.above_start_bytes,
+                out=out.cpu(),
+                lse=lse.cpu(),
+                device_step_s=device_times,
+                execution="eager" if why_eager is not None else "cuda graph",
+                why_eager=why_eager,
+            )
+            _progress(env, f"{label}: median step {1e3 * statistics.median(times):.2f} ms")
+        finally:
+            if prepared is not None:
+                # Free its graph now: NCCL's teardown waits for every graph holding its kernels, so
+                # one kept alive (by an error's traceback, say) would hang destroy_process_group.
+                prepared.close()
     return reports
 
 

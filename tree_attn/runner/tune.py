@@ -58,6 +58,7 @@ def time_plans_rank(
     from ..graphs import CapturedStep
     from ..ranks.launch import barrier
     from ..reduce.merges import build_merge
+    from ..timing import hold_stream
 
     device = torch.device(env.device)
     g = torch.Generator().manual_seed(1234 + env.rank)
@@ -69,7 +70,8 @@ def time_plans_rank(
         merge = build_merge(plan, None, batch, q_heads, head_dim, device)
         merge.local[..., :head_dim].copy_(o)
         merge.local[..., head_dim].copy_(lse)
-        step = CapturedStep(merge, device, warmup=max(1, warmup))  # collective: every rank builds it here
+        # Collective: every rank builds it here.
+        step = CapturedStep(merge, device, warmup=max(1, warmup), communicates=env.world_size > 1)
         for _ in range(warmup):
             step()
         mine = []
@@ -78,6 +80,7 @@ def time_plans_rank(
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(device)
+                hold_stream(device)  # the replay queues behind it: its launch latency is not timed
                 start.record()
                 step()
                 end.record()
@@ -87,6 +90,8 @@ def time_plans_rank(
                 t0 = time.perf_counter()
                 step()
                 mine.append(time.perf_counter() - t0)
+        method = "cuda-graph" if step.captured else ("cuda-events" if cuda else "host-clock")
+        step.close()  # a graph alive at destroy_process_group would hang NCCL's teardown
         # Each iteration lasts as long as its slowest rank: gather everyone's times.
         local = torch.tensor(mine, dtype=torch.float64, device=device if env.backend == "nccl" else "cpu")
         every = [torch.empty_like(local) for _ in range(env.world_size)]
@@ -98,7 +103,7 @@ def time_plans_rank(
                 median_us=1e6 * statistics.median(slowest),
                 p95_us=1e6 * percentile(slowest, 0.95),
                 iterations=iterations,
-                method="cuda-graph" if step.captured else ("cuda-events" if cuda else "host-clock"),
+                method=method,
             )
         )
     # Rank 0 decides; the broadcast makes the choice identical everywhere by construction.
@@ -114,7 +119,9 @@ class KernelTiming:
     ``median_us``: device time of one launch (see :mod:`tree_attn.timing`); ``gbps``: KV bytes
     over that time; ``host_us``: host time to issue one launch of the prepared launch;
     ``copy_fraction``: ``gbps`` over the measured device-to-device copy bandwidth (GPUs);
-    ``method``: how the time was taken; ``host_bound``: the timing measured the host (rejected).
+    ``method``: how the time was taken; ``host_bound``: the timing measured the host (rejected);
+    ``error``: why the config could not run here (e.g. it needs more shared memory than the
+    device has), with no time.
     """
 
     config: object  # DecodeConfig
@@ -125,6 +132,7 @@ class KernelTiming:
     copy_fraction: float | None = None
     method: str = "host-clock"
     host_bound: bool = False
+    error: str | None = None
 
 
 def time_kernel_configs(
@@ -137,6 +145,7 @@ def time_kernel_configs(
     CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
     interpreter, for tests) a host clock.
     """
+    from ..errors import ConfigError
     from ..kernels.perf_model import kv_bytes
     from ..kernels.triton_launch import TritonDecodeLaunch
     from ..timing import rotation_count, time_calls
@@ -156,10 +165,14 @@ def time_kernel_configs(
     out = []
     for ranked in configs_ranked:
         cfg = ranked.config
-        launch = TritonDecodeLaunch(q, *kvs[0], None, config=cfg)
-        o, lse = launch.new_outputs()
-        calls = [functools.partial(launch, q, k, v, None, o, lse) for k, v in kvs]
-        t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
+        try:
+            launch = TritonDecodeLaunch(q, *kvs[0], None, config=cfg)
+            o, lse = launch.new_outputs()
+            calls = [functools.partial(launch, q, k, v, None, o, lse) for k, v in kvs]
+            t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
+        except ConfigError as exc:  # e.g. Triton's out-of-resources: this config cannot run here
+            out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None, error=str(exc)))
+            continue
         gbps = nbytes / t.device_us / 1e3
         out.append(KernelTiming(
             config=cfg, predicted_us=ranked.predicted_us, median_us=t.device_us, gbps=gbps, host_us=t.host_us,
@@ -250,7 +263,9 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         if options.device_kind != "cuda":
             return []
         device = "cuda:0"
-    from ..kernels.perf_model import CPU_INTERPRETER, DeviceSpec, candidate_configs, rank_candidates
+    from ..kernels.config import resolve_config
+    from ..kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
+                                      rank_candidates, tuning_survivors)
     from ..kernels.shapes import DecodeShape
     from ..dtypes import torch_dtype
 
@@ -272,21 +287,33 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
             if progress:
                 progress(f"kernel bucket {n} tokens: skipped (KV of {need / 2**30:.1f} GiB does not fit comfortably)")
             continue
-        ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec, top_k=options.kernel_survivors)
+        ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec)
+        default = resolve_config(None, shape, dtype, spec)  # what runs without a profile
+        ranked = tuning_survivors(ranked, options.kernel_survivors,
+                                  include=RankedConfig(default, predict_time_us(default, shape, dtype, spec)))
         timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps)
+        failed = [t for t in timings if t.error is not None]
+        if len(failed) == len(timings):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"kernel bucket {n} tokens: none of the {len(timings)} candidate configs could run on "
+                              f"{device}; the first said: {failed[0].error}")
+        if failed and progress:
+            progress(f"kernel bucket {n} tokens: {len(failed)} config(s) could not run here and were skipped: "
+                     + "; ".join(t.config.describe() for t in failed))
         # A host-bound timing measured Python, not the kernel: it cannot rank configs.
-        trusted = [t for t in timings if not t.host_bound]
+        trusted = [t for t in timings if t.error is None and not t.host_bound]
         if trusted:
             best, chosen_by = min(trusted, key=lambda t: t.median_us), "measured"
         else:
-            best, chosen_by = timings[0], "model"
+            best, chosen_by = next(t for t in timings if t.error is None), "model"
         if progress:
             if chosen_by == "measured":
                 frac = f", {100 * best.copy_fraction:.0f}% of copy bandwidth" if best.copy_fraction else ""
                 progress(f"kernel bucket {n} tokens: best {best.config.describe()} {best.median_us:.1f} us "
                          f"({best.method}), {best.gbps:.0f} GB/s{frac}")
             else:
-                progress(f"kernel bucket {n} tokens: every timing was host-bound (issue time >= device time); "
+                progress(f"kernel bucket {n} tokens: every timing was host-bound (issue time near the measured time); "
                          f"keeping the model's choice {best.config.describe()}")
         out.append(BucketResult(options.dtype, options.head_dim, options.q_heads // options.kv_heads, n, timings, best,
                                 chosen_by=chosen_by, copy_gbps=copy_gbps))
