@@ -194,3 +194,33 @@ def test_gpu_that_cannot_be_opened_is_a_clear_error():
     nv.nvmlDeviceGetHandleByIndex = lost
     with pytest.raises(TopologyError, match="NVML cannot open GPU 0"):
         probe_nvml(nv)
+
+
+def test_nvml_keeps_the_gpus_cuda_visible_devices_leaves_in_cudas_order(monkeypatch):
+    """NVML lists the whole machine; a run sees CUDA_VISIBLE_DEVICES's GPUs, numbered from 0 in
+    its order. The topology must describe those (rank 0's cuda:0 is the machine's GPU 5 below)."""
+    from tree_attn.topology.nvml import BackendUnavailable
+
+    whole = probe_nvml(fakes.rtx4090_pcie_pynvml())
+    some = probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="5, 1,GPU-4090-0002")
+    assert [d.uuid for d in some.devices] == ["GPU-4090-0005", "GPU-4090-0001", "GPU-4090-0002"]
+    assert [d.index for d in some.devices] == [0, 1, 2]
+    # each pair keeps the machine's link between those two GPUs
+    for (a, b), (wa, wb) in {(0, 1): (1, 5), (0, 2): (2, 5), (1, 2): (1, 2)}.items():
+        got, want = some.link(a, b), whole.link(wa, wb)
+        assert (got.kind, got.p2p, got.bandwidth_gbps) == (want.kind, want.p2p, want.bandwidth_gbps)
+    assert "machine GPU 5, 1, 2 are cuda:0, 1, 2" in some.notes[-1]
+    # CUDA's parsing: stop at the first entry naming no GPU (or one named already)
+    assert [d.uuid for d in probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="3,99,0").devices] == ["GPU-4090-0003"]
+    assert len(probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="2,2,0")) == 1
+    assert len(probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="0,1,2,3,4,5,6,7")) == 8
+    # MIG instances are not in the topology: the whole machine, with a note
+    mig = probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="MIG-1234")
+    assert len(mig) == 8 and "MIG" in mig.notes[-1]
+    # none visible: NVML is no use to this process (auto probing falls back to CPU ranks)
+    for value in ("", "-1", "GPU-nope"):
+        with pytest.raises(BackendUnavailable, match="leaves none of this machine's 8 GPU"):
+            probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices=value)
+    # the environment applies to the real NVML only; a fake module shows all its GPUs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert len(probe_nvml(fakes.rtx4090_pcie_pynvml())) == 8

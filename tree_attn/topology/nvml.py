@@ -7,12 +7,14 @@ answer becomes "unknown" (``None``) for that one field; the probe never fails fo
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any, Callable
 
 from ..errors import TopologyError
 from .bandwidth import estimate
 from .model import Device, Link, LinkKind, P2PStatus, Topology, format_ranges
+from .visible import ENV_VAR, NoVisibleDevice, restrict_to_visible
 
 
 class BackendUnavailable(TopologyError):
@@ -126,10 +128,14 @@ class _Nvml:
         return _int_index(getattr(self.nv, name, default))
 
 
-def probe_nvml(module: ModuleType | None = None) -> Topology:
-    """Probe the NVIDIA GPUs of this machine. ``module`` replaces ``pynvml`` (tests pass a fake).
+def probe_nvml(module: ModuleType | None = None, *, visible_devices: str | None = None) -> Topology:
+    """Probe the NVIDIA GPUs this process can use. ``module`` replaces ``pynvml`` (tests pass a fake).
 
-    Raises :class:`BackendUnavailable` when pynvml, the driver or any GPU is missing.
+    NVML lists every GPU of the machine; the result keeps those ``CUDA_VISIBLE_DEVICES`` leaves
+    visible, numbered as CUDA numbers them (:mod:`.visible`). ``visible_devices`` is that value
+    (default: the environment's when probing the real NVML; a fake shows all its GPUs unless given one).
+
+    Raises :class:`BackendUnavailable` when pynvml, the driver or any (visible) GPU is missing.
     """
     nv = module if module is not None else _import_pynvml()
     try:
@@ -137,12 +143,18 @@ def probe_nvml(module: ModuleType | None = None) -> Topology:
     except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         raise BackendUnavailable(f"NVML could not start: {exc}") from None
     try:
-        return _probe(_Nvml(nv))
+        topo = _probe(_Nvml(nv))
     finally:
         try:
             nv.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down a library that works is best effort
             pass
+    if visible_devices is None and module is None:
+        visible_devices = os.environ.get(ENV_VAR)
+    try:
+        return restrict_to_visible(topo, visible_devices)
+    except NoVisibleDevice as exc:
+        raise BackendUnavailable(str(exc)) from None
 
 
 def _probe(api: _Nvml) -> Topology:
