@@ -36,11 +36,9 @@ def _truth(q, k, v, lens, causal):
 
 
 def _impls(device):
-    """("torch", None) on CPU tensors, and the Triton kernel with a small explicit config."""
-    out = [("triton", DecodeConfig(block_n=16, num_splits=2))]
-    if device.type == "cpu":
-        out.insert(0, ("torch", None))
-    return out
+    """(impl, config, device): the torch path on CPU tensors (on GPU machines too), and the Triton
+    kernel with a small explicit config where this process runs Triton (GPU, or interpreter)."""
+    return [("torch", None, torch.device("cpu")), ("triton", DecodeConfig(block_n=16, num_splits=2), torch.device(device))]
 
 
 # name -> (B, Hq, Hkv, D, N, lens, share): GQA, D=80, rows of length 0, a shared page.
@@ -62,8 +60,7 @@ def test_paged_equals_contiguous(case, block_size, device):
     sl = torch.tensor(lens, dtype=torch.int32)
     ref_out, ref_lse = _truth(q, k, v, sl, False)
     q3 = q[:, 0]
-    for impl, config in _impls(device):
-        dev = torch.device(device)
+    for impl, config, dev in _impls(device):
         args = [t.to(dev) for t in (q3, k, v, sl, kp, vp, table)]
         q_, k_, v_, sl_, kp_, vp_, table_ = args
         tol = tol_for(torch.float32, device=dev)
@@ -82,11 +79,11 @@ def test_paged_bf16_and_fp16(device):
         k, v, kp, vp, table = to_paged(k, v, lens, 16, seed=3)
         sl = torch.tensor(lens, dtype=torch.int32)
         ref_out, ref_lse = _truth(q, k, v, sl, False)
-        for impl, config in _impls(device):
-            out, lse = decode_attention(q[:, 0].to(device), kp.to(device), vp.to(device), seq_lens=sl.to(device),
-                                        block_table=table.to(device), impl=impl, config=config)
+        for impl, config, dev in _impls(device):
+            out, lse = decode_attention(q[:, 0].to(dev), kp.to(dev), vp.to(dev), seq_lens=sl.to(dev),
+                                        block_table=table.to(dev), impl=impl, config=config)
             assert out.dtype == dtype
-            assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(dtype, device=device), what=f"{impl} {dtype}")
+            assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(dtype, device=dev), what=f"{impl} {dtype}")
 
 
 # (Sq, causal, paged block size or None): Sq 1, 2, 5, 16, with and without causal, contiguous and paged.
@@ -107,8 +104,7 @@ def test_several_query_tokens(sq, causal, block_size, device):
     if block_size:
         k, v, kp, vp, table = to_paged(k, v, lens, block_size, seed=sq)
     ref_out, ref_lse = _truth(q, k, v, sl, causal)
-    for impl, config in _impls(device):
-        dev = torch.device(device)
+    for impl, config, dev in _impls(device):
         kw = dict(seq_lens=sl.to(dev), impl=impl, config=config, causal=causal)
         if block_size:
             out, lse = decode_attention(q.to(dev), kp.to(dev), vp.to(dev), block_table=table.to(dev), **kw)
