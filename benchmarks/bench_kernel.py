@@ -106,8 +106,12 @@ def render(rows: list[dict], meta: dict) -> None:
     def fmt(r):
         return [
             str(r["batch"]), str(r["kv_len"]), f(r["kv_bytes"] / 2**30, ".2f"), r["config"],
-            f(r["graph_us"], ".1f"), f(r["eager_us"], ".1f"), f(r["host_us"], ".1f"), f(r["gbps"], ".0f"),
-            f(100 * r["frac_copy"], ".1f"), f(r["sdpa_graph_us"], ".1f"), f(r["sdpa_eager_us"], ".1f"),
+            f(r["graph_us"], ".1f") + ("" if r.get("graph_method") in (None, "cuda-graph") else " (eager)"),
+            f(r["eager_us"], ".1f"), f(r["host_us"], ".1f"), f(r["gbps"], ".0f"),
+            f(100 * r["frac_copy"], ".1f"),
+            # an SDPA whose capture failed was timed eagerly (events around back-to-back calls): marked
+            f(r["sdpa_graph_us"], ".1f") + ("" if r.get("sdpa_graph_method") in (None, "cuda-graph") else " (eager)"),
+            f(r["sdpa_eager_us"], ".1f"),
             f(r["sdpa_host_us"], ".1f"), f(r["device_vs_sdpa"], ".2f"), f(r["eager_over_graph"], ".2f"),
         ]
 
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = resolve_config(user_cfg, shape, dtype, spec)
             ours = [functools.partial(decode_attention, qq, kk, vv, config=user_cfg) for qq, kk, vv in bufs]
             graph = time_calls(ours, dev, repeats=args.repeats)
-            eager = time_calls(ours, dev, repeats=args.repeats, use_graph=False)
+            eager = time_calls(ours, dev, repeats=args.repeats, use_graph=False, hold=False)  # as a caller runs it
             row = {
                 "batch": b, "kv_len": n, "kv_bytes": kv_bytes, "buffers": n_buf,
                 "config": cfg.describe(), "config_dict": cfg.to_dict(),
@@ -235,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     theirs = [functools.partial(sdpa, qq, kk, vv) for qq, kk, vv in bufs]
                     sg = time_calls(theirs, dev, repeats=args.repeats)
-                    se = time_calls(theirs, dev, repeats=args.repeats, use_graph=False)
-                    row.update(sdpa_graph_us=sg.device_us, sdpa_eager_us=se.device_us, sdpa_host_us=se.host_us)
+                    se = time_calls(theirs, dev, repeats=args.repeats, use_graph=False, hold=False)
+                    row.update(sdpa_graph_us=sg.device_us, sdpa_graph_method=sg.method, sdpa_eager_us=se.device_us,
+                               sdpa_host_us=se.host_us)
                 except torch.cuda.OutOfMemoryError as exc:
                     row["sdpa_error"] = f"out of memory: {str(exc).splitlines()[0]}"
                 except RuntimeError as exc:

@@ -88,6 +88,7 @@ def time_calls(
     warmup: int = 3,
     calls_per_sample: int | None = None,
     use_graph: bool = True,
+    hold: bool = True,
 ) -> CallTiming:
     """Time one call, where ``calls[i]`` is the same work over input set ``i`` (rotated).
 
@@ -95,11 +96,16 @@ def time_calls(
         calls: callables doing one launch each (their inputs already allocated, nothing
             allocated inside on GPUs when captured).
         repeats: samples (graph replays, or batches of eager calls); the median is reported.
-        calls_per_sample: calls per sample (default: every input set at least once, at least 10).
+        calls_per_sample: calls per sample (default: every input set once; on GPUs at least 10).
         use_graph: on GPUs, capture the calls as a graph (False: eager calls between events).
+        hold: queue the timed work behind a spin kernel (:func:`hold_stream`), so the events see
+            device work only. False for eager calls timed as a caller runs them: the GPU then
+            waits whenever the host issues slower than it computes, and the time shows it.
     """
     device = torch.device(device)
-    per_sample = calls_per_sample or max(10, len(calls))
+    # On GPUs at least 10 calls per sample (a replay's or an event pair's fixed cost spread thin);
+    # a host clock has no such cost (and under Triton's interpreter each call takes milliseconds).
+    per_sample = calls_per_sample or (max(10, len(calls)) if device.type == "cuda" else len(calls))
     sequence = [calls[i % len(calls)] for i in range(per_sample)]
     for _ in range(warmup):
         for fn in calls:
@@ -122,10 +128,11 @@ def time_calls(
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     samples = []
-    held = True
+    held = hold
     for _ in range(repeats):
         torch.cuda.synchronize(device)
-        held = hold_stream(device, hold_us) and held
+        if hold:
+            held = hold_stream(device, hold_us) and held
         start.record()
         if graph is not None:
             graph.replay()
