@@ -91,6 +91,57 @@ def test_decode_step_follows_in_place_updates(impl, dtype, device):
         assert_decode_close(out, lse, ref_out, ref_lse, tol_for(dtype, device=where), what=f"{impl} step {s}")
 
 
+def test_a_closed_step_frees_its_graph_and_refuses_to_run(device):
+    """close() (or leaving the with-block) frees the CUDA graph, which NCCL's teardown would wait
+    for; the step cannot run after it, and closing twice is harmless."""
+    q, k, v = _inputs(device, n=20)
+    with DecodeStep(q, k, v, impl="torch" if device.type == "cpu" else "auto") as step:
+        out, _ = step()
+        assert torch.isfinite(out).all()
+    assert step.graph.graph is None and step.graph.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        step()
+    step.close()
+
+
+def test_a_failed_capture_runs_eagerly_unless_the_step_communicates(monkeypatch):
+    """A local step whose capture fails falls back to eager calls (same results). A step that
+    talks to other ranks does not: the failure may have left an NCCL group half open."""
+    from tree_attn import graphs
+    from tree_attn.errors import DistributedError
+
+    calls = []
+
+    class FailingGraph:
+        def replay(self):
+            raise AssertionError("a failed capture is never replayed")
+
+    class FailingCapture:
+        def __init__(self, graph, **kw):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    # Stand-ins for the CUDA calls _capture makes, so its failure path runs on any machine.
+    cuda = graphs.torch.cuda
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
+    monkeypatch.setattr(cuda, "Stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
+    monkeypatch.setattr(cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(cuda, "CUDAGraph", FailingGraph)
+    monkeypatch.setattr(cuda, "graph", FailingCapture)
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        local = graphs.CapturedStep(lambda: calls.append(1) or len(calls), torch.device("cuda", 0))
+    assert not local.captured and "operation not permitted" in local.why_eager
+    assert local() == len(calls)  # eager: fn itself runs
+    with pytest.raises(DistributedError, match="--no-cuda-graph"):
+        graphs.CapturedStep(lambda: None, torch.device("cuda", 0), communicates=True)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns on the NaN it must carry
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("what", ["key", "value", "query"])
