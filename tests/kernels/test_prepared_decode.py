@@ -47,6 +47,17 @@ def test_same_signature_same_prepared_object_new_signature_new_one(device):
     assert prepared_decode(q, k, v, lens.long(), impl="triton", config=cfg) is not a
     assert prepared_decode(q, k, v, lens, impl="triton", config=DecodeConfig(block_n=32, num_splits=2)) is not a
     assert a.config.num_splits == 3 and a.shape.kv_len == 45
+    # a scale given as a tensor is keyed by its value, like the float
+    b = prepared_decode(q, k, v, lens, impl="triton", config=cfg, scale=0.25)
+    assert prepared_decode(q, k, v, lens, impl="triton", config=cfg, scale=torch.tensor(0.25)) is b
+    # another thread gets its own (one workspace serves one call at a time)
+    import threading
+
+    other = []
+    t = threading.Thread(target=lambda: other.append(prepared_decode(q, k, v, lens, impl="triton", config=cfg)))
+    t.start()
+    t.join()
+    assert other[0] is not a and prepared_decode(q, k, v, lens, impl="triton", config=cfg) is a
 
 
 def test_calls_return_fresh_tensors(device):

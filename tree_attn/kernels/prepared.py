@@ -20,6 +20,7 @@ step; the kernel clamps block ids into the pool).
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 
 import torch
@@ -85,8 +86,10 @@ class PreparedDecode:
         # The kernel reads int32 lengths; other integer dtypes are converted per call.
         self._lens_cast = seq_lens is not None and (seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous())
         self._table_cast = block_table is not None and (block_table.dtype != torch.int32 or not block_table.is_contiguous())
-        if block_table is not None and block_table.device.type != "cpu":
-            # Once per signature (a host sync here, none per step); CPU tables are checked per call.
+        if block_table is not None and block_table.device.type != "cpu" and not _capturing(q.device):
+            # Once per signature (a host sync here, none per step; none at all inside a CUDA-graph
+            # capture, where a sync is illegal: the kernel clamps block ids to the pool either way).
+            # CPU tables are checked per call.
             from .paged import check_block_table
 
             check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
@@ -185,12 +188,18 @@ def signature(
         where = torch.cuda.current_stream(q.device).cuda_stream
     else:  # CPU tensors: whether Triton's interpreter is on decides what impl="triton" does
         where = triton_interpreter_enabled()
+    # The thread too: a prepared object's split workspace serves one call at a time, and two
+    # threads on one stream could interleave their two launches.
     return (
         q.shape, q.stride(), q.dtype, q.device,
         k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device,
-        lens, table, causal, scale, impl, config, out_layout, where,
+        lens, table, causal, scale, impl, config, out_layout, where, threading.get_ident(),
     )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _CACHE: OrderedDict[tuple, PreparedDecode] = OrderedDict()
@@ -209,23 +218,33 @@ def prepared_decode(
     block_table: torch.Tensor | None = None,
     causal: bool = False,
 ) -> PreparedDecode:
-    """The cached :class:`PreparedDecode` for this call's signature (built on first use)."""
+    """The cached :class:`PreparedDecode` for this call's signature (built on first use).
+
+    Inside a CUDA-graph capture a fresh, uncached one is built: its workspace is then allocated
+    from the graph's private memory pool and lives as long as the graph, where a cached one's
+    could be evicted (freed, reused) while the graph still writes to it. (Capturing a loop is
+    what :class:`DecodeStep` does for you.)
+    """
     _check_config(config)  # before hashing it into the key (a dict would raise TypeError)
     _check_scale(scale)
     check_arg_types(q, k, v, seq_lens, block_table, causal)  # before the key reads their attributes
-    key = signature(q, k, v, seq_lens, scale, impl, config, out_layout, block_table, causal)
-    try:
-        hit = _CACHE[key]
-    except KeyError:
-        hit = PreparedDecode(
-            q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout,
-            block_table=block_table, causal=causal,
-        )
-        _CACHE[key] = hit
-        if len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    if isinstance(scale, torch.Tensor):  # by value: a fresh tensor each call would miss every time
+        scale = float(scale)
+    capturing = _capturing(q.device)
+    key = None if capturing else signature(q, k, v, seq_lens, scale, impl, config, out_layout, block_table, causal)
+    hit = None if key is None else _CACHE.get(key)
+    if hit is None:
+        hit = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout,
+                             block_table=block_table, causal=causal)
+        if key is not None:
+            _CACHE[key] = hit
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
         return hit
-    _CACHE.move_to_end(key)
+    try:
+        _CACHE.move_to_end(key)
+    except KeyError:  # another thread evicted it meanwhile: it still serves this call
+        pass
     return hit
 
 

@@ -405,7 +405,15 @@ def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> One
     """Load the model here, prefill the prompt, decode the reference and the one-rank row."""
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     model, pre, prefill_s = load_and_prefill(spec, device, say)
-    return OneProcess(pre, prefill_s, one_process_rows(spec, model, pre, say))
+    rows = one_process_rows(spec, model, pre, say)
+    # The ranks read their slices from files: the prefill waits in host memory, not on GPU 0,
+    # which rank 0 uses next.
+    pre = pre.to_host()
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the freed blocks back, for rank 0's own model and cache
+    return OneProcess(pre, prefill_s, rows)
 
 
 def decode_on_ranks(spec: GenerateSpec, pre: PrefillContext, reference: list[int],
@@ -440,8 +448,7 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     """Prefill, decode the reference and the one-process row here, then every strategy on
     ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
     say = progress or (lambda text: None)
-    local = decode_in_one_process(spec, say)
-    gc.collect()  # the launcher's model is gone before the ranks load theirs
+    local = decode_in_one_process(spec, say)  # its model is gone, its prefill in host memory
     rows = local.rows + decode_on_ranks(spec, local.prefill, local.reference, say)
     return _result(spec, rows, local.prefill_s, _device_name(spec.device_kind), spec.backend, tokenizer)
 
@@ -461,6 +468,8 @@ def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[
     from ..ranks.launch import close_process_group, init_torchrun
 
     say = progress if (progress is not None and env.rank == 0) else (lambda text: None)
+    if env.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(env.device))  # before any CUDA work: this rank's GPU only
     model, pre, prefill_s = load_and_prefill(spec, torch.device(env.device), say)
     sizes = spec.shard_sizes()
     start, n = sum(sizes[:env.rank]), sizes[env.rank]
