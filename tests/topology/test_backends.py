@@ -224,3 +224,20 @@ def test_nvml_keeps_the_gpus_cuda_visible_devices_leaves_in_cudas_order(monkeypa
     # the environment applies to the real NVML only; a fake module shows all its GPUs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert len(probe_nvml(fakes.rtx4090_pcie_pynvml())) == 8
+
+
+def test_amd_smi_keeps_the_gpus_rocm_leaves_visible():
+    """ROCR_VISIBLE_DEVICES narrows first, HIP_VISIBLE_DEVICES (else CUDA_VISIBLE_DEVICES) indexes
+    what is left; only indices are matched (ROCm's UUIDs are not AMD SMI's)."""
+    from tree_attn.topology.nvml import BackendUnavailable
+
+    whole = probe_amdsmi(fakes.mi300x_amdsmi())
+    uuids = [d.uuid for d in whole.devices]
+    some = probe_amdsmi(fakes.mi300x_amdsmi(), environ={"ROCR_VISIBLE_DEVICES": "1,3,5,7", "HIP_VISIBLE_DEVICES": "2,0"})
+    assert [d.uuid for d in some.devices] == [uuids[5], uuids[1]]
+    assert [n for n in some.notes if "VISIBLE" in n][-1].startswith("HIP_VISIBLE_DEVICES='2,0'")
+    assert [d.uuid for d in probe_amdsmi(fakes.mi300x_amdsmi(), environ={"CUDA_VISIBLE_DEVICES": "6"}).devices] == [uuids[6]]
+    by_uuid = probe_amdsmi(fakes.mi300x_amdsmi(), environ={"ROCR_VISIBLE_DEVICES": "GPU-1234abcd"})
+    assert len(by_uuid) == 8 and "other than their index" in by_uuid.notes[-1]
+    with pytest.raises(BackendUnavailable, match="HIP_VISIBLE_DEVICES='-1' leaves none"):
+        probe_amdsmi(fakes.mi300x_amdsmi(), environ={"HIP_VISIBLE_DEVICES": "-1"})

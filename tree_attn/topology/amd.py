@@ -13,13 +13,15 @@ Two traps of the library, handled here:
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 from .bandwidth import estimate
 from .dumps import _amd_pcie_kind
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 from .nvml import BackendUnavailable, normalize_bus_id
+from .visible import NoVisibleDevice, restrict_amd_to_visible
 
 # amdsmi_io_link_type_t, the enum of amdsmi_topo_get_link_type (values from amdsmi.h).
 _IOLINK_PCIE = 1
@@ -79,11 +81,25 @@ def link_kind_from_amdsmi(value: Any, module: ModuleType | None = None) -> LinkK
     return LinkKind.UNKNOWN
 
 
-def probe_amdsmi(module: ModuleType | None = None) -> Topology:
-    """Probe the AMD GPUs of this machine. ``module`` replaces ``amdsmi`` (tests pass a fake).
+def probe_amdsmi(module: ModuleType | None = None, *, environ: Mapping[str, str] | None = None) -> Topology:
+    """Probe the AMD GPUs this process can use. ``module`` replaces ``amdsmi`` (tests pass a fake).
 
-    Raises :class:`BackendUnavailable` when amdsmi, the driver or any GPU is missing.
+    AMD SMI lists every GPU of the machine; the result keeps those ``ROCR_VISIBLE_DEVICES`` and
+    ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``) leave visible (:mod:`.visible`), read from
+    ``environ`` (default: this process's environment with the real amdsmi; none with a fake).
+
+    Raises :class:`BackendUnavailable` when amdsmi, the driver or any (visible) GPU is missing.
     """
+    topo = _probe_all(module)
+    if environ is None:
+        environ = os.environ if module is None else {}
+    try:
+        return restrict_amd_to_visible(topo, environ)
+    except NoVisibleDevice as exc:
+        raise BackendUnavailable(str(exc)) from None
+
+
+def _probe_all(module: ModuleType | None) -> Topology:
     am = module if module is not None else _import_amdsmi()
     flags = getattr(getattr(am, "AmdSmiInitFlags", None), "INIT_AMD_GPUS", None)
     try:

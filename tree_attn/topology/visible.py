@@ -8,6 +8,11 @@ it are visible; an empty value hides every GPU. Indices are taken in PCI bus ord
 default "fastest first" order is the same on a machine of one GPU model; set
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` to make it so on mixed machines). ``MIG-`` entries name MIG
 instances, which the topology does not describe: the whole machine is kept, with a note.
+
+AMD GPUs (ROCm): ``ROCR_VISIBLE_DEVICES`` narrows first, then ``HIP_VISIBLE_DEVICES`` (or, when it
+is unset, ``CUDA_VISIBLE_DEVICES``, which HIP also reads) indexes into what is left. Only indices
+are matched there (ROCm's UUIDs are not AMD SMI's); a value naming GPUs otherwise keeps the whole
+machine, with a note.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ class NoVisibleDevice(Exception):
     """``CUDA_VISIBLE_DEVICES`` leaves no GPU of the topology visible."""
 
 
-def visible_indices(topo: Topology, value: str) -> list[int] | None:
-    """The topology's device indices ``value`` makes visible, in CUDA's order; None when it names
-    MIG instances (not described by the topology). Raises :class:`NoVisibleDevice` for none."""
+def visible_indices(topo: Topology, value: str, var: str = ENV_VAR, *, indices_only: bool = False) -> list[int] | None:
+    """The topology's device indices ``value`` (of variable ``var``) makes visible, in CUDA's
+    order; None when it names what the topology cannot match (MIG instances; with
+    ``indices_only``, anything but indices). Raises :class:`NoVisibleDevice` for none."""
     chosen: list[int] = []
     for raw in value.split(","):
         entry = raw.strip()
-        if entry.upper().startswith("MIG-"):
+        if entry.upper().startswith("MIG-") or (indices_only and entry and not entry.lstrip("-").isdigit()):
             return None
         index = _lookup(topo, entry)
         if index is None or index in chosen:
@@ -37,7 +43,7 @@ def visible_indices(topo: Topology, value: str) -> list[int] | None:
         chosen.append(index)
     if not chosen:
         raise NoVisibleDevice(
-            f"{ENV_VAR}={value!r} leaves none of this machine's {len(topo)} GPU(s) visible; unset it or name GPUs "
+            f"{var}={value!r} leaves none of this machine's {len(topo)} GPU(s) visible; unset it or name GPUs "
             f"0..{len(topo) - 1} (or their GPU-<uuid>)"
         )
     return chosen
@@ -53,15 +59,16 @@ def _lookup(topo: Topology, entry: str) -> int | None:
     return None
 
 
-def restrict_to_visible(topo: Topology, value: str | None) -> Topology:
-    """``topo`` narrowed to the GPUs ``value`` (a ``CUDA_VISIBLE_DEVICES`` value; None: unset)
-    makes visible, renumbered 0..k-1 in CUDA's order, with a note saying which they are."""
+def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *, indices_only: bool = False) -> Topology:
+    """``topo`` narrowed to the GPUs ``value`` (the value of ``var``, e.g. ``CUDA_VISIBLE_DEVICES``;
+    None: unset) makes visible, renumbered 0..k-1 in CUDA's order, with a note saying which they are."""
     if value is None:
         return topo
-    chosen = visible_indices(topo, value)
+    chosen = visible_indices(topo, value, var, indices_only=indices_only)
     if chosen is None:
-        return topo.replace(notes=topo.notes + [
-            f"{ENV_VAR}={value!r} names MIG instances; the topology lists the machine's whole GPUs"])
+        what = "MIG instances" if "MIG-" in value.upper() else "GPUs by something other than their index"
+        return topo.replace(notes=topo.notes + [f"{var}={value!r} names {what}; the topology lists the machine's "
+                                                f"whole GPUs"])
     if chosen == list(range(len(topo))):
         return topo
     new_of = {old: new for new, old in enumerate(chosen)}
@@ -71,10 +78,18 @@ def restrict_to_visible(topo: Topology, value: str | None) -> Topology:
         if l.a in new_of and l.b in new_of:
             a, b = sorted((new_of[l.a], new_of[l.b]))
             links.append(dataclasses.replace(l, a=a, b=b))
-    note = (f"{ENV_VAR}={value!r}: {len(chosen)} of the machine's {len(topo)} GPUs, numbered as CUDA numbers them "
+    note = (f"{var}={value!r}: {len(chosen)} of the machine's {len(topo)} GPUs, numbered as CUDA numbers them "
             f"(machine GPU {', '.join(str(i) for i in chosen)} are cuda:{', '.join(str(i) for i in range(len(chosen)))})")
     return Topology(devices=devices, links=links, source=topo.source, notes=topo.notes + [note],
                     measurement=None)
 
 
-__all__ = ["ENV_VAR", "NoVisibleDevice", "restrict_to_visible", "visible_indices"]
+def restrict_amd_to_visible(topo: Topology, environ) -> Topology:
+    """``topo`` (AMD SMI's GPUs) narrowed as a ROCm process sees them: ``ROCR_VISIBLE_DEVICES``,
+    then ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``) on what is left; indices only."""
+    topo = restrict_to_visible(topo, environ.get("ROCR_VISIBLE_DEVICES"), "ROCR_VISIBLE_DEVICES", indices_only=True)
+    var = "HIP_VISIBLE_DEVICES" if environ.get("HIP_VISIBLE_DEVICES") is not None else ENV_VAR
+    return restrict_to_visible(topo, environ.get(var), var, indices_only=True)
+
+
+__all__ = ["ENV_VAR", "NoVisibleDevice", "restrict_amd_to_visible", "restrict_to_visible", "visible_indices"]
