@@ -70,8 +70,10 @@ def time_plans_rank(
         merge = build_merge(plan, None, batch, q_heads, head_dim, device)
         merge.local[..., :head_dim].copy_(o)
         merge.local[..., head_dim].copy_(lse)
-        # Collective: every rank builds it here.
-        step = CapturedStep(merge, device, warmup=max(1, warmup), communicates=env.world_size > 1)
+        # Collective: every rank builds it here. One rank has nothing to merge: an empty graph
+        # (torch warns of one) would time nothing, so that merge runs eagerly.
+        alone = env.world_size == 1
+        step = CapturedStep(merge, device, enabled=not alone, warmup=max(1, warmup), communicates=not alone)
         for _ in range(warmup):
             step()
         mine = []
