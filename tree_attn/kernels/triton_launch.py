@@ -158,6 +158,14 @@ class TritonDecodeLaunch:
             self._stage2_args = _stage2_args(
                 self.o_part, self.lse_part, (out_strides[0], out_strides[2]), (lse_strides[0], lse_strides[2])
             )
+            self._grid2 = (b * sq * hq,)
+            self._stage2_constexprs = dict(
+                HEAD_DIM=d,
+                BLOCK_D=block_d,
+                SPLIT_TILE=STAGE2_SPLIT_TILE,
+                FAULTY_IS_EMPTY=False,  # a NaN split comes from NaN data: the row is NaN
+                num_warps=STAGE2_NUM_WARPS,
+            )
         self._guard = _device_guard(q.device)
 
     def new_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +185,7 @@ class TritonDecodeLaunch:
             out.zero_()
             lse.fill_(float("-inf"))
             return
-        from . import triton_decode  # lazy: triton is imported only when the kernel runs
+        kernels = _kernels()  # lazy: triton is imported only when the kernel runs
 
         # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it.
         lens = seq_lens if self.has_lens else lse
@@ -185,7 +193,7 @@ class TritonDecodeLaunch:
         split = self.num_splits > 1
         try:
             with self._guard:
-                triton_decode.split_kv_stage1_kernel[self.grid1](
+                kernels.split_kv_stage1_kernel[self.grid1](
                     q, k, v, lens, table,
                     self.o_part if split else out,
                     self.lse_part if split else lse,
@@ -193,13 +201,8 @@ class TritonDecodeLaunch:
                     **self._stage1_constexprs,
                 )
                 if split:
-                    triton_decode.split_kv_stage2_kernel[(self.shape.batch * self.shape.q_len * self.shape.q_heads,)](
-                        self.o_part, self.lse_part, out, lse, *self._stage2_args,
-                        HEAD_DIM=self.shape.head_dim,
-                        BLOCK_D=padded_head_dim(self.shape.head_dim),
-                        SPLIT_TILE=STAGE2_SPLIT_TILE,
-                        FAULTY_IS_EMPTY=False,  # a NaN split comes from NaN data: the row is NaN
-                        num_warps=STAGE2_NUM_WARPS,
+                    kernels.split_kv_stage2_kernel[self._grid2](
+                        self.o_part, self.lse_part, out, lse, *self._stage2_args, **self._stage2_constexprs,
                     )
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
             if type(exc).__name__ == "OutOfResources":
@@ -208,6 +211,19 @@ class TritonDecodeLaunch:
                     f"for D={self.shape.head_dim}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
                 ) from exc
             raise
+
+
+def _kernels():
+    """The module of the two ``@triton.jit`` kernels, imported on first use (then a lookup)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import triton_decode
+
+        _KERNELS = triton_decode
+    return _KERNELS
+
+
+_KERNELS = None
 
 
 def decode_attention_triton(
