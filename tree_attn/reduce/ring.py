@@ -67,7 +67,9 @@ def ring_decode(
     shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if causal and rank == world - 1:
+    if causal and rank == world - 1 and (lengths is None or q.device.type == "cpu"):
+        # Reads seq_lens on the host: on GPUs only in a call that syncs anyway (the shape
+        # exchange); a loop that passes ``lengths`` checked them in its first call.
         check_new_tokens(q, k, seq_lens, group)
     # Block sizes differ per rank; every rank learns them (and checks the shapes agree) up front.
     if lengths is None:
