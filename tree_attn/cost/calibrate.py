@@ -44,7 +44,6 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
     from ..dtypes import torch_dtype
     from ..reduce.collectives import TreeDecodeStep
     from ..merge import merge_states
-    from ..ranks.launch import barrier
 
     dev = torch.device(env.device)
     dt = torch_dtype(dtype_name)
@@ -65,30 +64,14 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
         k = torch.randn(b, n, hkv, d, generator=g).to(dt).to(dev)
         v = torch.randn(b, n, hkv, d, generator=g).to(dt).to(dev)
         step = TreeDecodeStep(q, k, v, group=alone, cuda_graph=cuda)
-        ts = []
-        for it in range(2 + repeats):
-            barrier(env)  # the ranks stream at once, as in a run
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            if it >= 2:
-                ts.append(time.perf_counter() - t0)
-        out["local"][n] = statistics.median(ts)
+        # after a barrier: the ranks stream at once, as in a run
+        out["local"][n] = _median_seconds(step, sync, warmup=2, samples=repeats, env=env)
         step.close()  # free its graph before the next one (and before the group's teardown)
         del k, v, step
     out["bulk"] = _ring_exchange(env, sync, dev, dt, repeats) if env.world_size > 1 else None
     states = torch.randn(3, b, hq, d, generator=g).to(dev)
     lses = torch.randn(3, b, hq, generator=g).to(dev)
-    ts = []
-    for it in range(3 + 5 * repeats):
-        sync()
-        t0 = time.perf_counter()
-        merge_states(states, lses)
-        sync()
-        if it >= 3:
-            ts.append(time.perf_counter() - t0)
-    out["merge"] = statistics.median(ts)
+    out["merge"] = _median_seconds(lambda: merge_states(states, lses), sync, warmup=3, samples=5 * repeats)
     out["p2p"] = _ping_pong(env, sync, dev, repeats) if env.world_size > 1 else {}
     out["allreduce"] = _allreduce_after_barrier(env, sync, dev, repeats) if env.world_size > 1 else None
     return out
@@ -106,17 +89,25 @@ def _allreduce_after_barrier(env, sync, dev, repeats: int) -> float:
     import torch
     import torch.distributed as dist
 
+    buf = torch.zeros(ALLREDUCE_BYTES // 4, dtype=torch.float32, device=dev)
+    return _median_seconds(lambda: dist.all_reduce(buf), sync, warmup=3, samples=3 * repeats, env=env)
+
+
+def _median_seconds(op, sync, *, warmup: int, samples: int, env=None) -> float:
+    """Median seconds of ``op()`` over ``samples`` timed runs after ``warmup`` untimed ones, the
+    device drained (``sync``) before and after each; with ``env``, each run starts right after a
+    barrier of its ranks."""
     from ..ranks.launch import barrier
 
-    buf = torch.zeros(ALLREDUCE_BYTES // 4, dtype=torch.float32, device=dev)
     ts = []
-    for it in range(3 + 3 * repeats):
-        barrier(env)
+    for it in range(warmup + samples):
+        if env is not None:
+            barrier(env)
         sync()
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        op()
         sync()
-        if it >= 3:
+        if it >= warmup:
             ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -172,26 +163,18 @@ def _ping_pong(env, sync, dev, repeats: int) -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
-    from ..ranks.launch import barrier
+    def ping_pong(buf):
+        if env.rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif env.rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
 
     out = {}
     for nbytes in (8, 4 * 2**20):
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
-        ts = []
-        for it in range(3 + 3 * repeats):
-            barrier(env)
-            sync()
-            t0 = time.perf_counter()
-            if env.rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif env.rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            sync()
-            if it >= 3:
-                ts.append((time.perf_counter() - t0) / 2)
-        out[nbytes] = statistics.median(ts)
+        out[nbytes] = _median_seconds(lambda buf=buf: ping_pong(buf), sync, warmup=3, samples=3 * repeats, env=env) / 2
     return out
 
 
