@@ -3,6 +3,10 @@
 Awkward shapes on purpose: N not a multiple of the chunk or the softmax block, rows of length 0 and
 partial rows, GQA ratios 1/4/8, D = 80, B > 1, N = 0, caches that are slices or transposes of
 bigger tensors, and softmax blocks small enough that one row merges several block states.
+
+Every test runs twice: as callers get it (the fused C kernel of ``cpu_native`` for the calls it
+takes, when it is built here) and with the C kernel turned off (the torch ops for every call).
+``test_cpu_native.py`` checks the C kernel on its own.
 """
 
 import pytest
@@ -11,7 +15,16 @@ import torch
 from tree_attn import decode_attention
 from tree_attn.kernels.cpu_decode import CHUNK_BYTES, SCORE_ELEMENTS, cpu_chunk_tokens, decode_attention_cpu
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64, decode_attention_torch
+from tree_attn.kernels import cpu_decode
 from tests.tolerances import assert_state_close, random_decode_inputs
+
+
+@pytest.fixture(autouse=True, params=["default", "torch-only"])
+def kernel_path(request, monkeypatch):
+    """"default": the C kernel where it applies; "torch-only": the torch path for every call."""
+    if request.param == "torch-only":
+        monkeypatch.setattr(cpu_decode, "_native_kernel_for", lambda *args, **kwargs: None)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_native import NativeKernel, decode_native, native_kernel, native_status
 from .shapes import check_decode_inputs
 
 # Bytes of one K (or V) chunk as stored: the unit that is read sequentially and then worked on per
@@ -82,8 +83,13 @@ def decode_attention_cpu(
     block_tokens: int | None = None,
     causal: bool = False,
     block_table: torch.Tensor | None = None,
+    native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
+
+    One query token per row on a contiguous CPU cache (head dimension dense, no ``block_table``,
+    default chunking) runs the fused C kernel of ``cpu_native`` when it is built; everything else
+    the torch ops below.
 
     Args:
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
@@ -100,6 +106,8 @@ def decode_attention_cpu(
             ``[0, seq_len - Sq + 1 + i)`` (see ``reference.key_limits``).
         block_table: integer ``[B, max_blocks]`` for a paged cache (``seq_lens`` required; every
             entry a row reads must lie in the pool: ``check_decode_inputs`` checks it), or None.
+        native: None: the C kernel where it applies and is available, else torch ops. True: the C
+            kernel or an error saying why not. False: torch ops.
 
     Returns:
         ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
@@ -119,6 +127,10 @@ def decode_attention_cpu(
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
     if n == 0 or max(lens, default=0) == 0:
         return _finish(q, out, lse)
+    kernel = _native_kernel_for(native, q, k, v, sq, block_table, chunk_tokens, block_tokens)
+    if kernel is not None:
+        o, l = decode_native(kernel, q.reshape(b, hq, d), k, v, torch.tensor(lens, dtype=torch.int64), scale)
+        return o.view(q.shape).to(q.dtype), l.view(q.shape[:-1])
 
     step = max(1, int(chunk_tokens)) if chunk_tokens else cpu_chunk_tokens(hkv, d, k.element_size())
     block = block_tokens or SCORE_ELEMENTS // (hq * sq)
@@ -162,6 +174,31 @@ def decode_attention_cpu(
             out_rows[row].masked_fill_(l == 0, 0.0)
         lse_rows[row] = (m + torch.log(l)).squeeze(-1)
     return _finish(q, out, lse)
+
+
+def _native_kernel_for(native, q, k, v, sq, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:
+    """The C kernel when ``native`` allows it and the call is one it computes; None for the torch path."""
+    if native is False:
+        return None
+    why_not = None
+    if q.device.type != "cpu":
+        why_not = f"tensors on {q.device.type}"
+    elif sq != 1 or block_table is not None:
+        why_not = "it takes one query token per row on a contiguous cache"
+    elif k.stride(-1) != 1 or v.stride(-1) != 1:
+        why_not = "the head dimension of k and v must be dense (stride 1)"
+    elif chunk_tokens or block_tokens:
+        why_not = "chunk_tokens/block_tokens set the torch path's chunking"
+    kernel = None if why_not else native_kernel()
+    if why_not is None and kernel is None:
+        why_not = native_status().detail
+    if why_not is None and k.dtype not in kernel.dtypes:
+        why_not = f"this build has no {k.dtype} kernel"
+    if why_not is not None:
+        if native:
+            raise ValueError(f"the C decode kernel cannot run this call: {why_not}")
+        return None
+    return kernel
 
 
 def _finish(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,173 @@
+"""The fused C decode kernel for CPU tensors (tree_attn.kernels.cpu_native / cpu_decode.c).
+
+Against the float64 truth, out and lse, with awkward shapes: N not a multiple of the kernel's
+256-token chunk, rows of length 0 and partial rows, GQA 1/4/8, head sizes with and without a
+specialised instance (64, 128, 256 / 80, 48), B > 1, caches that are slices or transposes of bigger
+tensors, fp32/bf16/fp16 caches, large logits, NaN, and KV heads split over threads. Then the build:
+the cache, the off switch and a compiler that does not work.
+
+The kernel needs a C compiler; where none works these tests skip and say why (the torch path,
+tested in test_cpu_decode.py, then serves every call).
+"""
+
+import pytest
+import torch
+
+from tree_attn.kernels import cpu_native
+from tree_attn.kernels.cpu_decode import decode_attention_cpu
+from tree_attn.kernels.reference import decode_attention_float64
+from tests.tolerances import assert_state_close, random_decode_inputs
+
+STATUS = cpu_native.native_status()
+needs_kernel = pytest.mark.skipif(not STATUS.available, reason=f"the C kernel is not built here: {STATUS.detail}")
+
+
+def _check(q, k, v, seq_lens=None, dtype=torch.float32, large_logits=False, **kw):
+    out, lse = decode_attention_cpu(q, k, v, seq_lens=seq_lens, native=True, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=seq_lens, scale=kw.get("scale"))
+    assert_state_close(out, lse, ref_out, ref_lse, dtype, large_logits=large_logits)
+    return out, lse
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("d", [64, 80, 128])  # 80: the instance without a constant head size
+def test_matches_float64(dtype, hq, hkv, d):
+    n = 600  # 2 x 256 + 88
+    q, k, v = random_decode_inputs(3, hq, hkv, d, n, dtype=dtype, seed=hq + hkv + d)
+    _check(q, k, v, torch.tensor([n, 0, 257]), dtype)  # full, empty, one past a chunk
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 513])
+def test_lengths_around_the_chunk(n):
+    q, k, v = random_decode_inputs(2, 8, 8, 256, n, seed=n)
+    _check(q, k, v)
+    _check(q, k, v, torch.tensor([n, max(0, n - 1)]))
+
+
+@needs_kernel
+def test_strided_caches():
+    q, k, v = random_decode_inputs(2, 8, 2, 48, 300, seed=11)
+    lens = torch.tensor([300, 129])
+
+    def views(x):
+        """Views with x's values: rows, tokens and heads of a bigger cache; head-major storage
+        ([B, Hkv, N, D] seen through a transpose); a padded head dimension (row stride 64)."""
+        big = torch.randn(4, 310, 3, 48)
+        big[::2, 5:305, 1:3] = x
+        padded = torch.randn(2, 300, 2, 64)[..., :48]
+        padded.copy_(x)
+        return big[::2, 5:305, 1:3], x.transpose(1, 2).contiguous().transpose(1, 2), padded
+
+    for ks, vs in zip(views(k), views(v)):
+        assert not ks.is_contiguous() and ks.stride(-1) == 1 and torch.equal(ks, k) and torch.equal(vs, v)
+        _check(q, ks, v, lens)
+        _check(q, k, vs, lens)
+        _check(q, ks, vs, lens)
+
+
+@needs_kernel
+def test_query_layouts():
+    # [B, 1, Hq, D] queries give [B, 1, Hq, D] / [B, 1, Hq]; a non-contiguous query is read right.
+    q, k, v = random_decode_inputs(2, 8, 2, 64, 100, seed=3)
+    _check(q.unsqueeze(1), k, v)
+    _check(torch.randn(2, 64, 8).transpose(1, 2), k, v)
+    _check(q.double().float().bfloat16(), k.bfloat16(), v.bfloat16(), dtype=torch.bfloat16)
+
+
+@needs_kernel
+def test_large_logits_and_custom_scale():
+    q, k, v = random_decode_inputs(2, 8, 2, 64, 700, seed=5, q_scale=30.0)
+    out, lse = _check(q, k, v, large_logits=True)
+    assert lse.abs().max() > 50
+    _check(q, k, v, scale=0.01)
+
+
+@needs_kernel
+def test_nan_and_inf_stay_in_their_head():
+    q, k, v = random_decode_inputs(2, 4, 2, 16, 600, seed=2)
+    k[0, 300, 1, 3] = float("nan")  # KV head 1 of row 0: query heads 2 and 3
+    k[1, 10, 0, 0] = float("inf")  # KV head 0 of row 1: an inf score, exp(inf - inf) is NaN
+    out, lse = decode_attention_cpu(q, k, v, native=True)
+    torch_out, torch_lse = decode_attention_cpu(q, k, v, native=False)
+    assert torch.equal(out.isnan(), torch_out.isnan()) and torch.equal(lse.isnan(), torch_lse.isnan())
+    assert out[0, 2:].isnan().all() and out[1, :2].isnan().all()
+    ok = torch.tensor([[True, True, False, False], [False, False, True, True]])
+    ref_out, ref_lse = decode_attention_float64(q, k.nan_to_num(0.0, 0.0, 0.0), v)
+    assert_state_close(out[ok], lse[ok], ref_out[ok], ref_lse[ok], torch.float32)
+
+
+@needs_kernel
+def test_heads_split_over_threads():
+    q, k, v = random_decode_inputs(3, 15, 5, 64, 400, seed=8)  # 5 KV heads over 2 and 3 threads
+    lens = torch.tensor([400, 1, 0])
+    before = torch.get_num_threads()
+    try:
+        one = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            out, lse = _check(q, k, v, lens)
+            assert torch.equal(out, one[0]) and torch.equal(lse, one[1])  # same arithmetic per head
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_calls_it_does_not_take_say_why():
+    q, k, v = random_decode_inputs(2, 8, 2, 64, 50, seed=1)
+    with pytest.raises(ValueError, match="one query token per row"):
+        decode_attention_cpu(torch.randn(2, 3, 8, 64), k, v, native=True)
+    with pytest.raises(ValueError, match="stride 1"):
+        decode_attention_cpu(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, native=True)
+    with pytest.raises(ValueError, match="chunking"):
+        decode_attention_cpu(q, k, v, chunk_tokens=16, native=True)
+    # With native=None the same calls take the torch path and are right.
+    out, lse = decode_attention_cpu(q, k, v, chunk_tokens=16)
+    ref_out, ref_lse = decode_attention_float64(q, k, v)
+    assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+
+
+def test_the_default_path_is_the_kernel_when_built():
+    # What decode_attention_cpu runs by default for a plain decode call: the C kernel if this
+    # process could build it (bit-identical to native=True), else the torch path.
+    q, k, v = random_decode_inputs(2, 8, 2, 64, 300, seed=4)
+    out, lse = decode_attention_cpu(q, k, v)
+    other = decode_attention_cpu(q, k, v, native=STATUS.available)
+    assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+
+
+@needs_kernel
+def test_build_cache_and_switch(tmp_path, monkeypatch):
+    # A fresh cache folder: the library is built there, named by its key, with no temporary left.
+    monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
+    kernel = cpu_native._load()
+    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    assert built == [kernel.path.name] and kernel.path.name.startswith("cpu_decode-") and kernel.path.suffix == ".so"
+    assert torch.float32 in kernel.dtypes
+    again = cpu_native._load()  # loaded from the cache, not rebuilt
+    assert again.path == kernel.path and kernel.path.stat().st_mtime_ns == again.path.stat().st_mtime_ns
+    monkeypatch.setenv("TREE_ATTN_CPU_KERNEL", "torch")
+    with pytest.raises(cpu_native._Unavailable, match="TREE_ATTN_CPU_KERNEL=torch"):
+        cpu_native._load()
+
+
+def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 for anything
+    with pytest.raises(cpu_native._Unavailable, match="failed"):
+        cpu_native._load()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no cc either
+    with pytest.raises(cpu_native._Unavailable, match="no C compiler"):
+        cpu_native._load()
+    # A compiler that answers but cannot build: the reason is its error, and no file is left.
+    fake = tmp_path / "broken-cc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\necho "error: no" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.raises(cpu_native._Unavailable, match="compiling cpu_decode.c .*error: no"):
+        cpu_native._load()
+    assert not list((tmp_path / "native").glob("*"))  # nothing half-written left behind

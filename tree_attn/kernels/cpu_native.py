@@ -1,0 +1,259 @@
+"""The fused C decode kernel for CPU tensors (``cpu_decode.c``): built once per machine, loaded by ctypes.
+
+``cpu_decode.decode_attention_cpu`` calls :func:`decode_native` for the common decode case (one
+query token per row, a contiguous cache whose head dimension is dense) when :func:`native_kernel`
+has a library; everything else, and every machine without a C compiler, runs the torch path.
+
+The build:
+
+* the compiler is ``$CC``, else Python's configured one, else ``cc``; flags are ``-O3`` with
+  reassociation (vectorised sums) but IEEE infinities and NaN kept, ``-march=native`` when the
+  compiler accepts it (else without);
+* the library is cached under ``$TREE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tree-attn``, else
+  ``~/.cache/tree-attn``, named by a hash of the source, the compiler's version, the flags and the
+  CPU (model and feature flags), so an upgrade or another machine sharing a home directory builds
+  its own; it is written to a temporary file and renamed, so concurrent ranks never load half a file;
+* ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
+
+Why a C kernel and not a dependency: it is one ~200-line file with no headers beyond libc's, it
+builds in a few seconds with the compiler every Linux machine that runs CPU ranks has, and none
+of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see ``cpu_decode.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+ENV_SWITCH = "TREE_ATTN_CPU_KERNEL"
+BASE_FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+)
+BUILD_TIMEOUT_S = 180
+
+# The C enum's codes.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """A loaded build of ``cpu_decode.c``: its path, the flags it was built with, the dtypes it takes."""
+
+    path: Path
+    compiler: str
+    flags: tuple[str, ...]
+    dtypes: frozenset[torch.dtype]
+    function: ctypes._CFuncPtr  # tree_attn_cpu_decode
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Whether the C kernel is in use, and why not when it is not (for reports and ``--json``)."""
+
+    available: bool
+    detail: str  # the library and its flags, or the reason it is off
+
+
+_lock = threading.Lock()
+_kernel: NativeKernel | None = None
+_status: NativeStatus | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def native_kernel() -> NativeKernel | None:
+    """The C kernel, built on the first call of this process (a few seconds) or loaded from the
+    cache; None when it is turned off or cannot be built (:func:`native_status` says why)."""
+    global _kernel, _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                try:
+                    _kernel = _load()
+                    _status = NativeStatus(True, f"{_kernel.path.name} ({_kernel.compiler} {' '.join(_kernel.flags)})")
+                except _Unavailable as e:
+                    _kernel, _status = None, NativeStatus(False, str(e))
+    return _kernel
+
+
+def native_status() -> NativeStatus:
+    """:func:`native_kernel`'s outcome (building it if this process has not tried yet)."""
+    native_kernel()
+    assert _status is not None
+    return _status
+
+
+class _Unavailable(Exception):
+    """The C kernel cannot be used here; the message says why."""
+
+
+def _load() -> NativeKernel:
+    if os.environ.get(ENV_SWITCH, "").strip().lower() == "torch":
+        raise _Unavailable(f"turned off by {ENV_SWITCH}=torch")
+    compiler = _compiler()
+    version = _run([*compiler, "--version"], "asking the compiler its version").splitlines()[0:1]
+    cache = _cache_dir()
+    source = SOURCE.read_bytes()
+    errors = []
+    for extra in (("-march=native",), ()):
+        flags = (*BASE_FLAGS, *extra)
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(compiler).encode(), *(v.encode() for v in version), " ".join(flags).encode(), _cpu_identity()])
+        ).hexdigest()[:16]
+        path = cache / f"cpu_decode-{key}.so"
+        if not path.exists():
+            try:
+                _build(compiler, flags, path)
+            except _Unavailable as e:
+                errors.append(str(e))
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"loading {path.name}: {e}")
+            continue
+        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib))
+    raise _Unavailable("; ".join(errors))
+
+
+def _compiler() -> list[str]:
+    configured = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    words = shlex.split(configured)
+    for candidate in (words, ["cc"]):
+        if candidate and shutil.which(candidate[0]):
+            return candidate
+    raise _Unavailable(f"no C compiler found ({configured!r} and 'cc' are not on PATH); set CC to one")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TREE_ATTN_CACHE_DIR")
+    if root:
+        base = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = (Path(xdg) if xdg else Path.home() / ".cache") / "tree-attn"
+    path = base / "native"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _Unavailable(f"cannot create the build cache {path}: {e}; set TREE_ATTN_CACHE_DIR to a writable folder") from e
+    return path
+
+
+def _cpu_identity() -> bytes:
+    """The CPU model and feature flags (a -march=native build runs only where they match)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(sorted(set(keep))).encode()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
+def _run(cmd: list[str], what: str) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise _Unavailable(f"{what} failed: {e}") from e
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise _Unavailable(f"{what} failed (exit {done.returncode}): {' / '.join(tail)}")
+    return done.stdout
+
+
+def _build(compiler: list[str], flags: tuple[str, ...], path: Path) -> None:
+    """Compile into a temporary file in the cache folder, then rename: readers see all or nothing."""
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        _run([*compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], f"compiling {SOURCE.name} with {' '.join(flags)}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _dtypes(lib: ctypes.CDLL) -> frozenset[torch.dtype]:
+    lib.tree_attn_cpu_dtypes.restype = ctypes.c_int
+    bits = lib.tree_attn_cpu_dtypes()
+    return frozenset(dt for dt, code in _DTYPE_CODES.items() if bits & (1 << code))
+
+
+def _bind(lib: ctypes.CDLL):
+    fn = lib.tree_attn_cpu_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, *([i64] * 12), ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="tree-attn-cpu")
+        return pool
+
+
+def decode_native(
+    kernel: NativeKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query token per row with the C kernel.
+
+    Args:
+        q: ``[B, Hq, D]`` CPU, any float dtype.
+        k, v: ``[B, N, Hkv, D]`` CPU, one dtype of ``kernel.dtypes``, ``stride(-1) == 1``.
+        lens: int64 ``[B]`` contiguous CPU, valid keys per row (0..N, checked by the caller).
+        scale: the softmax scale.
+
+    Returns:
+        ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32 (natural log); rows of length 0 give
+        out 0 and lse -inf. KV heads are split over ``torch.get_num_threads()`` threads (the call
+        releases the GIL), in contiguous ranges.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qs = (q.float() * scale).contiguous()
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    lse = torch.empty(b, hq, dtype=torch.float32)
+    args = (
+        _DTYPE_CODES[k.dtype], qs.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(),
+        b, hkv, hq // hkv, d, *k.stride()[:3], *v.stride()[:3],
+    )  # fmt: skip
+    threads = min(torch.get_num_threads(), hkv)
+    if threads <= 1:
+        ranges = [(0, hkv)]
+    else:
+        cuts = [round(i * hkv / threads) for i in range(threads + 1)]
+        ranges = list(zip(cuts[:-1], cuts[1:]))
+
+    def run(h0: int, h1: int) -> int:
+        return kernel.function(*args, h0, h1, out.data_ptr(), lse.data_ptr())
+
+    if len(ranges) == 1:
+        codes = [run(*ranges[0])]
+    else:
+        codes = list(_pool(len(ranges)).map(lambda r: run(*r), ranges))
+    if any(c != 0 for c in codes):
+        raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
+    return out, lse
