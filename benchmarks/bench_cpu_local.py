@@ -7,7 +7,10 @@ other processes hits every column alike):
 - ``bw``: one core's read bandwidth, ``torch.sum`` over a float32 tensor of ``--bw-mib`` MiB (far
   larger than the caches);
 - ``ours``: ``tree_attn.decode_attention(q, k, v, impl="torch")`` (the CPU path,
-  ``tree_attn.kernels.cpu_decode``), k/v ``[1, N, Hkv, D]`` as the runner stores shards;
+  ``tree_attn.kernels.cpu_decode``), k/v ``[1, N, Hkv, D]`` as the runner stores shards: the fused
+  C kernel (``cpu_native``) when it is built on this machine, which the header line says;
+- ``torch-ops``: the same call with the C kernel turned off (``decode_attention_cpu(...,
+  native=False)``), the path every machine without a C compiler runs;
 - ``prev``: the previous torch path (``reference.decode_attention_chunked``: per-chunk einsum,
   logsumexp and stacked merge), for the record;
 - ``peer``: ``tree_attn_decode`` from lucidrains/ring-attention-pytorch (pure torch einsum) when
@@ -51,6 +54,8 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from tree_attn import decode_attention  # noqa: E402
+from tree_attn.kernels.cpu_decode import decode_attention_cpu  # noqa: E402
+from tree_attn.kernels.cpu_native import native_status  # noqa: E402
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,6 +148,7 @@ def run_case(args, name: str, n: int, dtype_name: str, threads: int, peer, bw_te
     fns = {
         "bw": lambda: bw_tensor.sum(),
         "ours": lambda: decode_attention(q, k, v, impl="torch"),
+        "torchops": lambda: decode_attention_cpu(q, k, v, native=False),
     }
     if not args.no_prev:
         fns["prev"] = lambda: decode_attention_chunked(q, k, v)
@@ -189,11 +195,13 @@ def run_case(args, name: str, n: int, dtype_name: str, threads: int, peer, bw_te
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'shape':5s} {'tokens':>6s} {'dtype':5s} {'thr':>3s} {'bw GB/s':>7s} {'ours ms':>8s} {'GB/s':>5s} "
-        f"{'%bw':>4s} {'prev ms':>8s} {'%bw':>4s} {'peer ms':>8s} {'%bw':>4s} {'peer/ours':>9s} {'ours err':>8s}"
+        f"{'%bw':>4s} {'t-ops ms':>8s} {'%bw':>4s} {'prev ms':>8s} {'%bw':>4s} {'peer ms':>8s} {'%bw':>4s} "
+        f"{'peer/ours':>9s} {'ours err':>8s}"
     )
     print(head)
     for r in rows:
         prev = f"{r['prev_ms']:8.2f} {r['prev_pct_bw']:4.0f}" if "prev_ms" in r else f"{'-':>8s} {'-':>4s}"
+        tops = f"{r['torchops_ms']:8.2f} {r['torchops_pct_bw']:4.0f}" if "torchops_ms" in r else f"{'-':>8s} {'-':>4s}"
         peer = (
             f"{r['peer_ms']:8.2f} {r['peer_pct_bw']:4.0f} {r['peer_over_ours']:9.2f}"
             if "peer_ms" in r else f"{'-':>8s} {'-':>4s} {'-':>9s}"
@@ -202,7 +210,7 @@ def print_table(rows: list[dict]) -> None:
         perr = f"{r['peer_out_err']:8.1e}" if "peer_out_err" in r else f"{'-':>8s}"
         print(
             f"{r['shape']:5s} {r['tokens']:6d} {r['dtype']:5s} {r['threads']:3d} {r['bw_gbs']:7.1f} "
-            f"{r['ours_ms']:8.2f} {r['ours_gbs']:5.1f} {r['ours_pct_bw']:4.0f} {prev} {peer} {err:8.1e} {perr}"
+            f"{r['ours_ms']:8.2f} {r['ours_gbs']:5.1f} {r['ours_pct_bw']:4.0f} {tops} {prev} {peer} {err:8.1e} {perr}"
         )
 
 
@@ -225,6 +233,7 @@ def main() -> int:
     if args.table_from:
         data = json.loads(Path(args.table_from).read_text())
         print(f"machine: {data['machine']}")
+        print(f"ours: {data.get('ours', 'torch ops (before the C kernel)')}")
         print_table(data["rows"])
         return 0
     if args.quick:
@@ -240,6 +249,9 @@ def main() -> int:
     }
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}; "
           f"load average {machine['load_before'][0]:.2f}", file=sys.stderr)
+    status = native_status()
+    ours = f"C kernel, {status.detail}" if status.available else f"torch ops (C kernel off: {status.detail})"
+    print(f"ours: {ours}", file=sys.stderr)
     bw_tensor = torch.randn(args.bw_mib * (1 << 20) // 4)
     rows = []
     for threads in [int(x) for x in args.threads.split(",")]:
@@ -252,6 +264,7 @@ def main() -> int:
     result = {
         "machine": f"{machine['cpu']}, {machine['cores']} cores",
         "machine_info": machine,
+        "ours": ours,
         "peer": {"repo": "lucidrains/ring-attention-pytorch", "commit": peer_commit(args.peer_path, args.peer_commit),
                  "status": peer_note} if args.peer_path else {"status": peer_note},
         "command": " ".join(sys.argv),
@@ -259,6 +272,7 @@ def main() -> int:
     }
     print(f"machine: {result['machine']}; load average before {machine['load_before'][0]:.2f}, "
           f"after {machine['load_after'][0]:.2f}")
+    print(f"ours: {ours}")
     print_table(rows)
     if peer is None:
         print(peer_note)
