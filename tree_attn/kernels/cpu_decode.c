@@ -109,6 +109,25 @@ INLINE float exp_clamped(float x) {
     return p * two_n;
 }
 
+/* max(start, x[0 .. n)), NaN ignored: per-lane maxima (a select per lane vectorises; a running
+ * max does not without finite-math), then the lanes. */
+#define MAX_LANES 16
+INLINE float max_of(const float *restrict x, int64_t n, float start) {
+    float lane[MAX_LANES];
+    for (int64_t l = 0; l < MAX_LANES; l++)
+        lane[l] = start;
+    int64_t t = 0;
+    for (; t + MAX_LANES <= n; t += MAX_LANES)
+        for (int64_t l = 0; l < MAX_LANES; l++)
+            lane[l] = x[t + l] > lane[l] ? x[t + l] : lane[l];
+    float m = start;
+    for (; t < n; t++)
+        m = x[t] > m ? x[t] : m;
+    for (int64_t l = 0; l < MAX_LANES; l++)
+        m = lane[l] > m ? lane[l] : m;
+    return m;
+}
+
 /* One row, the query heads of hn KV heads: q, out [hn * g, d] contiguous, lse [hn * g]; the range's
  * first K (V) element is k[kb] (v[vb]); token stride sn, head stride sh, element stride 1, all in
  * elements. s: [hn * g, CHUNK] scratch; m, l: [hn * g]. */
@@ -139,9 +158,7 @@ INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v,
         }
         for (int64_t r = 0; r < hq; r++) {
             float *sr = s + r * CHUNK;
-            float mc = m[r];
-            for (int64_t t = 0; t < n; t++)
-                mc = sr[t] > mc ? sr[t] : mc;
+            float mc = max_of(sr, n, m[r]);
             int32_t nans = 0; /* a NaN score (NaN in q or k), or an inf one (inf - inf) */
             for (int64_t t = 0; t < n; t++) {
                 const float x = sr[t] - mc;
