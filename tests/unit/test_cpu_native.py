@@ -3,7 +3,7 @@
 Against the float64 truth, out and lse, with awkward shapes: N not a multiple of the kernel's
 256-token chunk, rows of length 0 and partial rows, GQA 1/4/8, head sizes with and without a
 specialised instance (64, 128, 256 / 80, 48), B > 1, caches that are slices or transposes of bigger
-tensors, fp32/bf16/fp16 caches, large logits, NaN, and KV heads split over threads. Then the build:
+tensors, fp32/bf16/fp16 caches, large logits, NaN, and keys split over threads. Then the build:
 the cache, the off switch and a compiler that does not work.
 
 The kernel needs a C compiler; where none works these tests skip and say why (the torch path,
@@ -101,16 +101,22 @@ def test_nan_and_inf_stay_in_their_head():
 
 
 @needs_kernel
-def test_heads_split_over_threads():
-    q, k, v = random_decode_inputs(3, 15, 5, 64, 400, seed=8)  # 5 KV heads over 2 and 3 threads
+def test_keys_split_over_threads(monkeypatch):
+    # Each row's keys in contiguous ranges, one per thread, merged exactly: ranges of 200, 134 or
+    # 100 tokens (400 keys over 2, 3 and 4 threads), a row of one key (empty states in the later
+    # ranges), an empty row, GQA 3.
+    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    q, k, v = random_decode_inputs(3, 15, 5, 64, 400, seed=8)
     lens = torch.tensor([400, 1, 0])
     before = torch.get_num_threads()
     try:
         one = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
-        for threads in (2, 3):
+        for threads in (2, 3, 4):
             torch.set_num_threads(threads)
             out, lse = _check(q, k, v, lens)
-            assert torch.equal(out, one[0]) and torch.equal(lse, one[1])  # same arithmetic per head
+            torch.testing.assert_close(out, one[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lse, one[1], rtol=1e-5, atol=1e-6)
+            assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
     finally:
         torch.set_num_threads(before)
 

@@ -202,20 +202,22 @@ INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v,
     }
 }
 
-/* All rows, KV heads [h0, h1). d and dt are constants in each instance below (unrolled,
- * vectorised inner loops). */
+/* All rows, all heads, keys [t0, t1) of each row (clipped to the row's length): the softmax state
+ * of that token range, as out (normalised) and lse. d and dt are constants in each instance below
+ * (unrolled, vectorised inner loops). */
 INLINE int decode_rows(const float *q, const void *k, const void *v, const int64_t *lens, int64_t b,
                        int64_t hkv, int64_t g, int64_t d, int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb,
-                       int64_t vsn, int64_t vsh, int64_t h0, int64_t h1, float *out, float *lse, int dt) {
-    const int64_t hn = h1 - h0, hq = hkv * g;
-    float *scratch = malloc(sizeof(float) * (size_t)(hn * g * (CHUNK + 2)));
+                       int64_t vsn, int64_t vsh, int64_t t0, int64_t t1, float *out, float *lse, int dt) {
+    const int64_t hq = hkv * g;
+    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2)));
     if (!scratch)
         return -1;
-    float *s = scratch, *m = s + hn * g * CHUNK, *l = m + hn * g;
+    float *s = scratch, *m = s + hq * CHUNK, *l = m + hq;
     for (int64_t row = 0; row < b; row++) {
-        const int64_t r0 = row * hq + h0 * g; /* the range's first query head of this row */
-        decode_row(q + r0 * d, k, row * ksb + h0 * ksh, v, row * vsb + h0 * vsh, lens[row], hn, g, d, ksn, ksh, vsn,
-                   vsh, out + r0 * d, lse + r0, s, m, l, dt);
+        const int64_t first = t0 < lens[row] ? t0 : lens[row];
+        const int64_t end = t1 < lens[row] ? t1 : lens[row];
+        decode_row(q + row * hq * d, k, row * ksb + first * ksn, v, row * vsb + first * vsn, end - first, hkv, g, d,
+                   ksn, ksh, vsn, vsh, out + row * hq * d, lse + row * hq, s, m, l, dt);
     }
     free(scratch);
     return 0;
@@ -223,9 +225,9 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
 
 #define DECODE_ARGS                                                                                             \
     const float *q, const void *k, const void *v, const int64_t *lens, int64_t b, int64_t hkv, int64_t g, int64_t d, \
-        int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t h0, int64_t h1,    \
+        int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,    \
         float *out, float *lse
-#define PASS(D, DT) decode_rows(q, k, v, lens, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, h0, h1, out, lse, DT)
+#define PASS(D, DT) decode_rows(q, k, v, lens, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
 
 /* One instance per dtype, with the usual head sizes as constants (a constant d lets the compiler
  * unroll and vectorise the dot products fully: 96% of the read bandwidth against 65-76% with a
@@ -248,17 +250,18 @@ int tree_attn_cpu_dtypes(void) {
     return (1 << DT_F32) | (1 << DT_BF16) | (1 << DT_F16);
 }
 
-/* The entry point: decode attention of one query token per row, KV heads [h0, h1) of every row.
+/* The entry point: decode attention of one query token per row over keys [t0, t1) of every row.
  *   q    [b, hkv * g, d] float32 contiguous, already multiplied by the softmax scale;
  *   k, v [b, n, hkv, d] of dtype dt, strides (ksb, ksn, ksh, 1) and (vsb, vsn, vsh, 1) in elements;
  *   lens [b] valid keys per row (0..n);
- *   out  [b, hkv * g, d] float32, lse [b, hkv * g] float32: written for heads [h0 * g, h1 * g).
+ *   out  [b, hkv * g, d] float32, lse [b, hkv * g] float32: the softmax state of those keys (a
+ *        row with none of them: out 0, lse -inf); states of disjoint ranges merge exactly.
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an unsupported dtype. */
 int tree_attn_cpu_decode(int dt, DECODE_ARGS) {
     switch (dt) {
-    case DT_F32: return decode_f32(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, h0, h1, out, lse);
-    case DT_BF16: return decode_bf16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, h0, h1, out, lse);
-    case DT_F16: return decode_f16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, h0, h1, out, lse);
+    case DT_F32: return decode_f32(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_BF16: return decode_bf16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_F16: return decode_f16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     default: return -2;
     }
 }
