@@ -162,6 +162,11 @@ def test_build_cache_and_switch(tmp_path, monkeypatch):
 
 def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "SOURCE", tmp_path / "cpu_decode.c")  # an install without it
+    with pytest.raises(cpu_native._Unavailable, match="source is missing"):
+        cpu_native._load()
+    monkeypatch.undo()
+    monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1 for anything
     with pytest.raises(cpu_native._Unavailable, match="failed"):
         cpu_native._load()

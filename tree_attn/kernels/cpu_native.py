@@ -121,8 +121,11 @@ def _load() -> NativeKernel:
         raise _Unavailable(f"turned off by {ENV_SWITCH}=torch")
     compiler = _compiler()
     version = _run([*compiler, "--version"], "asking the compiler its version").splitlines()[0:1]
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        raise _Unavailable(f"the kernel's source is missing from this install ({e})") from e
     cache = _cache_dir()
-    source = SOURCE.read_bytes()
     errors = []
     for extra in (("-march=native",), ()):
         flags = (*BASE_FLAGS, *extra)
