@@ -150,7 +150,7 @@ def test_build_cache_and_switch(tmp_path, monkeypatch):
     # A fresh cache folder: the library is built there, named by its key, with no temporary left.
     monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
     kernel = cpu_native._load()
-    built = sorted(p.name for p in (tmp_path / "native").iterdir())
+    built = sorted(p.name for p in (tmp_path / "native").iterdir() if p.name != ".build.lock")
     assert built == [kernel.path.name] and kernel.path.name.startswith("cpu_decode-") and kernel.path.suffix == ".so"
     assert torch.float32 in kernel.dtypes
     again = cpu_native._load()  # loaded from the cache, not rebuilt
@@ -181,4 +181,20 @@ def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(fake))
     with pytest.raises(cpu_native._Unavailable, match="compiling cpu_decode.c .*error: no"):
         cpu_native._load()
-    assert not list((tmp_path / "native").glob("*"))  # nothing half-written left behind
+    assert not list((tmp_path / "native").glob("*.so*"))  # nothing half-written left behind
+
+
+@needs_kernel
+def test_processes_starting_together_build_once(tmp_path):
+    # Three processes with an empty cache at once (as ranks start): each loads a whole library, and
+    # the cache holds exactly one, with no temporary file left.
+    import subprocess
+    import sys
+
+    code = "from tree_attn.kernels import cpu_native as c; s = c.native_status(); print(s.available, s.detail)"
+    env = {**__import__("os").environ, "TREE_ATTN_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs) and all(o.startswith("True cpu_decode-") for o in outs), outs
+    assert len({o.split()[1] for o in outs}) == 1
+    assert [p.name for p in (tmp_path / "native").glob("*.so*")] == [outs[0].split()[1]]

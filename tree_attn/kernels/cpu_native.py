@@ -12,7 +12,8 @@ The build:
 * the library is cached under ``$TREE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tree-attn``, else
   ``~/.cache/tree-attn``, named by a hash of the source, the compiler's version, the flags and the
   CPU (model and feature flags), so an upgrade or another machine sharing a home directory builds
-  its own; it is written to a temporary file and renamed, so concurrent ranks never load half a file;
+  its own; one process builds while the others wait on a lock, and the library is written to a
+  temporary file and renamed, so no process ever loads half a file;
 * ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
 
 Why a C kernel and not a dependency: it is one ~200-line file with no headers beyond libc's, it
@@ -22,6 +23,7 @@ of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see `
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -133,12 +135,13 @@ def _load() -> NativeKernel:
             b"\0".join([source, " ".join(compiler).encode(), *(v.encode() for v in version), " ".join(flags).encode(), _cpu_identity()])
         ).hexdigest()[:16]
         path = cache / f"cpu_decode-{key}.so"
-        if not path.exists():
-            try:
-                _build(compiler, flags, path)
-            except _Unavailable as e:
-                errors.append(str(e))
-                continue
+        try:
+            with _build_lock(cache):  # ranks starting together: one builds, the others wait for it
+                if not path.exists():
+                    _build(compiler, flags, path)
+        except _Unavailable as e:
+            errors.append(str(e))
+            continue
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:
@@ -191,6 +194,24 @@ def _run(cmd: list[str], what: str) -> str:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise _Unavailable(f"{what} failed (exit {done.returncode}): {' / '.join(tail)}")
     return done.stdout
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """An exclusive lock on ``folder/.build.lock`` (POSIX ``flock``; released if the process dies).
+    Without ``fcntl`` (Windows) no lock: concurrent builds then each write their own temporary file
+    and the renames leave one whole library."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder / ".build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build(compiler: list[str], flags: tuple[str, ...], path: Path) -> None:
