@@ -3,8 +3,9 @@
 Against the float64 truth, out and lse, with awkward shapes: N not a multiple of the kernel's
 256-token chunk, rows of length 0 and partial rows, GQA 1/4/8, head sizes with and without a
 specialised instance (64, 128, 256 / 80, 48), B > 1, caches that are slices or transposes of bigger
-tensors, fp32/bf16/fp16 caches, large logits, NaN, and keys split over threads. Then the build:
-the cache, the off switch and a compiler that does not work.
+tensors, paged caches, fp32/bf16/fp16 caches, large logits, NaN, and keys split over threads. Then
+the build: the cache, the off switch, processes starting together, and a compiler that does not
+work.
 
 The kernel needs a C compiler; where none works these tests skip and say why (the torch path,
 tested in test_cpu_decode.py, then serves every call).
@@ -16,6 +17,7 @@ import torch
 from tree_attn.kernels import cpu_native
 from tree_attn.kernels.cpu_decode import decode_attention_cpu
 from tree_attn.kernels.reference import decode_attention_float64
+from tests.paged_inputs import to_paged
 from tests.tolerances import assert_state_close, random_decode_inputs
 
 STATUS = cpu_native.native_status()
@@ -198,3 +200,35 @@ def test_processes_starting_together_build_once(tmp_path):
     assert all(p.returncode == 0 for p in procs) and all(o.startswith("True cpu_decode-") for o in outs), outs
     assert len({o.split()[1] for o in outs}) == 1
     assert [p.name for p in (tmp_path / "native").glob("*.so*")] == [outs[0].split()[1]]
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 48])  # 48: not a power of two, not a chunk divisor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_caches(block_size, dtype):
+    # Pages shuffled in the pool, two rows sharing their first page, spare blocks and everything a
+    # kernel must not read set to NaN (a wrong page or a read past a row's length gives NaN).
+    q, k, v = random_decode_inputs(3, 16, 4, 64, 600, dtype=dtype, seed=block_size)
+    lens = torch.tensor([600, 257, 0])
+    k, v, k_pool, v_pool, table = to_paged(k, v, lens, block_size, seed=1, share=True)
+    out, lse = decode_attention_cpu(q, k_pool, v_pool, seq_lens=lens, block_table=table, native=True)
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
+    assert_state_close(out, lse, ref_out, ref_lse, dtype)
+    torch_out, torch_lse = decode_attention_cpu(q, k_pool, v_pool, seq_lens=lens, block_table=table, native=False)
+    assert_state_close(torch_out, torch_lse, ref_out, ref_lse, dtype)
+
+
+@needs_kernel
+def test_paged_cache_split_over_threads(monkeypatch):
+    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    q, k, v = random_decode_inputs(2, 8, 2, 128, 500, seed=12)
+    lens = torch.tensor([500, 130])
+    k, v, k_pool, v_pool, table = to_paged(k, v, lens, 16, seed=3, pad=-1)
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        out, lse = decode_attention_cpu(q, k_pool, v_pool, seq_lens=lens, block_table=table, native=True)
+    finally:
+        torch.set_num_threads(before)
+    assert_state_close(out, lse, ref_out, ref_lse, torch.float32)

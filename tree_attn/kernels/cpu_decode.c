@@ -128,12 +128,25 @@ INLINE float max_of(const float *restrict x, int64_t n, float start) {
     return m;
 }
 
-/* One row, the query heads of hn KV heads: q, out [hn * g, d] contiguous, lse [hn * g]; the range's
- * first K (V) element is k[kb] (v[vb]); token stride sn, head stride sh, element stride 1, all in
- * elements. s: [hn * g, CHUNK] scratch; m, l: [hn * g]. */
-INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v, int64_t vb, int64_t len,
-                       int64_t hn, int64_t g, int64_t d, int64_t ksn, int64_t ksh, int64_t vsn, int64_t vsh,
-                       float *out, float *lse, float *s, float *m, float *l, int dt) {
+/* Where a row's tokens are, in elements from the K (or V) base pointer: contiguous (pages NULL:
+ * token t at base + t * sn) or paged (token t at pages[t / bs] * sb + (t % bs) * sn; pages is the
+ * row of the block table, every entry the row reads checked by the caller to lie in the pool). */
+typedef struct {
+    const int64_t *pages;
+    int64_t bs, base, sb, sn;
+} tokens_t;
+
+INLINE int64_t token_at(const tokens_t *tk, int64_t t) {
+    return tk->pages ? tk->pages[t / tk->bs] * tk->sb + (t % tk->bs) * tk->sn : tk->base + t * tk->sn;
+}
+
+/* One row, all heads (hn KV heads of g query heads each), keys [first, first + len) of the row:
+ * q, out [hn * g, d] contiguous, lse [hn * g]; kt, vt: where the row's tokens are; head stride
+ * ksh / vsh, element stride 1 (in elements). s: [hn * g, CHUNK] scratch; m, l: [hn * g]; ko, vo:
+ * [CHUNK] scratch (the chunk's token offsets). */
+INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const void *v, const tokens_t *vt,
+                       int64_t first, int64_t len, int64_t hn, int64_t g, int64_t d, int64_t ksh, int64_t vsh,
+                       float *out, float *lse, float *s, float *m, float *l, int64_t *ko, int64_t *vo, int dt) {
     const int64_t hq = hn * g;
     for (int64_t r = 0; r < hq; r++) {
         m[r] = -INFINITY;
@@ -148,11 +161,15 @@ INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v,
     for (int64_t c = 0; c < len; c += CHUNK) {
         const int64_t n = len - c < CHUNK ? len - c : CHUNK;
         for (int64_t t = 0; t < n; t++) {
+            ko[t] = token_at(kt, first + c + t);
+            vo[t] = token_at(vt, first + c + t);
+        }
+        for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < hn; h++) {
-                const void *kt = at(k, kb + (c + t) * ksn + h * ksh, dt);
+                const void *kp = at(k, ko[t] + h * ksh, dt);
                 for (int64_t j = 0; j < g; j++) {
                     const int64_t r = h * g + j;
-                    s[r * CHUNK + t] = dot(q + r * d, kt, d, dt);
+                    s[r * CHUNK + t] = dot(q + r * d, kp, d, dt);
                 }
             }
         }
@@ -185,10 +202,10 @@ INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v,
         }
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < hn; h++) {
-                const void *vt = at(v, vb + (c + t) * vsn + h * vsh, dt);
+                const void *vp = at(v, vo[t] + h * vsh, dt);
                 for (int64_t j = 0; j < g; j++) {
                     const int64_t r = h * g + j;
-                    axpy(out + r * d, s[r * CHUNK + t], vt, d, dt);
+                    axpy(out + r * d, s[r * CHUNK + t], vp, d, dt);
                 }
             }
         }
@@ -203,31 +220,37 @@ INLINE void decode_row(const float *q, const void *k, int64_t kb, const void *v,
 }
 
 /* All rows, all heads, keys [t0, t1) of each row (clipped to the row's length): the softmax state
- * of that token range, as out (normalised) and lse. d and dt are constants in each instance below
- * (unrolled, vectorised inner loops). */
-INLINE int decode_rows(const float *q, const void *k, const void *v, const int64_t *lens, int64_t b,
-                       int64_t hkv, int64_t g, int64_t d, int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb,
-                       int64_t vsn, int64_t vsh, int64_t t0, int64_t t1, float *out, float *lse, int dt) {
+ * of that token range, as out (normalised) and lse. table: NULL (k, v [b, n, hkv, d], row stride
+ * ksb / vsb) or the block table [b, table_stride] int64 with pools [blocks, bs, hkv, d] (page
+ * stride ksb / vsb). d and dt are constants in each instance below (unrolled, vectorised loops). */
+INLINE int decode_rows(const float *q, const void *k, const void *v, const int64_t *lens, const int64_t *table,
+                       int64_t table_stride, int64_t bs, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t ksb,
+                       int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,
+                       float *out, float *lse, int dt) {
     const int64_t hq = hkv * g;
-    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2)));
+    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2)) + sizeof(int64_t) * 2 * CHUNK);
     if (!scratch)
         return -1;
-    float *s = scratch, *m = s + hq * CHUNK, *l = m + hq;
+    int64_t *ko = (int64_t *)scratch, *vo = ko + CHUNK; /* first: int64 alignment */
+    float *s = (float *)(vo + CHUNK), *m = s + hq * CHUNK, *l = m + hq;
     for (int64_t row = 0; row < b; row++) {
         const int64_t first = t0 < lens[row] ? t0 : lens[row];
         const int64_t end = t1 < lens[row] ? t1 : lens[row];
-        decode_row(q + row * hq * d, k, row * ksb + first * ksn, v, row * vsb + first * vsn, end - first, hkv, g, d,
-                   ksn, ksh, vsn, vsh, out + row * hq * d, lse + row * hq, s, m, l, dt);
+        const int64_t *pages = table ? table + row * table_stride : NULL;
+        const tokens_t kt = {pages, bs, row * ksb, ksb, ksn}, vt = {pages, bs, row * vsb, vsb, vsn};
+        decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, hkv, g, d, ksh, vsh, out + row * hq * d,
+                   lse + row * hq, s, m, l, ko, vo, dt);
     }
     free(scratch);
     return 0;
 }
 
 #define DECODE_ARGS                                                                                             \
-    const float *q, const void *k, const void *v, const int64_t *lens, int64_t b, int64_t hkv, int64_t g, int64_t d, \
+    const float *q, const void *k, const void *v, const int64_t *lens, const int64_t *table, int64_t table_stride,    \
+        int64_t bs, int64_t b, int64_t hkv, int64_t g, int64_t d,                                                  \
         int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,    \
         float *out, float *lse
-#define PASS(D, DT) decode_rows(q, k, v, lens, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
+#define PASS(D, DT) decode_rows(q, k, v, lens, table, table_stride, bs, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
 
 /* One instance per dtype, with the usual head sizes as constants (a constant d lets the compiler
  * unroll and vectorise the dot products fully: 96% of the read bandwidth against 65-76% with a
@@ -254,14 +277,16 @@ int tree_attn_cpu_dtypes(void) {
  *   q    [b, hkv * g, d] float32 contiguous, already multiplied by the softmax scale;
  *   k, v [b, n, hkv, d] of dtype dt, strides (ksb, ksn, ksh, 1) and (vsb, vsn, vsh, 1) in elements;
  *   lens [b] valid keys per row (0..n);
+ *   table NULL, or a block table [b, table_stride] int64 with k, v pools [blocks, bs, hkv, d]
+ *        (strides (ksb, ksn, ksh, 1): ksb is then the page stride);
  *   out  [b, hkv * g, d] float32, lse [b, hkv * g] float32: the softmax state of those keys (a
  *        row with none of them: out 0, lse -inf); states of disjoint ranges merge exactly.
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an unsupported dtype. */
 int tree_attn_cpu_decode(int dt, DECODE_ARGS) {
     switch (dt) {
-    case DT_F32: return decode_f32(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
-    case DT_BF16: return decode_bf16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
-    case DT_F16: return decode_f16(q, k, v, lens, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_F32: return decode_f32(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_BF16: return decode_bf16(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_F16: return decode_f16(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     default: return -2;
     }
 }

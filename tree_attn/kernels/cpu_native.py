@@ -1,7 +1,7 @@
 """The fused C decode kernel for CPU tensors (``cpu_decode.c``): built once per machine, loaded by ctypes.
 
 ``cpu_decode.decode_attention_cpu`` calls :func:`decode_native` for the common decode case (one
-query token per row, a contiguous cache whose head dimension is dense) when :func:`native_kernel`
+query token per row, a contiguous or paged cache whose head dimension is dense) when :func:`native_kernel`
 has a library; everything else, and every machine without a C compiler, runs the torch path.
 
 The build:
@@ -235,7 +235,8 @@ def _dtypes(lib: ctypes.CDLL) -> frozenset[torch.dtype]:
 def _bind(lib: ctypes.CDLL):
     fn = lib.tree_attn_cpu_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, *([i64] * 12), ptr, ptr]  # see tree_attn_cpu_decode
+    # dt; q, k, v, lens, table; table_stride, bs, b, hkv, g, d, 3 + 3 strides, t0, t1; out, lse
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 14), ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
 
@@ -249,15 +250,24 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def decode_native(
-    kernel: NativeKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+    kernel: NativeKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per row with the C kernel.
 
     Args:
         q: ``[B, Hq, D]`` CPU, any float dtype.
-        k, v: ``[B, N, Hkv, D]`` CPU, one dtype of ``kernel.dtypes``, ``stride(-1) == 1``.
+        k, v: ``[B, N, Hkv, D]`` CPU, one dtype of ``kernel.dtypes``, ``stride(-1) == 1``; with
+            ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``.
         lens: int64 ``[B]`` contiguous CPU, valid keys per row (0..N, checked by the caller).
         scale: the softmax scale.
+        block_table: None, or integer ``[B, max_blocks]`` (row b's token t is in page
+            ``block_table[b, t // block_size]``; every entry a row reads checked by the caller).
 
     Returns:
         ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32 (natural log); rows of length 0 give
@@ -272,8 +282,11 @@ def decode_native(
     parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
     outs = torch.empty(parts, b, hq, d, dtype=torch.float32)
     lses = torch.empty(parts, b, hq, dtype=torch.float32)
+    table = None if block_table is None else block_table.to(torch.int64).contiguous()
     args = (
         _DTYPE_CODES[k.dtype], qs.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(),
+        None if table is None else table.data_ptr(), 0 if table is None else table.shape[1],
+        k.shape[1] if table is not None else 0,
         b, hkv, hq // hkv, d, *k.stride()[:3], *v.stride()[:3],
     )  # fmt: skip
     cuts = [round(i * longest / parts) for i in range(parts + 1)]
