@@ -3,7 +3,8 @@
 Against the float64 truth, out and lse, with awkward shapes: N not a multiple of the kernel's
 256-token chunk, rows of length 0 and partial rows, GQA 1/4/8, head sizes with and without a
 specialised instance (64, 128, 256 / 80, 48), B > 1, caches that are slices or transposes of bigger
-tensors, paged caches, fp32/bf16/fp16 caches, large logits, NaN, and keys split over threads. Then
+tensors, paged caches, several query tokens per row (causal or not, rows shorter than Sq), fp32/
+bf16/fp16 caches, large logits, NaN, and keys split over threads. Then
 the build: the cache, the off switch, processes starting together, and a compiler that does not
 work.
 
@@ -126,8 +127,6 @@ def test_keys_split_over_threads(monkeypatch):
 @needs_kernel
 def test_calls_it_does_not_take_say_why():
     q, k, v = random_decode_inputs(2, 8, 2, 64, 50, seed=1)
-    with pytest.raises(ValueError, match="one query token per row"):
-        decode_attention_cpu(torch.randn(2, 3, 8, 64), k, v, native=True)
     with pytest.raises(ValueError, match="stride 1"):
         decode_attention_cpu(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, native=True)
     with pytest.raises(ValueError, match="chunking"):
@@ -229,6 +228,44 @@ def test_paged_cache_split_over_threads(monkeypatch):
     try:
         torch.set_num_threads(3)
         out, lse = decode_attention_cpu(q, k_pool, v_pool, seq_lens=lens, block_table=table, native=True)
+    finally:
+        torch.set_num_threads(before)
+    assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sq", [2, 4, 16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_several_query_tokens(sq, causal, paged):
+    # Rows of 600 (the new tokens across a chunk boundary when 600 - sq < 512), 257, sq - 1 (under
+    # causal its first token sees no key: out 0, lse -inf) and 0.
+    _, k, v = random_decode_inputs(4, 8, 2, 64, 600, seed=sq)
+    q = torch.randn(4, sq, 8, 64, generator=torch.Generator().manual_seed(sq))
+    lens = torch.tensor([600, 257, sq - 1, 0])
+    kk, vv = k, v
+    table = None
+    if paged:
+        k, v, kk, vv, table = to_paged(k, v, lens, 16, seed=sq)
+    out, lse = decode_attention_cpu(q, kk, vv, seq_lens=lens, block_table=table, causal=causal, native=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, causal=causal)
+    assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+    if causal:
+        assert (out[2, 0] == 0).all() and torch.isneginf(lse[2, 0]).all()
+
+
+@needs_kernel
+def test_several_query_tokens_split_over_threads(monkeypatch):
+    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    _, k, v = random_decode_inputs(2, 8, 2, 64, 400, seed=21)
+    q = torch.randn(2, 4, 8, 64, generator=torch.Generator().manual_seed(21))
+    lens = torch.tensor([400, 130])  # the new tokens all in the last range
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, causal=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        out, lse = decode_attention_cpu(q, k, v, seq_lens=lens, causal=True, native=True)
     finally:
         torch.set_num_threads(before)
     assert_state_close(out, lse, ref_out, ref_lse, torch.float32)

@@ -140,13 +140,18 @@ INLINE int64_t token_at(const tokens_t *tk, int64_t t) {
     return tk->pages ? tk->pages[t / tk->bs] * tk->sb + (t % tk->bs) * tk->sn : tk->base + t * tk->sn;
 }
 
-/* One row, all heads (hn KV heads of g query heads each), keys [first, first + len) of the row:
+/* One row, all heads (hn KV heads of g query rows each), keys [first, first + len) of the row:
  * q, out [hn * g, d] contiguous, lse [hn * g]; kt, vt: where the row's tokens are; head stride
  * ksh / vsh, element stride 1 (in elements). s: [hn * g, CHUNK] scratch; m, l: [hn * g]; ko, vo:
- * [CHUNK] scratch (the chunk's token offsets). */
+ * [CHUNK] scratch (the chunk's token offsets).
+ * Query row r of a KV head is query token r / (g / sq), head r % (g / sq). Under causal, token i
+ * sees the row's keys [0, row_len - sq + 1 + i): a suffix of each chunk is hidden from it, so its
+ * softmax runs over the chunk's first visible keys only and the hidden ones get p = 0. */
 INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const void *v, const tokens_t *vt,
-                       int64_t first, int64_t len, int64_t hn, int64_t g, int64_t d, int64_t ksh, int64_t vsh,
-                       float *out, float *lse, float *s, float *m, float *l, int64_t *ko, int64_t *vo, int dt) {
+                       int64_t first, int64_t len, int64_t row_len, int64_t sq, int64_t causal, int64_t hn,
+                       int64_t g, int64_t d, int64_t ksh, int64_t vsh, float *out, float *lse, float *s, float *m,
+                       float *l, int64_t *ko, int64_t *vo, int dt) {
+    const int64_t heads_per_token = g / sq;
     const int64_t hq = hn * g;
     for (int64_t r = 0; r < hq; r++) {
         m[r] = -INFINITY;
@@ -175,15 +180,23 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
         }
         for (int64_t r = 0; r < hq; r++) {
             float *sr = s + r * CHUNK;
-            float mc = max_of(sr, n, m[r]);
+            const int64_t token = (r % g) / heads_per_token;
+            const int64_t limit = causal ? row_len - sq + 1 + token : row_len; /* keys [0, limit) */
+            const int64_t seen = limit - (first + c);
+            const int64_t nv = seen < 0 ? 0 : (seen < n ? seen : n); /* visible keys of the chunk */
+            for (int64_t t = nv; t < n; t++)
+                sr[t] = 0.0f; /* hidden: p = 0 in the p @ V pass */
+            if (nv == 0)
+                continue;
+            float mc = max_of(sr, nv, m[r]);
             int32_t nans = 0; /* a NaN score (NaN in q or k), or an inf one (inf - inf) */
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = 0; t < nv; t++) {
                 const float x = sr[t] - mc;
                 nans += x != x;
                 sr[t] = exp_arg(x);
             }
             float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = 0; t < nv; t++) {
                 const float p = exp_clamped(sr[t]);
                 sr[t] = p;
                 sum += p;
@@ -211,6 +224,10 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
         }
     }
     for (int64_t r = 0; r < hq; r++) {
+        if (l[r] == 0.0f) { /* saw no key (causal, a row shorter than sq): out 0 (already), lse -inf */
+            lse[r] = -INFINITY;
+            continue;
+        }
         const float inv = 1.0f / l[r];
         float *o = out + r * d;
         for (int64_t i = 0; i < d; i++)
@@ -224,7 +241,7 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
  * ksb / vsb) or the block table [b, table_stride] int64 with pools [blocks, bs, hkv, d] (page
  * stride ksb / vsb). d and dt are constants in each instance below (unrolled, vectorised loops). */
 INLINE int decode_rows(const float *q, const void *k, const void *v, const int64_t *lens, const int64_t *table,
-                       int64_t table_stride, int64_t bs, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t ksb,
+                       int64_t table_stride, int64_t bs, int64_t sq, int64_t causal, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t ksb,
                        int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,
                        float *out, float *lse, int dt) {
     const int64_t hq = hkv * g;
@@ -238,8 +255,8 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
         const int64_t end = t1 < lens[row] ? t1 : lens[row];
         const int64_t *pages = table ? table + row * table_stride : NULL;
         const tokens_t kt = {pages, bs, row * ksb, ksb, ksn}, vt = {pages, bs, row * vsb, vsb, vsn};
-        decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, hkv, g, d, ksh, vsh, out + row * hq * d,
-                   lse + row * hq, s, m, l, ko, vo, dt);
+        decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, lens[row], sq, causal, hkv, g, d, ksh, vsh,
+                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, dt);
     }
     free(scratch);
     return 0;
@@ -247,10 +264,10 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
 
 #define DECODE_ARGS                                                                                             \
     const float *q, const void *k, const void *v, const int64_t *lens, const int64_t *table, int64_t table_stride,    \
-        int64_t bs, int64_t b, int64_t hkv, int64_t g, int64_t d,                                                  \
+        int64_t bs, int64_t sq, int64_t causal, int64_t b, int64_t hkv, int64_t g, int64_t d,                      \
         int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,    \
         float *out, float *lse
-#define PASS(D, DT) decode_rows(q, k, v, lens, table, table_stride, bs, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
+#define PASS(D, DT) decode_rows(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
 
 /* One instance per dtype, with the usual head sizes as constants (a constant d lets the compiler
  * unroll and vectorise the dot products fully: 96% of the read bandwidth against 65-76% with a
@@ -273,8 +290,10 @@ int tree_attn_cpu_dtypes(void) {
     return (1 << DT_F32) | (1 << DT_BF16) | (1 << DT_F16);
 }
 
-/* The entry point: decode attention of one query token per row over keys [t0, t1) of every row.
- *   q    [b, hkv * g, d] float32 contiguous, already multiplied by the softmax scale;
+/* The entry point: decode attention of sq query tokens per row over keys [t0, t1) of every row.
+ *   q    [b, hkv * g, d] float32 contiguous, already multiplied by the softmax scale; the g rows
+ *        of a KV head are its sq tokens' g / sq query heads, token-major;
+ *   causal: 0, or 1 (token i of a row sees its keys [0, lens[row] - sq + 1 + i));
  *   k, v [b, n, hkv, d] of dtype dt, strides (ksb, ksn, ksh, 1) and (vsb, vsn, vsh, 1) in elements;
  *   lens [b] valid keys per row (0..n);
  *   table NULL, or a block table [b, table_stride] int64 with k, v pools [blocks, bs, hkv, d]
@@ -284,9 +303,9 @@ int tree_attn_cpu_dtypes(void) {
  * Returns 0, -1 when scratch memory could not be allocated, -2 for an unsupported dtype. */
 int tree_attn_cpu_decode(int dt, DECODE_ARGS) {
     switch (dt) {
-    case DT_F32: return decode_f32(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
-    case DT_BF16: return decode_bf16(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
-    case DT_F16: return decode_f16(q, k, v, lens, table, table_stride, bs, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_F32: return decode_f32(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_BF16: return decode_bf16(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_F16: return decode_f16(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     default: return -2;
     }
 }

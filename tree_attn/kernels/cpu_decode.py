@@ -3,12 +3,12 @@
 This is what ``decode_attention(impl="torch")`` (and ``"auto"`` for CPU tensors) runs on CPU ranks.
 The float64 truth it is tested against is :func:`tree_attn.kernels.reference.decode_attention_float64`.
 
-One query token per row on a contiguous or paged cache with a dense head dimension (the decode
-step of ``run``, ``tree_decode`` and ``generate``) goes to the C kernel of :mod:`tree_attn.kernels.cpu_native`
+A contiguous or paged cache with a dense head dimension, with one query token per row (the decode
+step of ``run``, ``tree_decode`` and ``generate``) or several (a verify step), goes to the C kernel of :mod:`tree_attn.kernels.cpu_native`
 (``cpu_decode.c``) when this machine could build it: it reads K and V once, in memory order, and
 reached 78-96% of one core's read bandwidth at MHA 8 x 128 fp32 where the torch ops below reach
-~40-50% (numbers and command in ``benchmarks/RESULTS.md``). Several query tokens per row, explicit
-chunking and machines without a C compiler take the torch ops, described next.
+~40-50% (numbers and command in ``benchmarks/RESULTS.md``). Caches whose head dimension is strided,
+explicit chunking and machines without a C compiler take the torch ops, described next.
 
 Why it is shaped this way (measured on a 2-core AMD EPYC Zen 4 VM, torch 2.13 CPU with MKL, one
 thread, MHA 8 x 128, fp32, 16,384 tokens per rank unless said; end-to-end numbers, the command and
@@ -94,9 +94,9 @@ def decode_attention_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
-    One query token per row on a CPU cache, contiguous or paged, with a dense head dimension and
-    default chunking, runs the fused C kernel of ``cpu_native`` when it is built; everything else
-    the torch ops below.
+    CPU tensors with a dense head dimension (contiguous or paged caches, one or several query
+    tokens, causal or not) and default chunking run the fused C kernel of ``cpu_native`` when it
+    is built; everything else the torch ops below.
 
     Args:
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
@@ -134,10 +134,11 @@ def decode_attention_cpu(
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
     if n == 0 or max(lens, default=0) == 0:
         return _finish(q, out, lse)
-    kernel = _native_kernel_for(native, q, k, v, sq, block_table, chunk_tokens, block_tokens)
+    kernel = _native_kernel_for(native, q, k, v, block_table, chunk_tokens, block_tokens)
     if kernel is not None:
-        o, l = decode_native(kernel, q.reshape(b, hq, d), k, v, torch.tensor(lens, dtype=torch.int64), scale, block_table)
-        return o.view(q.shape).to(q.dtype), l.view(q.shape[:-1])
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        o, l = decode_native(kernel, q, k, v, lens_t, scale, block_table, causal and sq > 1)
+        return o.to(q.dtype), l
 
     step = max(1, int(chunk_tokens)) if chunk_tokens else cpu_chunk_tokens(hkv, d, k.element_size())
     block = block_tokens or SCORE_ELEMENTS // (hq * sq)
@@ -183,15 +184,13 @@ def decode_attention_cpu(
     return _finish(q, out, lse)
 
 
-def _native_kernel_for(native, q, k, v, sq, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:
+def _native_kernel_for(native, q, k, v, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:
     """The C kernel when ``native`` allows it and the call is one it computes; None for the torch path."""
     if native is False:
         return None
     why_not = None
     if q.device.type != "cpu":
         why_not = f"tensors on {q.device.type}"
-    elif sq != 1:
-        why_not = "it takes one query token per row"
     elif k.stride(-1) != 1 or v.stride(-1) != 1:
         why_not = "the head dimension of k and v must be dense (stride 1)"
     elif chunk_tokens or block_tokens:

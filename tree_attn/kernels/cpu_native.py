@@ -235,8 +235,8 @@ def _dtypes(lib: ctypes.CDLL) -> frozenset[torch.dtype]:
 def _bind(lib: ctypes.CDLL):
     fn = lib.tree_attn_cpu_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    # dt; q, k, v, lens, table; table_stride, bs, b, hkv, g, d, 3 + 3 strides, t0, t1; out, lse
-    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 14), ptr, ptr]
+    # dt; q, k, v, lens, table; table_stride, bs, sq, causal, b, hkv, g, d, 3 + 3 strides, t0, t1; out, lse
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 16), ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
 
@@ -257,37 +257,41 @@ def decode_native(
     lens: torch.Tensor,
     scale: float,
     block_table: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query token per row with the C kernel.
+    """Decode attention of one or several query tokens per row with the C kernel.
 
     Args:
-        q: ``[B, Hq, D]`` CPU, any float dtype.
+        q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]`` CPU, any float dtype.
         k, v: ``[B, N, Hkv, D]`` CPU, one dtype of ``kernel.dtypes``, ``stride(-1) == 1``; with
             ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``.
         lens: int64 ``[B]`` contiguous CPU, valid keys per row (0..N, checked by the caller).
         scale: the softmax scale.
         block_table: None, or integer ``[B, max_blocks]`` (row b's token t is in page
             ``block_table[b, t // block_size]``; every entry a row reads checked by the caller).
+        causal: token i of a row sees its keys ``[0, len - Sq + 1 + i)`` (``reference.key_limits``).
 
     Returns:
-        ``out [B, Hq, D]`` float32 and ``lse [B, Hq]`` float32 (natural log); rows of length 0 give
-        out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and long rows, each row's keys are
+        ``out`` (q's shape) float32 and ``lse`` (q's shape without D) float32, natural log; query
+        tokens that see no key give out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and long rows, each row's keys are
         split into contiguous ranges, one per thread (the call releases the GIL), and the ranges'
         states merged exactly (:func:`tree_attn.merge.merge_states`).
     """
-    b, hq, d = q.shape
+    b, sq, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     hkv = k.shape[2]
-    qs = (q.float() * scale).contiguous()
+    g = hq // hkv
+    # [B, Hkv * Sq * G, D]: a KV head's rows are its Sq tokens' G heads, token-major.
+    qs = (q.float() * scale).reshape(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv * sq * g, d).contiguous()
     longest = int(lens.max()) if b else 0
     parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
-    outs = torch.empty(parts, b, hq, d, dtype=torch.float32)
-    lses = torch.empty(parts, b, hq, dtype=torch.float32)
+    outs = torch.empty(parts, b, hkv * sq * g, d, dtype=torch.float32)
+    lses = torch.empty(parts, b, hkv * sq * g, dtype=torch.float32)
     table = None if block_table is None else block_table.to(torch.int64).contiguous()
     args = (
         _DTYPE_CODES[k.dtype], qs.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(),
         None if table is None else table.data_ptr(), 0 if table is None else table.shape[1],
-        k.shape[1] if table is not None else 0,
-        b, hkv, hq // hkv, d, *k.stride()[:3], *v.stride()[:3],
+        k.shape[1] if table is not None else 0, sq, int(causal),
+        b, hkv, sq * g, d, *k.stride()[:3], *v.stride()[:3],
     )  # fmt: skip
     cuts = [round(i * longest / parts) for i in range(parts + 1)]
     cuts[-1] = max(cuts[-1], longest)
@@ -298,6 +302,8 @@ def decode_native(
     codes = [run(0)] if parts == 1 else list(_pool(parts).map(run, range(parts)))
     if any(c != 0 for c in codes):
         raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
-    if parts == 1:
-        return outs[0], lses[0]
-    return merge_states(outs, lses)
+    out, lse = (outs[0], lses[0]) if parts == 1 else merge_states(outs, lses)
+    # Back to q's layout: [B, Hkv, Sq, G, (D)] -> [B, Sq, Hkv * G, (D)].
+    out = out.view(b, hkv, sq, g, d).transpose(1, 2).reshape(q.shape)
+    lse = lse.view(b, hkv, sq, g).transpose(1, 2).reshape(q.shape[:-1])
+    return out, lse
