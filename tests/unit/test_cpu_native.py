@@ -269,3 +269,19 @@ def test_several_query_tokens_split_over_threads(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+
+
+@needs_kernel
+def test_default_path_by_rows_per_kv_head():
+    # By default the kernel takes calls of at most NATIVE_MAX_QUERY_ROWS query rows per KV head
+    # (Sq x G) and MKL's products the rest: each default result is bit-identical to its path.
+    from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS
+
+    _, k, v = random_decode_inputs(1, 32, 8, 64, 300, seed=5)  # G = 4
+    lens = torch.tensor([300])
+    for sq in (1, 4, 8):
+        q = torch.randn(1, sq, 32, 64, generator=torch.Generator().manual_seed(sq))
+        expect_native = sq * 4 <= NATIVE_MAX_QUERY_ROWS
+        out, lse = decode_attention_cpu(q, k, v, seq_lens=lens, causal=True)
+        other = decode_attention_cpu(q, k, v, seq_lens=lens, causal=True, native=expect_native)
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1]), sq

@@ -7,7 +7,8 @@ A contiguous or paged cache with a dense head dimension, with one query token pe
 step of ``run``, ``tree_decode`` and ``generate``) or several (a verify step), goes to the C kernel of :mod:`tree_attn.kernels.cpu_native`
 (``cpu_decode.c``) when this machine could build it: it reads K and V once, in memory order, and
 reached 78-96% of one core's read bandwidth at MHA 8 x 128 fp32 where the torch ops below reach
-~40-50% (numbers and command in ``benchmarks/RESULTS.md``). Caches whose head dimension is strided,
+~40-50% (numbers and command in ``benchmarks/RESULTS.md``). Calls with many query rows per KV head
+(``NATIVE_MAX_QUERY_ROWS``; MKL's GEMM wins there), caches whose head dimension is strided,
 explicit chunking and machines without a C compiler take the torch ops, described next.
 
 Why it is shaped this way (measured on a 2-core AMD EPYC Zen 4 VM, torch 2.13 CPU with MKL, one
@@ -68,6 +69,13 @@ from .shapes import check_decode_inputs
 # takes 512 tokens (1 MiB read, a 2 MiB float32 buffer): 11% faster than 256 at 16K tokens.
 CHUNK_BYTES = 1 << 20
 
+# The C kernel's products are dot products per query row; MKL's GEMM wins once a KV head has many
+# query rows (Sq x G). Measured at 16,384 tokens, fp32, causal, one thread (C vs torch ops, ms):
+# MHA 8 x 128 at 1/2/4/8/16 rows 13.7/21.5, 14.5/27.4, 19.4/32.4, 26.0/38.5, 48.0/47.8; GQA 32/8 at
+# 4/8/16/32/64 rows 18.5/29.5, 27.6/36.2, 45.6/52.7, 88.4/70.6, 185.4/104.3. By default, calls with
+# more rows per KV head than this take the torch ops.
+NATIVE_MAX_QUERY_ROWS = 16
+
 # Scores of one softmax block: [Hkv, G, T] float32 (4 MiB). Bounds the extra memory whatever N is;
 # at 8 query heads a block holds 131,072 tokens, so a rank's shard is usually one block.
 SCORE_ELEMENTS = 1 << 20
@@ -95,8 +103,9 @@ def decode_attention_cpu(
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
     CPU tensors with a dense head dimension (contiguous or paged caches, one or several query
-    tokens, causal or not) and default chunking run the fused C kernel of ``cpu_native`` when it
-    is built; everything else the torch ops below.
+    tokens, causal or not, at most :data:`NATIVE_MAX_QUERY_ROWS` query rows Sq x G per KV head)
+    and default chunking run the fused C kernel of ``cpu_native`` when it is built; everything
+    else the torch ops below.
 
     Args:
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
@@ -113,8 +122,9 @@ def decode_attention_cpu(
             ``[0, seq_len - Sq + 1 + i)`` (see ``reference.key_limits``).
         block_table: integer ``[B, max_blocks]`` for a paged cache (``seq_lens`` required; every
             entry a row reads must lie in the pool: ``check_decode_inputs`` checks it), or None.
-        native: None: the C kernel where it applies and is available, else torch ops. True: the C
-            kernel or an error saying why not. False: torch ops.
+        native: None: the C kernel where it applies, is available and is the faster (at most
+            :data:`NATIVE_MAX_QUERY_ROWS` rows per KV head), else torch ops. True: the C kernel
+            whatever the rows, or an error saying why not. False: torch ops.
 
     Returns:
         ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
@@ -134,7 +144,7 @@ def decode_attention_cpu(
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
     if n == 0 or max(lens, default=0) == 0:
         return _finish(q, out, lse)
-    kernel = _native_kernel_for(native, q, k, v, block_table, chunk_tokens, block_tokens)
+    kernel = _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens)
     if kernel is not None:
         lens_t = torch.tensor(lens, dtype=torch.int64)
         o, l = decode_native(kernel, q, k, v, lens_t, scale, block_table, causal and sq > 1)
@@ -184,9 +194,10 @@ def decode_attention_cpu(
     return _finish(q, out, lse)
 
 
-def _native_kernel_for(native, q, k, v, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:
-    """The C kernel when ``native`` allows it and the call is one it computes; None for the torch path."""
-    if native is False:
+def _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:
+    """The C kernel when ``native`` allows it and the call is one it computes; None for the torch path.
+    ``rows``: query rows per KV head (Sq x G)."""
+    if native is False or (native is None and rows > NATIVE_MAX_QUERY_ROWS):
         return None
     why_not = None
     if q.device.type != "cpu":
