@@ -42,6 +42,11 @@ def test_run_json_small(capsys):
     assert rows["ring"]["bytes_sent_per_step"] <= 2 * 2 * kv_shard + 2 * 4 + 3 * 6 * 8
     assert report["config"]["shard_sizes"] == [334, 333, 333]
     assert report["speedup_vs_ring"] > 0 and report["compared"] == "tree k=2"  # the tree row, named
+    # Which local attention the CPU ranks ran: this machine's C kernel, or the torch ops and why.
+    from tree_attn.kernels.cpu_native import native_status
+
+    status = native_status()
+    assert report["local_kernel"] == (f"C kernel: {status.detail}" if status.available else f"torch ops: {status.detail}")
     # CPU ranks: the prepared steps run eagerly and say why; the ring baseline is always eager
     assert all(r["execution"] == "eager" and r["why_eager"] for r in rows.values())
     assert all(r["device_ms_median"] is None for r in rows.values())

@@ -267,12 +267,16 @@ class RunResult:
     speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
     compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
     profile: "ProfileChoice | None" = None  # which profile the run used (runner.run_setup.ProfileChoice)
+    # CPU ranks: which local attention ran ("C kernel: <library and flags>" or "torch ops: <why>");
+    # None on GPUs (the Triton kernel or torch, per --impl).
+    local_kernel: str | None = None
 
     def to_dict(self) -> dict:
         return {
             "config": self.spec,
             "device": self.device,
             "backend": self.backend,
+            "local_kernel": self.local_kernel,
             "results": [r.to_dict() for r in self.results],
             "speedup_vs_ring": self.speedup_vs_ring,
             "compared": self.compared,
@@ -355,6 +359,11 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
             )
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
+    if spec.device_kind == "cpu" and spec.impl in ("auto", "torch"):
+        from ..kernels.cpu_native import native_status  # the ranks' environment is this process's
+
+        status = native_status()
+        result.local_kernel = f"C kernel: {status.detail}" if status.available else f"torch ops: {status.detail}"
     # Tree vs ring, named: the tree row (else allreduce's), and only where something was sent.
     ring = [r for r in rows if r.strategy == "ring"]
     other = [r for r in rows if r.strategy == "tree"] or [r for r in rows if r.strategy == "allreduce"]
