@@ -17,6 +17,9 @@
    are any, and a test of 3 CPU ranks asks a one-GPU machine for 3 GPUs.
 3. GPU tests are marked ``gpu``, use the GPUs that are there and skip with a reason naming what
    is missing ("needs a GPU", "needs 2 GPUs"). A CPU test is never skipped on a GPU machine.
+4. The CPU C kernel (``tree_attn.kernels.cpu_native``) is built, or found in the cache, once here
+   before any test runs: its first build (~10 s) then happens in no test's timing or output, and
+   not in several spawned ranks at once.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ def _kernel_mode() -> str | None:
 
 
 _set_process_mode()
+
+from tree_attn.kernels.cpu_native import native_status  # noqa: E402
+
+native_status()
 
 
 @pytest.fixture(autouse=True)

@@ -147,15 +147,18 @@ def test_the_default_path_is_the_kernel_when_built():
 
 
 @needs_kernel
-def test_build_cache_and_switch(tmp_path, monkeypatch):
-    # A fresh cache folder: the library is built there, named by its key, with no temporary left.
+def test_build_cache_and_switch(tmp_path, monkeypatch, capsys):
+    # A fresh cache folder: the library is built there, named by its key, with no temporary left,
+    # and the build says so on stderr (once: not when it is loaded from the cache).
     monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
     kernel = cpu_native._load()
+    assert capsys.readouterr().err.count("building the CPU decode kernel") == 1
     built = sorted(p.name for p in (tmp_path / "native").iterdir() if p.name != ".build.lock")
     assert built == [kernel.path.name] and kernel.path.name.startswith("cpu_decode-") and kernel.path.suffix == ".so"
     assert torch.float32 in kernel.dtypes
     again = cpu_native._load()  # loaded from the cache, not rebuilt
     assert again.path == kernel.path and kernel.path.stat().st_mtime_ns == again.path.stat().st_mtime_ns
+    assert "building" not in capsys.readouterr().err
     monkeypatch.setenv("TREE_ATTN_CPU_KERNEL", "torch")
     with pytest.raises(cpu_native._Unavailable, match="TREE_ATTN_CPU_KERNEL=torch"):
         cpu_native._load()

@@ -71,10 +71,10 @@ CHUNK_BYTES = 1 << 20
 
 # The C kernel's products are dot products per query row; MKL's GEMM wins once a KV head has many
 # query rows (Sq x G). Measured at 16,384 tokens, fp32, causal, one thread (C vs torch ops, ms):
-# MHA 8 x 128 at 1/2/4/8/16 rows 13.7/21.5, 14.5/27.4, 19.4/32.4, 26.0/38.5, 48.0/47.8; GQA 32/8 at
-# 4/8/16/32/64 rows 18.5/29.5, 27.6/36.2, 45.6/52.7, 88.4/70.6, 185.4/104.3. By default, calls with
+# MHA 8 x 128 at 1/2/4/8/16 rows 10.3/18.2, 11.6/23.9, 14.6/23.8, 21.1/30.6, 38.5/36.3; GQA 32/8 at
+# 4/8/16/32/64 rows 12.6/22.9, 20.4/27.8, 39.8/37.1, 77.0/56.5, 163.9/102.7. By default, calls with
 # more rows per KV head than this take the torch ops.
-NATIVE_MAX_QUERY_ROWS = 16
+NATIVE_MAX_QUERY_ROWS = 8
 
 # Scores of one softmax block: [Hkv, G, T] float32 (4 MiB). Bounds the extra memory whatever N is;
 # at 8 query heads a block holds 131,072 tokens, so a rank's shard is usually one block.

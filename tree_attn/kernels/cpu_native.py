@@ -14,10 +14,11 @@ The build:
   CPU (model and feature flags), so an upgrade or another machine sharing a home directory builds
   its own; one process builds while the others wait on a lock, and the library is written to a
   temporary file and renamed, so no process ever loads half a file;
+* the build says so on stderr (one line; it takes about 10 s with gcc at -O3);
 * ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
 
 Why a C kernel and not a dependency: it is one ~200-line file with no headers beyond libc's, it
-builds in a few seconds with the compiler every Linux machine that runs CPU ranks has, and none
+builds in about ten seconds, once, with the compiler every Linux machine that runs CPU ranks has, and none
 of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see ``cpu_decode.py``).
 """
 
@@ -31,6 +32,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -93,7 +95,7 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def native_kernel() -> NativeKernel | None:
-    """The C kernel, built on the first call of this process (a few seconds) or loaded from the
+    """The C kernel, built on the first call of this process (about 10 s, once per machine) or loaded from the
     cache; None when it is turned off or cannot be built (:func:`native_status` says why)."""
     global _kernel, _status
     if _status is None:
@@ -138,6 +140,8 @@ def _load() -> NativeKernel:
         try:
             with _build_lock(cache):  # ranks starting together: one builds, the others wait for it
                 if not path.exists():
+                    print(f"tree-attn: building the CPU decode kernel for this machine, once (about 10 s): {path}",
+                          file=sys.stderr, flush=True)
                     _build(compiler, flags, path)
         except _Unavailable as e:
             errors.append(str(e))
