@@ -95,8 +95,9 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def native_kernel() -> NativeKernel | None:
-    """The C kernel, built on the first call of this process (about 10 s, once per machine) or loaded from the
-    cache; None when it is turned off or cannot be built (:func:`native_status` says why)."""
+    """The C kernel, built on the first call of this process (about 10 s, once per machine) or
+    loaded from the cache; None when it is turned off or cannot be built (:func:`native_status`
+    says why)."""
     global _kernel, _status
     if _status is None:
         with _lock:
