@@ -1,16 +1,17 @@
 /* Fused decode attention for CPU tensors: one sequential pass over each row's K and V.
  *
  * Built and loaded by cpu_native.py (ctypes; no Python headers, no torch headers). What it
- * computes is cpu_decode.py's contract for one query token per row; that module decides when to
- * call it. Why it exists: torch's per-head products read a [N, Hkv, D] cache at about half of one
+ * computes is cpu_decode.py's contract (contiguous or paged caches, one or several query tokens per
+ * row, causal or not) for caches whose head dimension is dense; that module decides when to call
+ * it. Why it exists: torch's per-head products read a [N, Hkv, D] cache at about half of one
  * core's read bandwidth (MKL's sgemv streams at ~50% of a torch.sum on contiguous data too), and
  * no torch op fuses the score pass, the softmax and the p @ V pass. Here every byte of K and V is
  * read once, in memory order, and the work on it is done while it is in L1.
  *
  * For each row and each chunk of CHUNK tokens:
- *   1. scores s[r][t] = q[r] . k[t, r / G]  (r: a query head of the range, t: a token of the chunk;
- *      K read token by token, all heads of the range of one token back to back);
- *   2. per query head: the chunk's max, p = exp(s - max) in place, the running sum l and the
+ *   1. scores s[r][t] = q[r] . k[t, r / G]  (r: a query row, t: a token of the chunk; K read token
+ *      by token, all heads of one token back to back, the G rows of a KV head in one pass);
+ *   2. per query row: the chunk's max, p = exp(s - max) in place, the running sum l and the
  *      running max m (online softmax; out rescaled by exp(m_old - m_new) when the max grows);
  *   3. out[r] += p[r][t] * v[t, r / G]  (V read the same way as K).
  * Then out /= l and lse = m + log(l). All arithmetic is float32; q is float32 and already scaled.
