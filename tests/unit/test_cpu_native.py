@@ -12,6 +12,8 @@ The kernel needs a C compiler; where none works these tests skip and say why (th
 tested in test_cpu_decode.py, then serves every call).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,6 +24,17 @@ from tree_attn.kernels.cpu_decode import decode_attention_cpu
 from tree_attn.kernels.reference import decode_attention_float64
 
 STATUS = cpu_native.native_status()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block (the kernel splits keys over them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 needs_kernel = pytest.mark.skipif(not STATUS.available, reason=f"the C kernel is not built here: {STATUS.detail}")
 
 
@@ -111,17 +124,13 @@ def test_keys_split_over_threads(monkeypatch):
     monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
     q, k, v = random_decode_inputs(3, 15, 5, 64, 400, seed=8)
     lens = torch.tensor([400, 1, 0])
-    before = torch.get_num_threads()
-    try:
-        one = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
-        for threads in (2, 3, 4):
-            torch.set_num_threads(threads)
+    one = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
+    for threads in (2, 3, 4):
+        with torch_threads(threads):
             out, lse = _check(q, k, v, lens)
-            torch.testing.assert_close(out, one[0], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(lse, one[1], rtol=1e-5, atol=1e-6)
-            assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
-    finally:
-        torch.set_num_threads(before)
+        torch.testing.assert_close(out, one[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, one[1], rtol=1e-5, atol=1e-6)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
 
 
 @needs_kernel
@@ -227,12 +236,8 @@ def test_paged_cache_split_over_threads(monkeypatch):
     lens = torch.tensor([500, 130])
     k, v, k_pool, v_pool, table = to_paged(k, v, lens, 16, seed=3, pad=-1)
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
+    with torch_threads(3):
         out, lse = decode_attention_cpu(q, k_pool, v_pool, seq_lens=lens, block_table=table, native=True)
-    finally:
-        torch.set_num_threads(before)
     assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
 
 
@@ -265,12 +270,8 @@ def test_several_query_tokens_split_over_threads(monkeypatch):
     q = torch.randn(2, 4, 8, 64, generator=torch.Generator().manual_seed(21))
     lens = torch.tensor([400, 130])  # the new tokens all in the last range
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, causal=True)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
+    with torch_threads(3):
         out, lse = decode_attention_cpu(q, k, v, seq_lens=lens, causal=True, native=True)
-    finally:
-        torch.set_num_threads(before)
     assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
 
 
