@@ -249,8 +249,7 @@ def main() -> int:
     }
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}; "
           f"load average {machine['load_before'][0]:.2f}", file=sys.stderr)
-    status = native_status()
-    ours = f"C kernel, {status.detail}" if status.available else f"torch ops (C kernel off: {status.detail})"
+    ours = native_status().describe()
     print(f"ours: {ours}", file=sys.stderr)
     bw_tensor = torch.randn(args.bw_mib * (1 << 20) // 4)
     rows = []

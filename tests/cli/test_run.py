@@ -46,7 +46,8 @@ def test_run_json_small(capsys):
     from tree_attn.kernels.cpu_native import native_status
 
     status = native_status()
-    assert report["local_kernel"] == (f"C kernel: {status.detail}" if status.available else f"torch ops: {status.detail}")
+    assert report["local_kernel"] == status.describe()
+    assert report["local_kernel"].startswith("C kernel: " if status.available else "torch ops: ")
     # CPU ranks: the prepared steps run eagerly and say why; the ring baseline is always eager
     assert all(r["execution"] == "eager" and r["why_eager"] for r in rows.values())
     assert all(r["device_ms_median"] is None for r in rows.values())

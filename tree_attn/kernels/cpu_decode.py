@@ -4,10 +4,10 @@ This is what ``decode_attention(impl="torch")`` (and ``"auto"`` for CPU tensors)
 The float64 truth it is tested against is :func:`tree_attn.kernels.reference.decode_attention_float64`.
 
 A contiguous or paged cache with a dense head dimension, with one query token per row (the decode
-step of ``run``, ``tree_decode`` and ``generate``) or several (a verify step), goes to the C kernel of :mod:`tree_attn.kernels.cpu_native`
-(``cpu_decode.c``) when this machine could build it: it reads K and V once, in memory order, and
-reached 78-96% of one core's read bandwidth at MHA 8 x 128 fp32 where the torch ops below reach
-~40-50% (numbers and command in ``benchmarks/RESULTS.md``). Calls with many query rows per KV head
+step of ``run``, ``tree_decode`` and ``generate``) or several (a verify step), goes to the C kernel
+of :mod:`tree_attn.kernels.cpu_native` (``cpu_decode.c``) when this machine could build it: it
+reads K and V once, in memory order, and reached 83-97% of one core's read bandwidth at MHA 8 x 128
+fp32 where the torch ops below reach 42-47% (numbers and command in ``benchmarks/RESULTS.md``). Calls with many query rows per KV head
 (``NATIVE_MAX_QUERY_ROWS``; MKL's GEMM wins there), caches whose head dimension is strided,
 explicit chunking and machines without a C compiler take the torch ops, described next.
 
@@ -138,17 +138,18 @@ def decode_attention_cpu(
     rows = shape.query_rows  # the Sq tokens' G heads of one KV head: the M rows of one product
     if scale is None:
         scale = d**-0.5
-    dev = q.device
-    out = torch.zeros(b, hkv, sq, g, d, dtype=torch.float32, device=dev)
-    lse = torch.full((b, hkv, sq, g), float("-inf"), dtype=torch.float32, device=dev)
     lens = [n] * b if seq_lens is None else [int(x) for x in seq_lens.tolist()]
-    if n == 0 or max(lens, default=0) == 0:
-        return _finish(q, out, lse)
-    kernel = _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens)
+    empty = n == 0 or max(lens, default=0) == 0
+    kernel = None if empty else _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens)
     if kernel is not None:
         lens_t = torch.tensor(lens, dtype=torch.int64)
         o, l = decode_native(kernel, q, k, v, lens_t, scale, block_table, causal and sq > 1)
         return o.to(q.dtype), l
+    dev = q.device
+    out = torch.zeros(b, hkv, sq, g, d, dtype=torch.float32, device=dev)
+    lse = torch.full((b, hkv, sq, g), float("-inf"), dtype=torch.float32, device=dev)
+    if empty:
+        return _finish(q, out, lse)
 
     step = max(1, int(chunk_tokens)) if chunk_tokens else cpu_chunk_tokens(hkv, d, k.element_size())
     block = block_tokens or SCORE_ELEMENTS // (hq * sq)

@@ -1,8 +1,8 @@
 """The fused C decode kernel for CPU tensors (``cpu_decode.c``): built once per machine, loaded by ctypes.
 
-``cpu_decode.decode_attention_cpu`` calls :func:`decode_native` for the common decode case (one
-query token per row, a contiguous or paged cache whose head dimension is dense) when :func:`native_kernel`
-has a library; everything else, and every machine without a C compiler, runs the torch path.
+``cpu_decode.decode_attention_cpu`` calls :func:`decode_native` for caches whose head dimension
+is dense (contiguous or paged, one or several query tokens per row) when :func:`native_kernel` has
+a library; everything else, and every machine without a C compiler, runs the torch path.
 
 The build:
 
@@ -17,9 +17,10 @@ The build:
 * the build says so on stderr (one line; it takes about 10 s with gcc at -O3);
 * ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
 
-Why a C kernel and not a dependency: it is one ~200-line file with no headers beyond libc's, it
-builds in about ten seconds, once, with the compiler every Linux machine that runs CPU ranks has, and none
-of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see ``cpu_decode.py``).
+Why a C kernel and not a dependency: it is one ~330-line file with no headers beyond libc's, it
+builds in about ten seconds, once, with the compiler every Linux machine that runs CPU ranks has,
+and none of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see
+``cpu_decode.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class NativeStatus:
 
     available: bool
     detail: str  # the library and its flags, or the reason it is off
+
+    def describe(self) -> str:
+        """One line for reports: ``C kernel: <library and flags>`` or ``torch ops: <why>``."""
+        return f"C kernel: {self.detail}" if self.available else f"torch ops: {self.detail}"
 
 
 _lock = threading.Lock()
@@ -278,9 +283,10 @@ def decode_native(
 
     Returns:
         ``out`` (q's shape) float32 and ``lse`` (q's shape without D) float32, natural log; query
-        tokens that see no key give out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and long rows, each row's keys are
-        split into contiguous ranges, one per thread (the call releases the GIL), and the ranges'
-        states merged exactly (:func:`tree_attn.merge.merge_states`).
+        tokens that see no key give out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and
+        long rows, each row's keys are split into contiguous ranges, one per thread (the call
+        releases the GIL), and the ranges' states merged exactly
+        (:func:`tree_attn.merge.merge_states`).
     """
     b, sq, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     hkv = k.shape[2]

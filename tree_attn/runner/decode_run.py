@@ -362,8 +362,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
     if spec.device_kind == "cpu" and spec.impl in ("auto", "torch"):
         from ..kernels.cpu_native import native_status  # the ranks' environment is this process's
 
-        status = native_status()
-        result.local_kernel = f"C kernel: {status.detail}" if status.available else f"torch ops: {status.detail}"
+        result.local_kernel = native_status().describe()
     # Tree vs ring, named: the tree row (else allreduce's), and only where something was sent.
     ring = [r for r in rows if r.strategy == "ring"]
     other = [r for r in rows if r.strategy == "tree"] or [r for r in rows if r.strategy == "allreduce"]
