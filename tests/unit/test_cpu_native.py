@@ -242,7 +242,7 @@ def test_paged_cache_split_over_threads(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("sq", [2, 4, 16])
+@pytest.mark.parametrize("sq", [2, 3, 4, 16])  # 8, 12, 16, 64 query rows per KV head
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
 def test_several_query_tokens(sq, causal, paged):

@@ -13,7 +13,8 @@
  *      by token, all heads of one token back to back, the G rows of a KV head in one pass);
  *   2. per query row: the chunk's max, p = exp(s - max) in place, the running sum l and the
  *      running max m (online softmax; out rescaled by exp(m_old - m_new) when the max grows);
- *   3. out[r] += p[r][t] * v[t, r / G]  (V read the same way as K).
+ *   3. out[r] += p[r][t] * v[t, r / G]  (V read the same way as K, four tokens per load and store
+ *      of out[r]; half-float values widened once per token, not once per query row).
  * Then out /= l and lse = m + log(l). All arithmetic is float32; q is float32 and already scaled.
  *
  * NaN: a NaN score (or an infinite one, whose exp(inf - inf) is NaN in the torch path too) makes
@@ -101,6 +102,23 @@ INLINE void axpy(float *restrict o, float p, const void *restrict v, int64_t d, 
         o[i] += p * load(v, i, dt);
 }
 
+/* o[0 .. d) += p[0] w0 + p[1] w1 + p[2] w2 + p[3] w3 (float32 values of four tokens): one load and
+ * one store of o per four tokens. */
+INLINE void axpy4(float *restrict o, const float *restrict p, const float *restrict w0, const float *restrict w1,
+                  const float *restrict w2, const float *restrict w3, int64_t d) {
+    const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+#pragma GCC ivdep
+    for (int64_t i = 0; i < d; i++)
+        o[i] += p0 * w0[i] + p1 * w1[i] + p2 * w2[i] + p3 * w3[i];
+}
+
+/* w[0 .. d) = x[0 .. d) as float32. */
+INLINE void widen(float *restrict w, const void *restrict x, int64_t d, int dt) {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < d; i++)
+        w[i] = load(x, i, dt);
+}
+
 /* The address of element i of an array of dtype dt. */
 INLINE const void *at(const void *base, int64_t i, int dt) {
     return (const char *)base + i * (dt == DT_F32 ? 4 : 2);
@@ -170,14 +188,14 @@ INLINE int64_t token_at(const tokens_t *tk, int64_t t) {
 /* One row, all heads (hn KV heads of g query rows each), keys [first, first + len) of the row:
  * q, out [hn * g, d] contiguous, lse [hn * g]; kt, vt: where the row's tokens are; head stride
  * ksh / vsh, element stride 1 (in elements). s: [hn * g, CHUNK] scratch; m, l: [hn * g]; ko, vo:
- * [CHUNK] scratch (the chunk's token offsets).
+ * [CHUNK] scratch (the chunk's token offsets); vw: [4, d] scratch (four tokens' V head, widened).
  * Query row r of a KV head is query token r / (g / sq), head r % (g / sq). Under causal, token i
  * sees the row's keys [0, row_len - sq + 1 + i): a suffix of each chunk is hidden from it, so its
  * softmax runs over the chunk's first visible keys only and the hidden ones get p = 0. */
 INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const void *v, const tokens_t *vt,
                        int64_t first, int64_t len, int64_t row_len, int64_t sq, int64_t causal, int64_t hn,
                        int64_t g, int64_t d, int64_t ksh, int64_t vsh, float *out, float *lse, float *s, float *m,
-                       float *l, int64_t *ko, int64_t *vo, int dt) {
+                       float *l, int64_t *ko, int64_t *vo, float *vw, int dt) {
     const int64_t heads_per_token = g / sq;
     const int64_t hq = hn * g;
     for (int64_t r = 0; r < hq; r++) {
@@ -236,7 +254,26 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
             l[r] += sum;
             m[r] = mc;
         }
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+            for (int64_t h = 0; h < hn; h++) {
+                const float *w[4];
+                for (int64_t u = 0; u < 4; u++) {
+                    const void *vp = at(v, vo[t + u] + h * vsh, dt);
+                    if (dt == DT_F32) {
+                        w[u] = (const float *)vp;
+                    } else { /* widened once here, not once per query row */
+                        widen(vw + u * d, vp, d, dt);
+                        w[u] = vw + u * d;
+                    }
+                }
+                for (int64_t j = 0; j < g; j++) {
+                    const int64_t r = h * g + j;
+                    axpy4(out + r * d, s + r * CHUNK + t, w[0], w[1], w[2], w[3], d);
+                }
+            }
+        }
+        for (; t < n; t++) {
             for (int64_t h = 0; h < hn; h++) {
                 const void *vp = at(v, vo[t] + h * vsh, dt);
                 for (int64_t j = 0; j < g; j++) {
@@ -268,18 +305,18 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
                        int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,
                        float *out, float *lse, int dt) {
     const int64_t hq = hkv * g;
-    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2)) + sizeof(int64_t) * 2 * CHUNK);
+    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2) + 4 * d) + sizeof(int64_t) * 2 * CHUNK);
     if (!scratch)
         return -1;
     int64_t *ko = (int64_t *)scratch, *vo = ko + CHUNK; /* first: int64 alignment */
-    float *s = (float *)(vo + CHUNK), *m = s + hq * CHUNK, *l = m + hq;
+    float *s = (float *)(vo + CHUNK), *m = s + hq * CHUNK, *l = m + hq, *vw = l + hq;
     for (int64_t row = 0; row < b; row++) {
         const int64_t first = t0 < lens[row] ? t0 : lens[row];
         const int64_t end = t1 < lens[row] ? t1 : lens[row];
         const int64_t *pages = table ? table + row * table_stride : NULL;
         const tokens_t kt = {pages, bs, row * ksb, ksb, ksn}, vt = {pages, bs, row * vsb, vsb, vsn};
         decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, lens[row], sq, causal, hkv, g, d, ksh, vsh,
-                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, dt);
+                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, vw, dt);
     }
     free(scratch);
     return 0;

@@ -70,11 +70,13 @@ from .shapes import check_decode_inputs
 CHUNK_BYTES = 1 << 20
 
 # The C kernel's products are dot products per query row; MKL's GEMM wins once a KV head has many
-# query rows (Sq x G). Measured at 16,384 tokens, fp32, causal, one thread (C vs torch ops, ms):
-# MHA 8 x 128 at 1/2/4/8/16 rows 10.3/18.2, 11.6/23.9, 14.6/23.8, 21.1/30.6, 38.5/36.3; GQA 32/8 at
-# 4/8/16/32/64 rows 12.6/22.9, 20.4/27.8, 39.8/37.1, 77.0/56.5, 163.9/102.7. By default, calls with
-# more rows per KV head than this take the torch ops.
-NATIVE_MAX_QUERY_ROWS = 8
+# query rows (Sq x G). Measured at 16,384 tokens, fp32, causal, one thread (C vs torch ops, ms), with
+# the kernel's p @ V taking four tokens per update of out: MHA 8 x 128 at 1/2/4/8/16 rows 8.9/17.7,
+# 10.8/21.2, 11.9/28.8, 20.6/31.5, 34.6/36.1; GQA 32/8 at 4/8/16/32/64 rows 11.4/25.2, 18.0/30.1,
+# 39.9/44.5, 64.8/65.3, 116.2/104.9 (at 65,536 tokens, 16 rows: 125.9/137.2 and 139.7/153.1; 32:
+# 213.8/210.4; 64: 433.3/349.4). By default, calls with more rows per KV head than this take the
+# torch ops.
+NATIVE_MAX_QUERY_ROWS = 16
 
 # Scores of one softmax block: [Hkv, G, T] float32 (4 MiB). Bounds the extra memory whatever N is;
 # at 8 query heads a block holds 131,072 tokens, so a rank's shard is usually one block.

@@ -17,7 +17,7 @@ The build:
 * the build says so on stderr (one line; it takes about 10 s with gcc at -O3);
 * ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
 
-Why a C kernel and not a dependency: it is one ~330-line file with no headers beyond libc's, it
+Why a C kernel and not a dependency: it is one ~370-line file with no headers beyond libc's, it
 builds in about ten seconds, once, with the compiler every Linux machine that runs CPU ranks has,
 and none of the torch ops measured fuses the score pass, the softmax and ``p @ V`` (see
 ``cpu_decode.py``).
