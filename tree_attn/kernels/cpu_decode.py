@@ -70,11 +70,11 @@ from .shapes import check_decode_inputs
 CHUNK_BYTES = 1 << 20
 
 # The C kernel's products are dot products per query row; MKL's GEMM wins once a KV head has many
-# query rows (Sq x G). Measured at 16,384 tokens, fp32, causal, one thread (C vs torch ops, ms), with
-# the kernel's p @ V taking four tokens per update of out: MHA 8 x 128 at 1/2/4/8/16 rows 8.9/17.7,
-# 10.8/21.2, 11.9/28.8, 20.6/31.5, 34.6/36.1; GQA 32/8 at 4/8/16/32/64 rows 11.4/25.2, 18.0/30.1,
-# 39.9/44.5, 64.8/65.3, 116.2/104.9 (at 65,536 tokens, 16 rows: 125.9/137.2 and 139.7/153.1; 32:
-# 213.8/210.4; 64: 433.3/349.4). By default, calls with more rows per KV head than this take the
+# query rows (Sq x G). Measured with benchmarks/bench_cpu_rows.py (fp32, causal, one thread, C vs
+# torch ops, ms): at 16,384 tokens MHA 8 x 128 at 1/2/4/8/16 rows 9.8/18.2, 10.5/25.3, 11.8/23.3,
+# 19.8/32.4, 32.2/36.2; GQA 32/8 at 4/8/16/32/64 rows 10.5/22.9, 19.6/33.0, 35.2/42.5, 62.6/59.4,
+# 130.0/98.3; at 65,536 tokens 16 rows 153.2/183.3 (MHA) and 153.0/177.9 (GQA), 32 rows
+# 238.5/245.8, 64 rows 520.4/426.5. By default, calls with more rows per KV head than this take the
 # torch ops.
 NATIVE_MAX_QUERY_ROWS = 16
 
