@@ -48,8 +48,10 @@ def test_run_json_small(capsys):
     status = native_status()
     assert report["local_kernel"] == status.describe()
     assert report["local_kernel"].startswith("C kernel: " if status.available else "torch ops: ")
-    # CPU ranks: the prepared steps run eagerly and say why; the ring baseline is always eager
+    # CPU ranks: the prepared steps run eagerly and say why (CPU tensors, not a turned-off switch);
+    # the ring baseline is always eager
     assert all(r["execution"] == "eager" and r["why_eager"] for r in rows.values())
+    assert all("cpu tensors" in r["why_eager"] for name, r in rows.items() if name != "ring")
     assert all(r["device_ms_median"] is None for r in rows.values())
     assert "spawning 3 CPU ranks" in captured.err
     from tree_attn.ranks.launch import usable_cores

@@ -172,7 +172,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             else:
                 # Collective: every rank builds its step here (shape check, warm-up, capture).
                 prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
-                                          cuda_graph=spec.cuda_graph and cuda)
+                                          cuda_graph=spec.cuda_graph)
                 why_eager = prepared.why_eager
 
                 def step() -> tuple[torch.Tensor, torch.Tensor]:
