@@ -21,9 +21,10 @@ The programs are the published ones, re-written here with JAX's public API. Two 
   structure, not arithmetic.
 
 The tree program takes the paper's three collectives (``pmax`` of lse, ``psum`` of the weighted out,
-``psum`` of the weights). The ring program takes the paper's ``lax.scan`` over ``axis_size`` steps;
-each step computes attention on the K/V block it holds, merges it into the running (out, lse), and
-``ppermute``s K and V to the next device.
+``psum`` of the weights). The ring program takes the structure of the ring the paper's script calls
+(``flash_attn_jax.ring_attention.ring_fwd``, read at version 0.6.2): a ``lax.scan`` over
+``axis_size`` steps, each computing attention on the K/V block it holds, merging it into the running
+(out, lse), and ``ppermute``-ing K and V to the next device.
 
 The devices are XLA host devices (``--xla_force_host_platform_device_count``): a GPU's
 compile and NCCL set-up times are not these. The table therefore shows two things, and the last
