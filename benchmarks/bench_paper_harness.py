@@ -213,9 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("this benchmark needs JAX: pip install jax", file=sys.stderr)
         return 2
-    device_counts = [int(x) for x in args.devices.split(",") if x]
-    if not device_counts or min(device_counts) < 2 or args.repeats < 1 or args.tokens_per_device < 1:
-        ap.error("--devices needs counts >= 2; --repeats and --tokens-per-device must be >= 1")
+    try:
+        device_counts = [int(x) for x in args.devices.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--devices takes whole numbers, comma-separated, not {args.devices!r}")
+    if not device_counts or min(device_counts) < 2:
+        ap.error("--devices needs counts >= 2")
+    if min(args.repeats, args.tokens_per_device, args.steady_calls) < 1:
+        ap.error("--repeats, --tokens-per-device and --steady-calls must be >= 1")
 
     rows, one_off = [], {}
     print(f"{'devices':>7} {'tokens':>7} {'program':>7} {'first ms':>9} {'steady ms':>9} {'one-off ms':>10} "
