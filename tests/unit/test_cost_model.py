@@ -204,6 +204,67 @@ def test_parameters_are_validated_and_round_trip():
         cluster_from_dict({**c.to_dict(), "colour": 1})
 
 
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+
+
+def test_a_parameters_file_keeps_the_node_hierarchy(tmp_path):
+    """A calibration of a PCIe / two-socket box, written and read back, plans the same tree."""
+    import json
+
+    from tree_attn.cost.fit import load_params
+    from tree_attn.topology import load_dump
+
+    topo = load_dump(str(FIXTURES / "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt"))
+    c = cluster_from_topology(topo, device=DEV, network=NET)
+    assert c.hierarchy and len(c.hierarchy) > 1
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps(c.to_dict()))
+    back = load_params(path)
+    assert back.hierarchy == c.hierarchy
+    assert cluster_plan(back).parents == cluster_plan(c).parents
+    assert cluster_plan(back).label == cluster_plan(c).label
+    assert predict_step(back, W, "tree") == predict_step(c, W, "tree")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d.update(ranks_per_node="eight"), "ranks_per_node: expected a whole number"),
+    (lambda d: d.update(ranks_per_node=8.7), "ranks_per_node: expected a whole number"),
+    (lambda d: d.update(step_overhead_us="x"), "step_overhead_us: expected a number"),
+    (lambda d: d["pair_links"][0].update(a="x"), r"pair_links\[0\].a: expected a whole number in 0..7"),
+    (lambda d: d["pair_links"][0].update(b=9), r"pair_links\[0\].b: expected a whole number in 0..7"),
+    (lambda d: d["pair_links"].pop(), "27 pairs for 8 ranks per node"),
+    (lambda d: d.update(notes="abc"), "notes: expected a list of strings"),
+    (lambda d: d["hierarchy"][-1].update(groups=[[0, 1, 2, 3, 4, 5, 6]]), "hierarchy"),
+    (lambda d: d["device"].update(mem_gbps="fast"), "device.mem_gbps"),
+    (lambda d: d.update(device=3), "device: expected a mapping"),
+])
+def test_a_bad_parameters_file_is_one_clear_error(tmp_path, change, match):
+    import json
+
+    from tree_attn.cost.fit import load_params
+    from tree_attn.topology import load_dump
+
+    d = cluster_from_topology(load_dump(str(FIXTURES / "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt")),
+                              device=DEV, network=NET).to_dict()
+    change(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=match) as err:
+        load_params(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("content, match", [(b"{a: [}", "not valid YAML or JSON: line 1"),
+                                             (bytes(range(256)), "is not text")])
+def test_a_parameters_file_that_is_not_yaml_is_one_clear_error(tmp_path, content, match):
+    from tree_attn.cost.fit import load_params
+
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=match):
+        load_params(path)
+
+
 def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
     from tree_attn.topology import Link, LinkKind, Measurement, P2PStatus, host_topology, load_dump
 

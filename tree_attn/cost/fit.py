@@ -20,6 +20,8 @@ import dataclasses
 import os
 from typing import Any
 
+import yaml
+
 from ..errors import ConfigError
 from .params import ClusterSpec, DeviceParams, LinkParams
 from .presets import (
@@ -150,32 +152,86 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
 
 
 def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
-    """The inverse of :meth:`ClusterSpec.to_dict` (unknown keys refused)."""
+    """The inverse of :meth:`ClusterSpec.to_dict` (unknown keys refused, every value checked)."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping of cluster parameters")
-    known = {"name", "nodes", "ranks_per_node", "device", "intra", "network", "step_overhead_us", "pair_links", "notes",
-             "measured"}
+    known = {"name", "nodes", "ranks_per_node", "device", "intra", "network", "step_overhead_us", "pair_links",
+             "hierarchy", "notes", "measured"}
     unknown = set(d) - known
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
     try:
-        dev = DeviceParams(**d["device"])
-        intra = LinkParams(**d["intra"]) if d.get("intra") else None
-        net = LinkParams(**d["network"]) if d.get("network") else None
+        dev = DeviceParams(**_mapping(d["device"], "device"))
+        intra = LinkParams(**_mapping(d["intra"], "intra")) if d.get("intra") else None
+        net = LinkParams(**_mapping(d["network"], "network")) if d.get("network") else None
+        n = d["ranks_per_node"]
+        _whole(n, "ranks_per_node", 1)
         pairs = {}
-        for p in d.get("pair_links") or []:
-            p = dict(p)
+        pair_list = d.get("pair_links") or []
+        if not isinstance(pair_list, list):
+            raise ConfigError(f"pair_links: expected a list, got {pair_list!r}")
+        for i, p in enumerate(pair_list):
+            p = dict(_mapping(p, f"pair_links[{i}]"))
             a, b = p.pop("a"), p.pop("b")
-            pairs[(int(a), int(b))] = LinkParams(**p)
-        return ClusterSpec(str(d.get("name", "params")), dev, int(d["ranks_per_node"]), int(d.get("nodes", 1)), intra, net,
-                           float(d.get("step_overhead_us", 0.0)), pairs, None, tuple(d.get("notes") or ()))
-    except (KeyError, TypeError) as exc:
+            _whole(a, f"pair_links[{i}].a", 0, n - 1)
+            _whole(b, f"pair_links[{i}].b", 0, n - 1)
+            if a >= b:
+                raise ConfigError(f"pair_links[{i}]: expected a < b, got a={a}, b={b}")
+            pairs[(a, b)] = LinkParams(**p)
+        if pairs and intra is None and len(pairs) != n * (n - 1) // 2:
+            raise ConfigError(f"pair_links: {len(pairs)} pairs for {n} ranks per node, which have {n * (n - 1) // 2}; "
+                              "give every pair, or an intra class for the others")
+        hierarchy = _hierarchy(d.get("hierarchy"), n)
+        notes = d.get("notes") or []
+        if not isinstance(notes, list) or not all(isinstance(x, str) for x in notes):
+            raise ConfigError(f"notes: expected a list of strings, got {notes!r}")
+        return ClusterSpec(str(d.get("name", "params")), dev, n, d.get("nodes", 1), intra, net,
+                           d.get("step_overhead_us", 0.0), pairs, hierarchy, tuple(notes))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: bad cluster parameters ({type(exc).__name__}: {exc})") from None
+
+
+def _mapping(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {v!r}")
+    return v
+
+
+def _whole(v: Any, where: str, lo: int, hi: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ConfigError(f"{where}: expected a whole number {rng}, got {v!r}")
+
+
+def _hierarchy(h: Any, n: int) -> tuple | None:
+    """A parameters file's ``hierarchy`` ([{kind, groups}], fastest first) as ClusterSpec keeps it."""
+    if h is None:
+        return None
+    from ..reduce.hier_plan import hierarchical_parents
+
+    if not isinstance(h, list) or not h:
+        raise ConfigError(f"hierarchy: expected a list of levels or null, got {h!r}")
+    levels = []
+    for i, lvl in enumerate(h):
+        lvl = _mapping(lvl, f"hierarchy[{i}]")
+        kind, groups = lvl.get("kind"), lvl.get("groups")
+        if not isinstance(kind, str) or not isinstance(groups, list) or not all(
+                isinstance(g, list) and g and all(isinstance(r, int) and not isinstance(r, bool) for r in g)
+                for g in groups):
+            raise ConfigError(f"hierarchy[{i}]: expected {{kind: text, groups: [[rank, ...], ...]}}, got {lvl!r}")
+        levels.append((kind, [list(g) for g in groups]))
+    hierarchical_parents(levels)  # checks the levels nest and the last covers 0..n-1 as one group
+    covered = sorted(r for g in levels[-1][1] for r in g)
+    if covered != list(range(n)):
+        raise ConfigError(f"hierarchy: its last level covers {len(covered)} ranks, the node has {n}")
+    return tuple(levels)
 
 
 def load_params(path: str | os.PathLike) -> ClusterSpec:
     """A cluster from a parameters file (YAML or JSON) written by the calibration."""
-    from ..files import load_yaml
+    from ..files import load_yaml, yaml_problem
 
     p = os.fspath(path)
     try:
@@ -183,4 +239,8 @@ def load_params(path: str | os.PathLike) -> ClusterSpec:
             data = load_yaml(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read parameters file {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"parameters file {p} is not text (UTF-8 YAML or JSON)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"parameters file {p} is not valid YAML or JSON: {yaml_problem(exc)}") from None
     return cluster_from_dict(data, where=p)

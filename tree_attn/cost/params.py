@@ -232,6 +232,8 @@ class ClusterSpec:
             "network": self.network.to_dict() if self.network else None,
             "step_overhead_us": self.step_overhead_us,
             "pair_links": [{"a": a, "b": b, **l.to_dict()} for (a, b), l in sorted(self.pair_links.items())],
+            "hierarchy": [{"kind": kind, "groups": [list(g) for g in groups]} for kind, groups in self.hierarchy]
+            if self.hierarchy else None,
             "notes": list(self.notes),
         }
 
