@@ -56,6 +56,8 @@ def test_simulate_table_fits_80_columns(capsys):
     (["--dtype", "int8"], "--dtype 'int8'"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
     (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds >= 0"),
+    (["-n", "0.3K"], "'0.3K' is not a whole number of tokens"),
+    (["-g", "0"], "--gpus-per-node must be an integer in 1..4096; got 0"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
     assert main(["simulate", *args]) == 1
@@ -117,3 +119,42 @@ def test_simulate_from_a_profile(capsys):
     assert d["rows"][0]["tree"]["plan"] == "hier xgmi k=2" and d["cluster"]["network"]["p2p_gbps"] == 50.0
     assert main(["simulate", "--profile", "cpu-4-ranks", "-w", "4"]) == 1
     assert "calibrate_costmodel.py" in capsys.readouterr().err
+
+
+def test_decimal_token_counts_are_exact(capsys):
+    """4.1M is 4,100,000 tokens (a float product made it 4,099,999.99... and refused it)."""
+    assert main(["simulate", "-w", "8", "-n", "4.1M,2.01M,8.2M,0.5K", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert sorted({r["seq_len"] for r in d["rows"]}) == [512, 2_010_000, 4_100_000, 8_200_000]
+
+
+def test_an_amd_dump_takes_the_mi300x_preset_and_cpu_ranks_are_refused(capsys, tmp_path):
+    mi300x = FIX / "mi300x_8gpu_amd-smi_topology.txt"
+    assert main(["simulate", "--topology", str(mi300x), "-w", "8,16", "-n", "1M", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["cluster"]["device"]["name"] == "AMD Instinct MI300X"
+    assert "network from preset mi300x" in d["source"] and d["rows"][0]["tree"]["plan"] == "hier xgmi k=2"
+    cpu = tmp_path / "cpu4.yaml"
+    assert main(["probe", "--backend", "host", "--cpu-ranks", "4", "-o", str(cpu)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--topology", str(cpu), "-w", "4", "-n", "32K"]) == 1
+    err = capsys.readouterr().err
+    assert "CPU ranks" in err and "calibrate_costmodel.py" in err
+
+
+def test_fewer_gpus_than_the_dump_keep_their_own_links(capsys):
+    """GPUs 0 and 1 of a DGX-1 share a PCIe switch: two of them are priced on it, not across the sockets."""
+    assert main(["simulate", "--topology", str(DGX1), "-w", "2,4", "-n", "32K", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["tree"]["plan"] == "hier pix k=2" and rows[1]["tree"]["plan"] == "hier pix>phb k=2"
+    assert rows[0]["ring"]["time_us"] < rows[1]["ring"]["time_us"]
+
+
+def test_memory_notes_say_which_strategy_does_not_fit(capsys):
+    assert main(["simulate", "--preset", "rtx4090-pcie", "-w", "8,64", "-n", "1M,100M", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any(n.startswith("8 GPUs: from 100,000,000 tokens the KV shard alone (47.7 GiB") for n in notes), notes
+    assert not any(n.startswith("64 GPUs") for n in notes)  # 6.0 GiB shards, 17.9 GiB with ring's two blocks
+    assert main(["simulate", "--preset", "rtx4090-pcie", "-w", "16", "-n", "40M", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any(n.startswith("16 GPUs: ring's peak per rank (KV shard + 2 blocks in flight)") for n in notes), notes

@@ -100,8 +100,18 @@ def test_ring_rounds_overlap_or_add_and_wait_for_the_slowest_edge(overlap):
     shard = w.shard_bytes(6)
     compute = 3.0 + shard / (1000.0 * 0.5 * 1e3)
     transfer = 20.0 + (shard + 4) / 10e3  # the network edge, not NVLink
-    both = max(compute, transfer) if overlap else compute + transfer
-    assert pred.time_us == pytest.approx(7.0 + compute + 5 * (both + 2.0))
+    if overlap:  # the merge of each block but the first runs beside the next transfer, as ring_decode does
+        rounds = max(compute, transfer) + 4 * max(compute + 2.0, transfer) + 2.0
+    else:
+        rounds = 5 * (compute + transfer + 2.0)
+    assert pred.time_us == pytest.approx(7.0 + compute + rounds)
+    if overlap:
+        assert transfer > compute + 2.0  # transfer-bound: every merge but the last hides behind it
+        assert pred.time_us == pytest.approx(7.0 + compute + 5 * transfer + 2.0)
+        slow = dataclasses.replace(c, device=dataclasses.replace(dev, mem_gbps=10.0))  # compute-bound
+        c_slow = 3.0 + shard / (10.0 * 0.5 * 1e3)
+        assert c_slow > transfer
+        assert predict_step(slow, w, "ring").time_us == pytest.approx(7.0 + c_slow + 5 * (c_slow + 2.0))
     assert pred.bytes_per_rank == 5 * (shard + 4) and pred.messages == 15  # even: 1,000 tokens each
     assert pred.extra_mem_bytes == 2 * shard  # the block in hand and the next one
     assert predict_step(c.with_shape(1, 2), w, "ring").extra_mem_bytes == w.shard_bytes(2)  # p = 2: one

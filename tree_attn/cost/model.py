@@ -13,10 +13,12 @@ What a step is, as ``reduce.collectives`` and ``reduce.ring`` run it:
   node costs ``2 (g - 1)`` steps of the node's class; across nodes NCCL reduces inside each node,
   runs a tree across the nodes (``2 ceil(log2 nodes)`` network hops) and broadcasts back.
 - ring: ``p`` rounds; in each of the first ``p - 1`` a rank forwards the KV block it holds to its
-  successor while it computes on it, so a round lasts ``max(compute, transfer)`` (the overlap),
-  then a ``merge_two``. All ranks transfer at once, so a round waits for the ring's slowest edge.
-  On CPU ranks (no overlap: gloo copies on the cores that compute) a round is compute + transfer,
-  and with more ranks than cores it lasts the longer of that and the cores' shared work.
+  successor while it computes on it and merges the result (``merge_two``, from the second block
+  on) into its running state, so a round lasts ``max(compute [+ merge], transfer)`` (the
+  overlap); the last round is the last block's compute and merge. All ranks transfer at once, so
+  a round waits for the ring's slowest edge. On CPU ranks (no overlap: gloo copies on the cores
+  that compute) a round is compute + transfer + merge, and with more ranks than cores its compute
+  and transfer last the longer of their sum and the cores' shared work.
 
 Bytes per rank follow ``reduce.comm``'s counting (the same numbers ``tree-attn run`` reports), and
 peak memory per rank counts the KV shard plus what the step allocates (ring: two more shards in
@@ -211,7 +213,10 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.bulk_us(shard))
     transfer = slowest.bulk_us(shard + 4 * w.batch)  # the block and its lengths
     if cluster.device.overlap:
-        both = max(compute, transfer)
+        # ring_decode merges a block before it waits for the next: the merge runs beside the
+        # transfer too. Round 0 merges nothing; the last block's compute and merge follow the
+        # last round (its compute is ``local``).
+        rounds = max(compute, transfer) + (p - 2) * max(compute + merge, transfer) + merge
     else:
         # CPU ranks: gloo's copies run on the cores that compute, so a round is compute + transfer.
         # With more ranks than cores, the cores' work (the compute and the part of the exchange
@@ -221,9 +226,9 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
         alone = compute / share
         busy = alone + transfer * (slowest.bulk_cpu_fraction or 1.0)
         both = max(alone + transfer, busy * share)
-    rounds = (p - 1) * (both + merge)
-    # The first block's compute counts as ``local``; the rounds' compute after the first block,
-    # the transfers and the merges as ``comm``: rounds + last compute - first compute = rounds.
+        rounds = (p - 1) * (both + merge)
+    # One block's compute counts as ``local``; the other blocks' compute, the transfers and the
+    # merges as ``comm`` (``rounds``).
     # Rank r forwards every block but its successor's (the last to reach it): the busiest rank is
     # the one whose successor holds the smallest block. An empty block sends only its lengths.
     sizes = w.shard_sizes(p)

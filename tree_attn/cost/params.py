@@ -207,12 +207,19 @@ class ClusterSpec:
         return self.pair_links.get((la, lb), self.intra)
 
     def with_shape(self, nodes: int, ranks_per_node: int) -> "ClusterSpec":
-        """The same parameters for another number of nodes and ranks per node (a node described
-        by per-pair links keeps them only at its own size)."""
-        same = ranks_per_node == self.ranks_per_node
-        return replace(self, nodes=nodes, ranks_per_node=ranks_per_node,
-                       pair_links=self.pair_links if same else {}, hierarchy=self.hierarchy if same else None,
-                       intra=self.intra or _slowest(self.pair_links))
+        """The same parameters for another number of nodes and ranks per node. A node described by
+        per-pair links keeps them at its own size; with fewer ranks per node, the sub-node of its
+        local ranks ``0 .. ranks_per_node - 1`` (their pairs' links and their part of the
+        hierarchy); with more, every pair takes the slowest class."""
+        if ranks_per_node == self.ranks_per_node:
+            pairs, hierarchy = self.pair_links, self.hierarchy
+        elif ranks_per_node < self.ranks_per_node and self.pair_links:
+            pairs = {(a, b): l for (a, b), l in self.pair_links.items() if b < ranks_per_node}
+            hierarchy = _sub_hierarchy(self.hierarchy, ranks_per_node)
+        else:
+            pairs, hierarchy = {}, None
+        return replace(self, nodes=nodes, ranks_per_node=ranks_per_node, pair_links=pairs, hierarchy=hierarchy,
+                       intra=self.intra or _slowest(pairs) or _slowest(self.pair_links))
 
     def link_classes(self) -> list[LinkParams]:
         """Every distinct link class in use, fastest (by latency) first."""
@@ -236,6 +243,21 @@ class ClusterSpec:
             if self.hierarchy else None,
             "notes": list(self.notes),
         }
+
+
+def _sub_hierarchy(hierarchy: tuple | None, n: int) -> tuple | None:
+    """The levels of ``hierarchy`` restricted to ranks ``0 .. n - 1``: empty groups dropped, and a
+    level that groups them as the one before it does dropped too (it joins nothing new)."""
+    if not hierarchy or n < 2:
+        return None
+    levels: list = []
+    for kind, groups in hierarchy:
+        kept = [[r for r in g if r < n] for g in groups]
+        kept = [g for g in kept if g]
+        if levels and sorted(map(sorted, kept)) == sorted(map(sorted, levels[-1][1])):
+            continue
+        levels.append((kind, kept))
+    return tuple(levels)
 
 
 def _slowest(pair_links: dict) -> LinkParams | None:

@@ -33,18 +33,18 @@ NVSWITCH_H100 = LinkParams(
            "all-reduce bus bandwidth assumed 80% of the link rate",
 )
 IB_NDR_400G = LinkParams(
-    "network", p2p_latency_us=8.0, p2p_gbps=50.0, ar_step_us=5.0, ar_gbps=45.0,
+    "network", p2p_latency_us=7.1, p2p_gbps=50.0, ar_step_us=5.0, ar_gbps=45.0,
     source="[NDR] 50 GB/s per GPU; [NCCL] baseLat ~4.4 us + network hop 2.7 us (ring LL) per message, "
            "5.0 us per tree hop; all-reduce bandwidth assumed 90% of line rate",
 )
 XGMI_MI300X = LinkParams(
-    "xgmi", p2p_latency_us=7.0, p2p_gbps=64.0, ar_step_us=1.0, ar_gbps=48.0,
+    "xgmi", p2p_latency_us=7.0, p2p_gbps=64.0, ar_step_us=2.5, ar_gbps=48.0,
     source="[MI300X] one 64 GB/s link per peer; latencies assumed: [NCCL] NVLink figures + 2 us for RCCL; "
            "all-reduce bandwidth assumed 75% of a link",
 )
 ROCE_400G = LinkParams(
-    "network", p2p_latency_us=10.0, p2p_gbps=50.0, ar_step_us=6.0, ar_gbps=45.0,
-    source="assumed: 400 GbE RoCE per GPU (as the H100 preset's NICs), [NCCL] network hops + 1 us for RoCE",
+    "network", p2p_latency_us=8.1, p2p_gbps=50.0, ar_step_us=6.0, ar_gbps=45.0,
+    source="assumed: 400 GbE RoCE per GPU (as the H100 preset's NICs), the InfiniBand figures + 1 us for RoCE",
 )
 PCIE_HOST_4090 = LinkParams(
     "pcie_host", p2p_latency_us=15.0, p2p_gbps=12.0, ar_step_us=6.0, ar_gbps=10.0,
@@ -59,19 +59,23 @@ ETH_100G = LinkParams(
 # -- devices ---------------------------------------------------------------------------------
 H100_SXM = DeviceParams(
     "NVIDIA H100 SXM5 80GB", mem_gbps=3350.0, kernel_fraction=0.85, kernel_fixed_us=5.0, merge_us=8.0,
-    collective_us=5.0, memory_bytes=80 * 10**9,
+    collective_us=5.0, memory_bytes=81_559 * 2**20,
     source="[H100] 3.35 TB/s; [perf] kernel at ~copy bandwidth (~85-90% of peak), 2 kernels x 2.5 us; "
-           "merge = a few small kernels; [NCCL] baseLat ~5 us per all-reduce",
+           "merge = a few small kernels; [NCCL] baseLat ~5 us per all-reduce; memory: the 81,559 MiB "
+           "nvidia-smi reports for an H100 80GB",
 )
 MI300X = DeviceParams(
-    "AMD Instinct MI300X", mem_gbps=5300.0, kernel_fraction=0.75, kernel_fixed_us=6.0, merge_us=10.0,
-    collective_us=6.0, memory_bytes=192 * 10**9,
-    source="[MI300X] 5.3 TB/s; kernel fraction assumed (not measured on MI300X); launches assumed as [perf] + 20%",
+    "AMD Instinct MI300X", mem_gbps=5300.0, kernel_fraction=0.75, kernel_fixed_us=8.0, merge_us=12.0,
+    collective_us=6.0, memory_bytes=192 * 2**30,
+    source="[MI300X] 5.3 TB/s, 192 GB (binary: 8 stacks of 24 GiB); kernel fraction assumed (not measured on "
+           "MI300X); [perf] launch gap 4 us on AMD: 2 kernels for the attention, ~3 for the merge; RCCL's "
+           "all-reduce base latency assumed [NCCL]'s + 20%",
 )
 RTX_4090 = DeviceParams(
     "NVIDIA GeForce RTX 4090", mem_gbps=1008.0, kernel_fraction=0.85, kernel_fixed_us=5.0, merge_us=8.0,
-    collective_us=8.0, memory_bytes=24 * 10**9,
-    source="[4090] 1,008 GB/s; kernel fraction and launches as [perf] for H100 (assumed)",
+    collective_us=8.0, memory_bytes=24_564 * 2**20,
+    source="[4090] 1,008 GB/s; kernel fraction and launches as [perf] for H100 (assumed); memory: the "
+           "24,564 MiB nvidia-smi reports for a 24 GB card",
 )
 
 # A decode step replayed as one CUDA graph: one graph launch (assumed ~5 us of host time that

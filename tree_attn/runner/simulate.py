@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
 from ..cost.model import DTYPE_BYTES
@@ -21,9 +22,8 @@ from ..errors import ConfigError
 MAX_WORLD = 4096
 MAX_SEQ = 100_000_000
 DEFAULT_WORLDS = (8, 16, 32, 64, 128)
-DEFAULT_SEQS = (32768, 131072, 524288, 1048576, 5120000)
+DEFAULT_SEQS = (32768, 131072, 524288, 1_000_000, 5_120_000)  # the CLI's 32K,128K,512K,1M,5.12M
 DEFAULT_PRESET = "h100-sxm"
-DEVICE_PRESETS = {"h100": "h100-sxm", "mi300x": "mi300x", "4090": "rtx4090-pcie"}
 
 
 def parse_tokens(text: str) -> int:
@@ -31,9 +31,9 @@ def parse_tokens(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
     if not m:
         raise ConfigError(f"sequence length {text!r}: expected a number of tokens like 32768, 32K or 5.12M")
-    value, unit = float(m.group(1)), m.group(2).lower()
+    value, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: 4.1M is 4,100,000, not 4099999.99...
     n = value * (1024 if unit == "k" else 1_000_000 if unit == "m" else 1)
-    if n != int(n):
+    if n.denominator != 1:
         raise ConfigError(f"sequence length {text!r} is not a whole number of tokens")
     n = int(n)
     if not 1 <= n <= MAX_SEQ:
@@ -122,16 +122,22 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
     """The parameters to simulate with, and where they came from (one line)."""
     from ..cost import fit
 
+    from ..cost.presets import preset_for_device
+
     base = preset(opts.preset or DEFAULT_PRESET)
 
-    def base_for(device_name: str) -> ClusterSpec:
-        # Without --preset, what a topology or profile lacks (the network) comes from the preset
-        # of its own device: an MI300X node's from mi300x.
+    def base_for(dev) -> ClusterSpec:
+        # Without --preset, what a topology or profile lacks (the network; the device, when a
+        # recorded dump names none) comes from the preset of its own kind of GPU: an MI300X
+        # node's from mi300x, also when its dump names its GPUs only by vendor.
         if opts.preset is None:
-            for key, name in DEVICE_PRESETS.items():
-                if key in device_name.lower():
-                    return preset(name)
+            return preset(preset_for_device(f"{dev.name} {dev.vendor}"))
         return base
+
+    def refuse_cpu_ranks(topo, what: str) -> None:
+        if topo is not None and all(d.vendor == "cpu" for d in topo.devices):
+            raise ConfigError(f"{what} is of CPU ranks, whose device parameters it does not hold: "
+                              "run benchmarks/calibrate_costmodel.py on that machine and pass --params")
 
     if opts.params:
         return fit.load_params(opts.params), f"parameters file {opts.params}"
@@ -139,11 +145,9 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
         from ..profiles import open_profile
 
         prof = open_profile(opts.profile)
-        if prof.topology is not None and all(d.vendor == "cpu" for d in prof.topology.devices):
-            raise ConfigError(f"profile {prof.name!r} is for CPU ranks, whose device parameters a profile does not hold: "
-                              "run benchmarks/calibrate_costmodel.py on that machine and pass --params")
+        refuse_cpu_ranks(prof.topology, f"profile {prof.name!r}")
         if prof.topology is not None:
-            base = base_for(prof.topology.devices[0].name)
+            base = base_for(prof.topology.devices[0])
         device = None
         if prof.topology is not None and fit.device_for(prof.topology.devices[0].name) is None and \
                 prof.topology.devices[0].vendor != "cpu":
@@ -158,7 +162,8 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
             topo = load_topology(path)
         except Exception:  # noqa: BLE001 - not a topology YAML: try a recorded dump
             topo = load_dump(path)
-        base = base_for(topo.devices[0].name)
+        refuse_cpu_ranks(topo, f"topology {path}")
+        base = base_for(topo.devices[0])
         named = fit.device_for(topo.devices[0].name)
         device = named or base.device
         where = f"topology {path}" + ("" if named else f"; device from preset {base.name} (the topology names none)")
@@ -191,15 +196,17 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
             raise ConfigError(f"--step-overhead-us must be a number of microseconds >= 0; got {over!r}")
         cluster = dataclasses.replace(cluster, step_overhead_us=float(over))
         source += f"; step overhead set to {over:g} us"
-    g = opts.gpus_per_node or cluster.ranks_per_node
+    g = cluster.ranks_per_node if opts.gpus_per_node is None else opts.gpus_per_node
     if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_WORLD:
         raise ConfigError(f"--gpus-per-node must be an integer in 1..{MAX_WORLD}; got {g!r}")
     if cluster.pair_links and g != cluster.ranks_per_node:
         raise ConfigError(f"the topology describes nodes of {cluster.ranks_per_node} devices; --gpus-per-node {g} "
                           "would invent the rest: omit it")
     if g < max(worlds) and cluster.network is None:
+        more = (f", or --gpus-per-node {max(worlds)}: ranks of one host beyond its {cluster.device.shared_cores} "
+                "cores share them, as the model prices" if cluster.device.shared_cores and not cluster.pair_links else "")
         raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
-                          f"use world sizes up to {g}")
+                          f"use world sizes up to {g}{more}")
     workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype)
     result = SimulateResult(cluster.name, source, workload, cluster)
     for world in worlds:
@@ -211,9 +218,24 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
                                       predict_step(c, w, "allreduce"), predict_step(c, w, "ring")))
         mem = cluster.device.memory_bytes
         if mem:
-            worst = max(r.ring.peak_mem_bytes for r in result.rows if r.world_size == world)
-            if worst > mem:
-                result.notes.append(f"{world} GPUs: ring's peak per rank (KV shard + two in flight) reaches "
-                                    f"{worst / 1e9:,.1f} GB, beyond the device's {mem / 1e9:,.0f} GB")
+            result.notes.extend(memory_notes([r for r in result.rows if r.world_size == world], mem))
     result.notes.extend(cluster.notes)
     return result
+
+
+def memory_notes(rows: list[SimRow], mem: int) -> list[str]:
+    """What does not fit in a device's ``mem`` bytes at one world size: the KV shard itself (then
+    no strategy runs), else ring's shard plus its blocks in flight."""
+    world = rows[0].world_size
+    shard = {r.seq_len: r.tree.peak_mem_bytes - r.tree.extra_mem_bytes for r in rows}  # the largest KV shard
+    too_big = sorted(n for n, b in shard.items() if b > mem)
+    if too_big:
+        return [f"{world} GPUs: from {too_big[0]:,} tokens the KV shard alone ({shard[too_big[0]] / 2**30:,.1f} GiB "
+                f"per rank) exceeds the device's {mem / 2**30:,.1f} GiB: no strategy runs there"]
+    worst = max(rows, key=lambda r: r.ring.peak_mem_bytes)
+    if worst.ring.peak_mem_bytes > mem:
+        flying = min(2, world - 1)
+        return [f"{world} GPUs: ring's peak per rank (KV shard + {flying} block{'s' if flying > 1 else ''} in flight) "
+                f"reaches {worst.ring.peak_mem_bytes / 2**30:,.1f} GiB at {worst.seq_len:,} tokens, beyond the "
+                f"device's {mem / 2**30:,.1f} GiB"]
+    return []
