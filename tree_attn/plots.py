@@ -1,6 +1,6 @@
 """Pictures: simulated latency and speedup, a measured sequence-length sweep, a topology.
 
-matplotlib is an optional extra (``pip install "tree-attn[plot]"``), imported inside the
+matplotlib is an optional extra (``pip install ".[plot]"`` in a checkout, or ``pip install matplotlib``), imported inside the
 functions with the non-interactive Agg backend; without it :func:`require_matplotlib` raises a
 ConfigError saying how to install it. Figures are written small (PNG, 100 dpi) for READMEs.
 """
@@ -25,8 +25,8 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError('--plot needs matplotlib, an optional extra: pip install "tree-attn[plot]" '
-                          "(or pip install matplotlib)") from None
+        raise ConfigError("--plot needs matplotlib, an optional extra: pip install matplotlib "
+                          '(or, in a checkout of tree-attn, pip install ".[plot]")') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -153,7 +153,7 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
             continue
         arrivals = [ready[c] + share * cluster.link(c, node).p2p_us(msg) for c in kids]
         # Messages from several children share the node's ingress: all but the first queue for
-        # its bandwidth (the smallest class bandwidth among them, conservatively).
+        # it, each at its own link's bandwidth.
         ingress = share * sum(msg / (cluster.link(c, node).p2p_gbps * 1e3) for c in kids[1:])
         ready[node] = max(arrivals) + ingress + merge
     # Downward pass: a node sends to its children one after the other on its egress.

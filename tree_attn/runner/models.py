@@ -42,7 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # logits are nearly flat, greedy decoding repeats one token, and an exactness check would prove
 # little. Wider weights give spread-out logits and varied tokens.
 DEFAULT_PRESET = "small"
-MODELS_EXTRA = 'pip install "tree-attn[models]" (Hugging Face transformers and safetensors)'
+MODELS_EXTRA = 'pip install "transformers>=5,<6" safetensors (in a checkout of tree-attn: pip install ".[models]")'
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     if opts.step_overhead_us is not None:
         over = opts.step_overhead_us
         if isinstance(over, bool) or not isinstance(over, (int, float)) or not 0 <= over <= 1e9:
-            raise ConfigError(f"--step-overhead-us must be a number of microseconds >= 0; got {over!r}")
+            raise ConfigError(f"--step-overhead-us must be a number of microseconds from 0 to 1e9; got {over!r}")
         cluster = dataclasses.replace(cluster, step_overhead_us=float(over))
         source += f"; step overhead set to {over:g} us"
     g = cluster.ranks_per_node if opts.gpus_per_node is None else opts.gpus_per_node

@@ -1,4 +1,4 @@
-"""Live probe of AMD GPUs through AMD SMI (``amdsmi``, optional: ``pip install tree-attn[rocm]``).
+"""Live probe of AMD GPUs through AMD SMI (``amdsmi``, optional: ``pip install ".[rocm]"`` in a checkout).
 
 Two traps of the library, handled here:
 
