@@ -6,9 +6,10 @@ One helper each, used by every reader and writer (topologies, dumps, profiles, J
   our files needs them, and an alias "bomb" (a few lines whose aliases expand to billions of
   nodes) would otherwise cost minutes and gigabytes before any field is checked. It raises
   :class:`YAMLAliasError`, a ``yaml.YAMLError`` with the line and column, at the first anchor.
-- :func:`atomic_write_text`: a temporary file in the target folder, fsynced, then renamed over the
-  target (or hard-linked, when an existing file must not be replaced), so a crash or a full disk
-  never leaves half a file. ``mkstemp`` creates the file with mode 0600; it is given the mode a
+- :func:`atomic_write_text` / :func:`atomic_write_bytes`: a temporary file in the target folder,
+  fsynced, then renamed over the target (or hard-linked, when an existing file must not be
+  replaced), so a crash or a full disk never leaves half a file. A symbolic link is written
+  through (its target replaced), and a target that is not a regular file is refused. ``mkstemp`` creates the file with mode 0600; it is given the mode a
   plain ``open()`` would (0666 less the umask) before the rename, so that a CI uploader running
   as another user can read a JUnit report written under umask 022.
 
@@ -18,7 +19,9 @@ Imports nothing of the project.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from typing import IO, Any
 
@@ -71,14 +74,28 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, replace: bool = True) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically, with the mode ``open()`` would give it.
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode("utf-8"), replace=replace)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, replace: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically, with the mode ``open()`` would give it.
 
     The folder is created if needed. With ``replace=False`` an existing ``path`` is never
     touched: ``FileExistsError`` (also when the file appears while writing: the final step is a
     hard link, which fails on an existing name; file systems without hard links fall back to a
-    checked rename). Raises ``OSError`` on any failure; the temporary file is removed.
+    checked rename). Replacing writes through a symbolic link (its target is replaced, the link
+    stays), and refuses a target that is not a regular file (a folder, a device such as
+    ``/dev/null``, a FIFO): ``IsADirectoryError`` or ``OSError(EINVAL)``. Raises ``OSError`` on any
+    failure; the temporary file is removed.
     """
     path = os.fspath(path)
+    if replace and os.path.lexists(path):
+        path = os.path.realpath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (only files are written)", path)
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -88,8 +105,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, replace: bool = Tru
         raise FileExistsError(17, "File exists", path)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.chmod(tmp, 0o666 & ~_umask())
             os.fsync(f.fileno())

@@ -34,20 +34,38 @@ def require_matplotlib():
 
 
 def check_png_path(path: str) -> None:
-    """Refuse a plot path that is not a .png in an existing folder, before any work is done."""
+    """Refuse a plot path that cannot take the picture (not a .png, a folder, a folder that does
+    not exist or cannot be written), before any work is done."""
     if not str(path).lower().endswith(".png"):
         raise ConfigError(f"--plot {path}: the picture is written as PNG; give a file name ending in .png")
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path} is a folder; give a file name ending in .png")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--plot {path}: the folder {folder} cannot be written")
 
 
 def _save(fig, path: str) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    """Render ``fig`` as PNG and write it atomically (no half-written picture); an OSError is a
+    ConfigError naming the path."""
+    import io
+
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    from .files import atomic_write_bytes
+
+    try:
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=DPI, format="png")
+    finally:
+        plt.close(fig)
+    try:
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError as exc:
+        raise ConfigError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
 
 
 def _tokens(n: float) -> str:

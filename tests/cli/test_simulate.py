@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -158,3 +159,35 @@ def test_memory_notes_say_which_strategy_does_not_fit(capsys):
     assert main(["simulate", "--preset", "rtx4090-pcie", "-w", "16", "-n", "40M", "--json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any(n.startswith("16 GPUs: ring's peak per rank (KV shard + 2 blocks in flight)") for n in notes), notes
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    folder = tmp_path / "dir.png"
+    folder.mkdir()
+    assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "is a folder" in err and "Traceback" not in err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    # As the folder's permissions would say to a user other than root (root writes anywhere).
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(locked / "x.png")]) == 1
+    assert "cannot be written" in capsys.readouterr().err
+
+
+def test_a_plot_is_written_after_the_results_and_atomically(capsys, tmp_path, monkeypatch):
+    """A picture that fails to write names its path in one line, after the table is printed."""
+    pytest.importorskip("matplotlib")
+    from tree_attn import files
+
+    def full_disk(path, data, *, replace=True):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(files, "atomic_write_bytes", full_disk)
+    out = tmp_path / "sim.png"
+    assert main(["simulate", "-w", "8", "-n", "32K", "--json", "--plot", str(out)]) == 1
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["rows"]  # the predictions were printed first
+    assert f"cannot write --plot {out}: No space left on device" in cap.err.replace("\n", "")
+    assert not out.exists() and list(tmp_path.iterdir()) == []

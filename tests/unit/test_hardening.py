@@ -126,6 +126,24 @@ def test_atomic_write_without_replace_leaves_an_existing_file(tmp_path):
     assert target.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
+def test_replacing_writes_through_a_symlink_and_refuses_what_is_not_a_file(tmp_path):
+    real = tmp_path / "dotfiles" / "profile.yaml"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "profile.yaml"
+    link.symlink_to(real)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"  # the link stays, its target is replaced
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        atomic_write_text(fifo, "x")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    with pytest.raises(IsADirectoryError):
+        atomic_write_text(tmp_path / "dotfiles", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dotfiles", "fifo.yaml", "profile.yaml"]
+
+
 def test_cpu_rank_cap(monkeypatch):
     monkeypatch.setattr(launch, "usable_cores", lambda: 2)
     assert launch.max_cpu_ranks() == 8

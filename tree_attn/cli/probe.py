@@ -69,15 +69,15 @@ def probe_command(
     if output is not None:
         save_topology(topo, output, force=force)
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
+    if json_out:
+        print_json(topo.to_dict())
+    else:
+        render_topology(topo)
     if plot:
         from ..plots import plot_topology
 
         plot_topology(topo, plot)
         notice(f"wrote {plot}")
-    if json_out:
-        print_json(topo.to_dict())
-    else:
-        render_topology(topo)
 
 
 def kind_style(kind: str) -> str:

@@ -87,17 +87,17 @@ def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> 
     from ..runner.sweep import run_sweep
 
     results = run_sweep(options, sweep, progress=lambda text: err_console.print(text, markup=False))
+    # The measurements first: a picture that cannot be written must not take them with it.
+    if json_out:
+        print_json({"sweep": [r.to_dict() for r in results]})
+    else:
+        render_sweep(results)
     if plot:
         from ..plots import plot_sweep
 
         first = results[0]
         plot_sweep([r.to_dict() for r in results], plot,
                    f"tree-attn run: {first.spec['world_size']} ranks, {first.device} ({first.backend}); measured")
-    if json_out:
-        print_json({"sweep": [r.to_dict() for r in results]})
-    else:
-        render_sweep(results)
-    if plot:
         err_console.print(f"wrote {plot}", markup=False)
     bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
     if bad:

@@ -55,17 +55,15 @@ def simulate_command(
         gpus_per_node=gpus_per_node, seq_lens=seq_lens, batch=batch, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, dtype=dtype, fanout=fanout, step_overhead_us=step_overhead_us,
     ))
-    if plot:
-        from ..plots import plot_simulation
-
-        plot_simulation(result, plot)
     if json_out:
         print_json(result.to_dict())
     else:
         render(result)
     if plot:
+        from ..plots import plot_simulation
         from .common import err_console
 
+        plot_simulation(result, plot)
         err_console.print(f"wrote {plot}", markup=False)
 
 
