@@ -112,6 +112,17 @@ def test_tune_device_option(capsys):
     assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("option, value", [("--head-dim", "0"), ("--head-dim", "-4"), ("--heads", "0"),
+                                           ("--batch", "0"), ("--batch", "-1"), ("--kv-heads", "0")])
+def test_tune_refuses_a_shape_that_is_not_one_naming_the_option(profile_dir, capsys, tmp_path, option, value):
+    out = tmp_path / "p.yaml"
+    dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
+    assert main(["tune", "--device", "cpu", "--topology", str(dump), "--output", str(out), option, value]) == 1
+    err = capsys.readouterr().err
+    assert f"{option} must be an integer >= 1; got {value}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_tune_from_a_foreign_topology_is_model_derived(profile_dir, capsys, tmp_path):
     out = tmp_path / "h100.yaml"
     dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"

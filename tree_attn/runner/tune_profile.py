@@ -119,7 +119,11 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     from .tune import TuneOptions
 
     check_timeout(request.timeout_s)
-    if request.kv_heads < 1 or request.heads % request.kv_heads:
+    for option, value in (("--batch", request.batch), ("--heads", request.heads), ("--kv-heads", request.kv_heads),
+                          ("--head-dim", request.head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{option} must be an integer >= 1; got {value!r}")
+    if request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
     device_kind, n_gpus = resolve_device_kind(request.device)
