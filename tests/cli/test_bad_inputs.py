@@ -9,6 +9,7 @@ The count of cases is recorded in benchmarks/RESULTS.md ("Reliability").
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -49,6 +50,14 @@ def _files(root: Path) -> None:
     (root / "gpt2-model" / "model.safetensors").write_bytes(b"")
     (root / "no-config").mkdir()
     (root / "no-config" / "model.safetensors").write_bytes(b"")
+    # weights that cannot load: a download cut short, and a Git LFS pointer (a clone without git lfs)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    whole = len(header).to_bytes(8, "little") + header + bytes(16)
+    for name, data in (("truncated-weights", whole[:-4]),
+                       ("lfs-weights", b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 16\n")):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text('{"model_type": "llama"}')
+        (root / name / "model.safetensors").write_bytes(data)
 
 
 def _snapshot(root: Path) -> dict:
@@ -146,7 +155,7 @@ CASES = [
     ("tune-world-100000", ["tune", *CPU, "-w", "100000"], {}, 1, "at most"),
     ("tune-world-0", ["tune", *CPU, "-w", "0"], {}, 1, "must be an integer >= 1"),
     ("tune-timeout-0", ["tune", *CPU, "--timeout", "0"], {}, 1, "--timeout must be"),
-    ("tune-kv-heads-0", ["tune", *CPU, "--kv-heads", "0"], {}, 1, "multiple of KV heads"),
+    ("tune-kv-heads-0", ["tune", *CPU, "--kv-heads", "0"], {}, 1, "--kv-heads must be an integer >= 1; got 0"),
     ("tune-dtype-unknown", ["tune", *CPU, "--dtype", "fp8"], {}, 1, "dtype must be one of"),
     ("tune-topology-alias-bomb", ["tune", "--topology", "{d}/topo-bomb.yaml", "-o", "{d}/out.yaml"], {}, 1,
      "anchor &l0 is not accepted"),
@@ -157,6 +166,10 @@ CASES = [
     ("generate-config-missing", ["generate", *CPU, "--model", "{d}/no-config"], {}, 1, "config.json is missing"),
     ("generate-config-not-json", ["generate", *CPU, "--model", "{d}/bad-config"], {}, 1, "not readable JSON"),
     ("generate-no-safetensors", ["generate", *CPU, "--model", "{d}/no-weights"], {}, 1, "no *.safetensors weights"),
+    ("generate-weights-cut-short", ["generate", *CPU, "--model", "{d}/truncated-weights"], {}, 1,
+     "model.safetensors is cut short or padded: its tensors end at byte 16 of the data, the file has 12"),
+    ("generate-weights-lfs-pointer", ["generate", *CPU, "--model", "{d}/lfs-weights"], {}, 1,
+     "model.safetensors is a Git LFS pointer, not the weights: fetch them with `git lfs pull`"),
     ("generate-layers-with-model", ["generate", *CPU, "--model", "{d}/no-weights", "--layers", "2"], {}, 1,
      "--layers applies to a preset"),
     ("generate-unknown-preset", ["generate", *CPU, "--preset", "gpt-5"], {}, 1, "unknown model preset 'gpt-5'"),

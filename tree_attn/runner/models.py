@@ -116,11 +116,53 @@ def check_source(source: ModelSource) -> dict[str, Any]:
             f"--model {source.path}: architecture {model_type!r}{f' ({archs})' if archs else ''} is not supported; "
             f"tree-attn generate decodes {', '.join(SUPPORTED_TYPES)} checkpoints"
         )
-    if not any(folder.glob("*.safetensors")):
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
         raise ConfigError(
             f"--model {source.path}: no *.safetensors weights in the folder (other weight formats are not read)"
         )
+    for f in weights:
+        problem = safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"--model {source.path}: {f.name} {problem}")
     return config
+
+
+LFS_POINTER = b"version https://git-lfs"
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, or None. Reads its header only: an 8-byte
+    little-endian length, that many bytes of JSON, then the tensors, whose last ``data_offsets``
+    end must be the rest of the file (a truncated download, or a Git LFS pointer left by a clone
+    made without ``git lfs``, fails here, before any rank starts)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            size = os.fstat(fh.fileno()).st_size
+            if head.startswith(LFS_POINTER[:8]) and (head + fh.read(len(LFS_POINTER) - 8)).startswith(LFS_POINTER):
+                return "is a Git LFS pointer, not the weights: fetch them with `git lfs pull` in the checkpoint's clone"
+            if len(head) < 8:
+                return f"is not a safetensors file ({size} bytes)"
+            n = int.from_bytes(head, "little")
+            if n < 2 or 8 + n > size:
+                return f"is not a whole safetensors file (its header claims {n:,} bytes, the file has {size:,}): " \
+                       "a truncated download?"
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    if ends and not all(isinstance(e, int) for e in ends):
+        return "is not a safetensors file (bad data_offsets)"
+    data = size - 8 - n
+    if ends and max(ends) != data:
+        return f"is cut short or padded: its tensors end at byte {max(ends):,} of the data, the file has {data:,} " \
+               "(a truncated download?)"
+    return None
 
 
 def build_model(source: ModelSource, *, dtype, device) -> Any:
