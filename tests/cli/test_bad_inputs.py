@@ -131,6 +131,8 @@ CASES = [
     ("probe-from-markup-path", ["probe", "--from", "{d}/nope[/bold]"], {}, 1, "nope[/bold]"),
     ("probe-from-alias-bomb", ["probe", "--from", "{d}/topo-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),
     ("probe-from-anchor", ["probe", "--from", "{d}/anchored.yaml"], {}, 1, "anchor &d is not accepted"),
+    ("probe-measure-iterations-0", ["probe", "--measure", "--backend", "host", "--cpu-ranks", "2", "--iterations", "0"], {}, 1,
+     "--iterations must be an integer >= 1; got 0"),
     ("probe-from-a-folder", ["probe", "--from", "{d}/a-folder"], {}, 1, "a-folder"),
     ("probe-from-garbage", ["probe", "--from", "{d}/garbage.txt"], {}, 1, "unrecognised topology dump"),
     ("probe-from-truncated", ["probe", "--from", "{d}/truncated.txt"], {}, 1, "truncated"),

@@ -59,6 +59,8 @@ def test_simulate_table_fits_80_columns(capsys):
     (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds from 0 to 1e9"),
     (["-n", "0.3K"], "'0.3K' is not a whole number of tokens"),
     (["-g", "0"], "--gpus-per-node must be an integer in 1..4096; got 0"),
+    (["-w", "8,16", "-k", "100"], "--fanout 100 is larger than the largest world size 16"),
+    (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)], "give one source of parameters, not --profile and --topology"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
     assert main(["simulate", *args]) == 1

@@ -42,7 +42,7 @@ def generate_command(
     fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache: fp32 (default), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache: float32 (fp32), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
     page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page (1..256)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),

@@ -34,9 +34,11 @@ def probe_command(
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped (needs matplotlib)."),
 ) -> None:
-    from ..errors import TopologyError
+    from ..errors import ConfigError, TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings
 
+    if measure and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
+        raise ConfigError(f"--iterations must be an integer >= 1; got {iterations!r}")
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..ranks.launch import check_cpu_ranks
 

@@ -40,9 +40,9 @@ def run_command(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random query and KV cache."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
-    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else built-in defaults."),
+    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else a built-in one for the same machine, else built-in defaults."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs eagerly."),
-    sweep: str = typer.Option(None, "--sweep", help="Comma list of sequence lengths (16K, 65536, 1M) to run one after the other instead of --seq-len; one table row per length and strategy."),
+    sweep: str = typer.Option(None, "--sweep", help="Comma list of sequence lengths (16K = 16,384; 65536; 1M = 1,000,000) to run one after the other instead of --seq-len; one table row per length and strategy."),
     plot: str = typer.Option(None, "--plot", help="Write median step time and bytes per rank vs sequence length, per strategy, to FILE.png (log axes; needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:

@@ -189,6 +189,13 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
         raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16")
     if isinstance(opts.fanout, bool) or not isinstance(opts.fanout, int) or opts.fanout < 2:
         raise ConfigError(f"--fanout must be an integer >= 2; got {opts.fanout!r}")
+    if opts.fanout > max(max(worlds), 2):
+        raise ConfigError(f"--fanout {opts.fanout} is larger than the largest world size {max(worlds)}; "
+                          f"use 2..{max(max(worlds), 2)}")
+    given = [name for name, v in (("--params", opts.params), ("--profile", opts.profile),
+                                  ("--topology", opts.topology)) if v]
+    if len(given) > 1:
+        raise ConfigError(f"give one source of parameters, not {' and '.join(given)}: each holds the node's links")
     cluster, source = resolve_cluster(opts)
     if opts.step_overhead_us is not None:
         over = opts.step_overhead_us

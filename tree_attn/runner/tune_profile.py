@@ -209,7 +209,7 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
     )
     kernel = KernelSection(device_spec=topo.devices[0].name if buckets else None,
                            buckets=[_kernel_bucket(b) for b in buckets])
-    notes = [] if buckets else ["CPU ranks run the torch reference path: no kernel configs to tune"]
+    notes = [] if buckets else ["CPU ranks: no Triton kernel configs to tune (the CPU path has none)"]
     return Profile(
         name=f"tuned-{topo.fingerprint}",
         created=utc_now(),
