@@ -2,10 +2,10 @@
 model (``tree_attn.cost``) and parameters taken from a parameters file, a profile, a topology or a
 built-in preset. No torch, nothing launched.
 
-Parameters, first found wins: ``--params FILE`` (a calibration, e.g.
+Parameters, from one of (two are refused): ``--params FILE`` (a calibration, e.g.
 ``benchmarks/calibrate_costmodel.py``), ``--profile`` (its topology, kernel bandwidths and plan
 timings), ``--topology FILE`` (a probe's YAML, ``probe --measure`` numbers included, or a recorded
-dump; the device and network from the preset), else the preset (default ``h100-sxm``).
+dump; the device and network from the preset of its kind of GPU), else the preset (default ``h100-sxm``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,6 @@ class SimulateResult:
 def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
     """The parameters to simulate with, and where they came from (one line)."""
     from ..cost import fit
-
     from ..cost.presets import preset_for_device
 
     base = preset(opts.preset or DEFAULT_PRESET)
