@@ -1,7 +1,7 @@
 """Pictures: simulated latency and speedup, a measured sequence-length sweep, a topology.
 
-matplotlib is an optional extra (``pip install ".[plot]"`` in a checkout, or ``pip install matplotlib``), imported inside the
-functions with the non-interactive Agg backend; without it :func:`require_matplotlib` raises a
+matplotlib is an optional extra (``pip install matplotlib``, or ``pip install ".[plot]"`` in a
+checkout), imported inside the functions with the non-interactive Agg backend; without it :func:`require_matplotlib` raises a
 ConfigError saying how to install it. Figures are written small (PNG, 100 dpi) for READMEs.
 """
 

@@ -129,6 +129,7 @@ def check_source(source: ModelSource) -> dict[str, Any]:
 
 
 LFS_POINTER = b"version https://git-lfs"
+MAX_HEADER = 100_000_000  # bytes: the largest header the safetensors library reads
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -145,6 +146,8 @@ def safetensors_problem(path: Path) -> str | None:
             if len(head) < 8:
                 return f"is not a safetensors file ({size} bytes)"
             n = int.from_bytes(head, "little")
+            if n > MAX_HEADER:  # safetensors' own limit: no multi-GB read of a corrupt length
+                return f"is not a safetensors file (its header claims {n:,} bytes, more than the format allows)"
             if n < 2 or 8 + n > size:
                 return f"is not a whole safetensors file (its header claims {n:,} bytes, the file has {size:,}): " \
                        "a truncated download?"
@@ -155,9 +158,10 @@ def safetensors_problem(path: Path) -> str | None:
         return "is not a safetensors file (its header is not JSON)"
     if not isinstance(header, dict):
         return "is not a safetensors file (its header is not a JSON object)"
-    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
-    if ends and not all(isinstance(e, int) for e in ends):
+    offsets = [t.get("data_offsets") for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    if not all(isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o) for o in offsets):
         return "is not a safetensors file (bad data_offsets)"
+    ends = [o[1] for o in offsets]
     data = size - 8 - n
     if ends and max(ends) != data:
         return f"is cut short or padded: its tensors end at byte {max(ends):,} of the data, the file has {data:,} " \
