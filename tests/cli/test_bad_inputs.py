@@ -84,6 +84,8 @@ CASES = [
     ("run-seq-len-negative", ["run", *CPU, "-n", "-1"], {}, 1, "sequence length must be >= 0"),
     ("run-seq-len-beyond-memory", ["run", *CPU, "-n", "10000000000000"], {}, 1, "GiB available"),
     ("run-batch-beyond-memory", ["run", *CPU, "-b", "1000000000"], {}, 1, "GiB available"),
+    ("run-heads-beyond-memory", ["run", *CPU, "--heads", "1099511627776", "--kv-heads", "1", "-n", "16"], {}, 1,
+     "GiB available"),
     ("run-batch-0", ["run", *CPU, "-b", "0"], {}, 1, "batch must be a positive integer"),
     ("run-kv-heads-0", ["run", *CPU, "--kv-heads", "0"], {}, 1, "kv heads must be a positive integer"),
     ("run-heads-not-multiple", ["run", *CPU, "--heads", "8", "--kv-heads", "3"], {}, 1, "must be a multiple of KV heads"),
@@ -159,6 +161,7 @@ CASES = [
     ("tune-timeout-0", ["tune", *CPU, "--timeout", "0"], {}, 1, "--timeout must be"),
     ("tune-kv-heads-0", ["tune", *CPU, "--kv-heads", "0"], {}, 1, "--kv-heads must be an integer >= 1; got 0"),
     ("tune-dtype-unknown", ["tune", *CPU, "--dtype", "fp8"], {}, 1, "dtype must be one of"),
+    ("tune-batch-beyond-memory", ["tune", *CPU, "--batch", "100000000"], {}, 1, "GiB available"),
     ("tune-topology-alias-bomb", ["tune", "--topology", "{d}/topo-bomb.yaml", "-o", "{d}/out.yaml"], {}, 1,
      "anchor &l0 is not accepted"),
     # -- generate: the model folder, the prompt, sizes; all before a weight is read --------------------

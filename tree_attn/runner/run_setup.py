@@ -95,32 +95,35 @@ PROCESS_BYTES = 300 * 2**20
 
 
 def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
-                      ring: bool) -> int:
+                      ring: bool, q_heads: int = 0) -> int:
     """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
-    float32, then cast), ring's shards in flight (two more) and a process; the parent's reference
-    holds one shard (float32) at a time."""
+    float32, then cast), ring's shards in flight (two more), the query and a few float32 states of
+    ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
+    reference holds one shard (float32) at a time and the same states."""
     from ..dtypes import torch_dtype
 
     elem = torch_dtype(dtype).itemsize
     shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
-    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + PROCESS_BYTES
-    parent = 2 * shard * 4 + PROCESS_BYTES
+    states = batch * q_heads * (head_dim * elem + 8 * 4 * (head_dim + 1))
+    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + states + PROCESS_BYTES
+    parent = 2 * shard * 4 + states + PROCESS_BYTES
     return world_size * per_rank + parent
 
 
 def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
-                      ring: bool) -> None:
+                      ring: bool, q_heads: int = 0) -> None:
     """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
     before any rank allocates it."""
     from .memory import available_host_bytes
 
-    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring)
+    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads)
     have = available_host_bytes()
     if have is not None and need > have:
         raise ConfigError(
-            f"--seq-len {seq_len:,} (batch {batch}, {kv_heads} KV heads, head dim {head_dim}, {dtype}) over {world_size} "
-            f"CPU ranks needs about {need / 2**30:,.1f} GiB (K and V shards, {'ring shards in flight, ' if ring else ''}"
-            f"one process each); this machine has {have / 2**30:,.1f} GiB available: use a smaller --seq-len or --batch"
+            f"--seq-len {seq_len:,} (batch {batch}, {q_heads or '?'}/{kv_heads} heads, head dim {head_dim}, {dtype}) over "
+            f"{world_size} CPU ranks needs about {need / 2**30:,.1f} GiB (K and V shards, "
+            f"{'ring shards in flight, ' if ring else ''}query and states, one process each); this machine has "
+            f"{have / 2**30:,.1f} GiB available: use a smaller --seq-len, --batch or --heads"
         )
 
 
@@ -391,7 +394,8 @@ def plan_run(options: RunOptions) -> RunSetup:
         nodes=layout.nodes if layout is not None else 1,
     )  # validates the sizes (positive heads, ...) before anything computes with them
     if device_kind == "cpu" and trun is None:
-        check_host_memory(world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, dtype, "ring" in names)
+        check_host_memory(world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, dtype, "ring" in names,
+                          spec.q_heads)
     spec = dataclasses.replace(spec, kernel_config=kernel_config_for(
         profile, dtype, options.heads, options.kv_heads, options.head_dim, options.seq_len, world_size))
     return RunSetup(spec=spec, profile=choice, under_torchrun=trun is not None,

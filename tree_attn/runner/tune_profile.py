@@ -146,6 +146,11 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     if reason is not None:
         notices.append(f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): nothing can "
                        "be timed here, so the profile is model-derived (origin: model)")
+    if reason is None and device_kind == "cpu":  # the plans' messages, before any rank allocates them
+        from .run_setup import check_host_memory
+
+        check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False,
+                          request.heads)
     options = TuneOptions(
         world_size=world,
         device_kind=device_kind,
