@@ -252,6 +252,11 @@ def test_combining_dumps_fills_names_and_p2p(tmp_path):
     assert t.link(0, 1).p2p is P2PStatus.UNSUPPORTED  # P2P from topo -p2p
     assert [d.name for d in t.devices] == ["NVIDIA GeForce RTX 5090"] * 2
     assert t.devices[1].uuid == "GPU-bbbb" and t.devices[0].numa_node == 0
+    assert not any("gives no" in n for n in t.notes), t.notes  # nothing left to ask for
+    only_names = load_dumps([m, names])
+    assert any(n.startswith("nvidia-smi topo -m gives no peer-to-peer status") for n in only_names.notes)
+    assert not any("no device names" in n for n in only_names.notes), only_names.notes
+    assert any("no device names and no peer-to-peer" in n for n in load_dump(m).notes)
     other = tmp_path / "other.txt"
     other.write_text("\tGPU0\tGPU1\nGPU0\t X \tSYS\nGPU1\tSYS\t X \n")
     with pytest.raises(TopologyError, match="disagree"):

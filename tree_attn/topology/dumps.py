@@ -189,8 +189,7 @@ def parse_nvidia_topo_m(text: str) -> Topology:
             if c != c2:
                 raise _err(ln_b, f"GPU{b}-GPU{a} is {c2} but GPU{a}-GPU{b} is {c} (line {ln_a.no}): the matrix is not symmetric")
             links.append(_nv_link(a, b, c, devices))
-    notes = ["nvidia-smi topo -m gives no device names and no peer-to-peer status for PCIe pairs "
-             "(add the output of `nvidia-smi -L` and `nvidia-smi topo -p2p rw` to --from to fill them in)"]
+    notes = [TOPO_M_GAPS]
     if nics:
         notes.append(f"{len(nics)} NIC(s) in the dump ({', '.join(nics)}) are not GPUs and are left out")
     if _is_topo_mp(text, lines, [c for c, _ in cell.values()]):
@@ -596,6 +595,24 @@ def _saved_topology(text: str, where: str) -> Topology | None:
     return topology_from_obj(data, where=where)
 
 
+TOPO_M_GAPS = ("nvidia-smi topo -m gives no device names and no peer-to-peer status for PCIe pairs "
+               "(add the output of `nvidia-smi -L` and `nvidia-smi topo -p2p rw` to --from to fill them in)")
+
+
+def _topo_m_gaps_left(topo: Topology) -> str | None:
+    """The topo -m note for what is still missing once other dumps filled in names or P2P."""
+    names = any(d.name in (None, UNKNOWN) for d in topo.devices)
+    p2p = any(l.p2p is P2PStatus.UNKNOWN for l in topo.links)
+    if names and p2p:
+        return TOPO_M_GAPS
+    if names:
+        return "nvidia-smi topo -m gives no device names (add the output of `nvidia-smi -L` to --from to fill them in)"
+    if p2p:
+        return ("nvidia-smi topo -m gives no peer-to-peer status for PCIe pairs (add the output of "
+                "`nvidia-smi topo -p2p rw` to --from to fill it in)")
+    return None
+
+
 def load_dumps(paths: Iterable[str | os.PathLike]) -> Topology:
     """Parse several dumps of one machine and combine them: the first dump that gives link
     classes is the base; the others fill in what it does not say (names, peer-to-peer status)."""
@@ -607,4 +624,7 @@ def load_dumps(paths: Iterable[str | os.PathLike]) -> Topology:
     out = topos[0]
     for t in topos[1:]:
         out = out.completed_with(t)
+    if len(topos) > 1 and TOPO_M_GAPS in out.notes:  # say only what the other dumps left missing
+        left = _topo_m_gaps_left(out)
+        out = out.replace(notes=[n2 for n in out.notes for n2 in ([left] if n == TOPO_M_GAPS else [n]) if n2])
     return out
