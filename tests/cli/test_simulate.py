@@ -178,7 +178,7 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(capsys, t
     assert "cannot be written" in capsys.readouterr().err
 
 
-def test_a_plot_is_written_after_the_results_and_atomically(capsys, tmp_path, monkeypatch):
+def test_a_plot_is_drawn_after_the_results_and_a_failed_write_is_one_line(capsys, tmp_path, monkeypatch):
     """A picture that fails to write names its path in one line, after the table is printed."""
     pytest.importorskip("matplotlib")
     from tree_attn import files

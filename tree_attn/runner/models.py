@@ -139,10 +139,12 @@ def safetensors_problem(path: Path) -> str | None:
     made without ``git lfs``, fails here, before any rank starts)."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(8)
+            start = fh.read(len(LFS_POINTER))
             size = os.fstat(fh.fileno()).st_size
-            if head.startswith(LFS_POINTER[:8]) and (head + fh.read(len(LFS_POINTER) - 8)).startswith(LFS_POINTER):
+            if start.startswith(LFS_POINTER):
                 return "is a Git LFS pointer, not the weights: fetch them with `git lfs pull` in the checkpoint's clone"
+            head = start[:8]
+            fh.seek(8)
             if len(head) < 8:
                 return f"is not a safetensors file ({size} bytes)"
             n = int.from_bytes(head, "little")

@@ -626,5 +626,6 @@ def load_dumps(paths: Iterable[str | os.PathLike]) -> Topology:
         out = out.completed_with(t)
     if len(topos) > 1 and TOPO_M_GAPS in out.notes:  # say only what the other dumps left missing
         left = _topo_m_gaps_left(out)
-        out = out.replace(notes=[n2 for n in out.notes for n2 in ([left] if n == TOPO_M_GAPS else [n]) if n2])
+        notes = [left if n == TOPO_M_GAPS else n for n in out.notes]
+        out = out.replace(notes=[n for n in notes if n])
     return out
