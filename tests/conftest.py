@@ -27,8 +27,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -71,6 +73,25 @@ _set_process_mode()
 from tree_attn.kernels.cpu_native import native_status  # noqa: E402
 
 native_status()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_tmpdir():
+    """Processes the tests start put their temporary files in a folder of this session, removed at
+    its end: torchrun's agent leaves a ``torchelastic_*`` folder in the temporary folder of every
+    job it runs. This process keeps the temporary folder it already had (pytest's own is there)."""
+    tempfile.gettempdir()  # fixed now, before TMPDIR changes: only child processes read the new one
+    folder = tempfile.mkdtemp(prefix="tree-attn-tests-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -81,7 +81,7 @@ CASES = [
     ("run-world-100000", ["run", *CPU, "-w", "100000"], {}, 1, "at most"),
     ("run-world-0", ["run", *CPU, "-w", "0"], {}, 1, "--world-size must be an integer >= 1"),
     ("run-world-negative", ["run", *CPU, "-w", "-3"], {}, 1, "--world-size must be an integer >= 1"),
-    ("run-seq-len-negative", ["run", *CPU, "-n", "-1"], {}, 1, "sequence length must be >= 0"),
+    ("run-seq-len-negative", ["run", *CPU, "-n", "-1"], {}, 1, "--seq-len must be at least 1 token; got -1"),
     ("run-seq-len-beyond-memory", ["run", *CPU, "-n", "10000000000000"], {}, 1, "GiB available"),
     ("run-batch-beyond-memory", ["run", *CPU, "-b", "1000000000"], {}, 1, "GiB available"),
     ("run-heads-beyond-memory", ["run", *CPU, "--heads", "1099511627776", "--kv-heads", "1", "-n", "16"], {}, 1,

@@ -52,17 +52,19 @@ def test_simulate_table_fits_80_columns(capsys):
 @pytest.mark.parametrize("args, text", [
     (["-w", "12"], "world size 12 is not a whole number of nodes of 8"),
     (["-w", "5000"], "world size 5000: expected 1 to 4096"),
-    (["-n", "32Q"], "expected a number of tokens"),
+    (["-n", "0"], "sequence length '0': expected 1 to 100,000,000 tokens"),
     (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
     (["--dtype", "int8"], "--dtype 'int8'"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
     (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds from 0 to 1e9"),
-    (["-n", "0.3K"], "'0.3K' is not a whole number of tokens"),
+    (["-n", "200M"], "sequence length '200M': expected 1 to 100,000,000 tokens"),
     (["-g", "0"], "--gpus-per-node must be an integer in 1..4096; got 0"),
     (["-w", "8,16", "-k", "100"], "--fanout 100 is larger than the largest world size 16"),
     (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)], "give one source of parameters, not --profile and --topology"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
+    # (a length that is not a count, "32Q" or "0.3K", is the option parser's exit 2:
+    # tests/cli/test_new_user.py checks that for every count option)
     assert main(["simulate", *args]) == 1
     err = capsys.readouterr().err
     assert text in err and "Traceback" not in err

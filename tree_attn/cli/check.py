@@ -17,7 +17,7 @@ _MARK = {"passed": "[green]ok  [/green]", "failed": "[bold red]FAIL[/bold red]",
 
 
 def register(app: typer.Typer) -> None:
-    app.command("check", help="Compare the GPU fabric with an expected topology; exit 1 on any difference.")(check_command)
+    app.command("check", help="Compare the GPU fabric with an expected topology, device model first; exit 1 on any difference.")(check_command)
 
 
 def check_command(
@@ -75,8 +75,12 @@ def check_command(
             # Identical differences on many pairs (an A100 box against an H100 expectation) read as one line.
             for d in summarize_differences(r.differences, len(actual) * (len(actual) - 1) // 2):
                 out_console.print(f"         {d}", markup=False, highlight=False, soft_wrap=True)
-        if report.ok:
+        if report.ok and report.model_compared:
             out_console.print("[green]the fabric is as expected[/green]")
+        elif report.ok:
+            # A topo -m dump names no GPU: an H200 box reads as an H100's fabric. Say what was not seen.
+            out_console.print("[yellow]the links are as expected; the GPU model was not compared[/yellow] "
+                              "(a dump without names: add `nvidia-smi -L` output as another --from)")
         else:
             out_console.print(f"[bold red]{len(report.differences)} difference(s) from the expected topology[/bold red]")
     if not report.ok:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .common import announce_setup, err_console, error, line, out_console, print_json, styled
+from .common import (announce_setup, count_option, err_console, error, line, out_console, plan_name, print_json, ranks,
+                     styled)
 
 HELP = (
     "Greedy decoding of a Llama-family model (Llama, Qwen2, Mistral) with its KV cache paged and "
@@ -34,16 +35,16 @@ def generate_command(
     layers: int = typer.Option(None, "--layers", help="Layers of the preset (small: 4, llama-3.1-8b: 2)."),
     seed: int = typer.Option(0, "--seed", help="Seed of a preset's weights, the random prompt and the page tables."),
     prompt: str = typer.Option(None, "--prompt", help="Text (with a checkpoint's tokenizer) or comma-separated token ids."),
-    prompt_len: int = typer.Option(512, "--prompt-len", help="Without --prompt: this many random token ids."),
-    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens to generate (one decode step each)."),
-    max_len: int = typer.Option(None, "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max positions."),
+    prompt_len: int = count_option(512, "--prompt-len", help="Without --prompt: this many random token ids."),
+    new_tokens: int = count_option(32, "--new-tokens", help="Tokens to generate (one decode step each)."),
+    max_len: int = count_option(None, "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max positions."),
     world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks)."),
     strategy: str = typer.Option("auto", "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring."),
     fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
     dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache: float32 (fp32), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
-    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page (1..256)."),
+    page_size: int = count_option(16, "--page-size", help="Tokens per KV page (1..256)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
@@ -58,8 +59,9 @@ def generate_command(
     ))
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
-        f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over {spec.world_size} "
-        f"ranks ({spec.backend}, {spec.dtype}); strategies: {', '.join(p.label if p else 'ring' for _, p in spec.strategies)}"))
+        f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over "
+        f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}); strategies: "
+        f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.strategies)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
     if setup.env is not None:
         from ..runner.generate import run_generate_torchrun
@@ -89,7 +91,7 @@ def render_generate(result) -> None:
 
     table = Table(
         title=styled(f"tree-attn generate: {result.model}, {result.prompt_tokens:,}-token prompt, "
-                     f"{result.world_size} ranks, {result.device} ({result.backend})"),
+                     f"{ranks(result.world_size)}, {result.device} ({result.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     for col, just in (("decode", "left"), ("ranks", "right"), ("median", "right"), ("p95", "right"),

@@ -58,20 +58,26 @@ def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OP
         return
     # One block per profile, not a table: at 80 columns eight columns wrap every cell to a few
     # characters. Names, paths and labels are Texts, never markup (a profile may be named "evil[/x]").
+    # Every line is printed whole (soft wrap): a path or a plan label broken by the console's
+    # width (80 columns when piped) cannot be copied back, and a terminal wraps a long line itself.
+    def say(text) -> None:
+        out_console.print(text, soft_wrap=True)
+
     for e in entries:
         p = e.profile
         if p is None:
-            out_console.print(line((e.name, "bold"), "  ", (e.kind, ""), ", ", ("invalid", "red")))
-            out_console.print(styled(f"    {e.path}"))
+            say(line((e.name, "bold"), "  ", (e.kind, ""), ", ", ("invalid", "red")))
+            say(styled(f"    {e.path}"))
             continue
         m = p.machine
-        out_console.print(line((p.name, "bold"), f"  {e.kind}, {p.origin}, created {p.created}"))
-        out_console.print(line(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint[:8]}, plan ",
-                               p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by)))
-        out_console.print(styled(f"    {e.path}"))
+        say(line((p.name, "bold"), f"  {e.kind}, {p.origin}, created {p.created}"))
+        say(styled(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint[:8]}"))
+        say(line("    plan ", p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by)))
+        say(styled(f"    {e.path}"))
     saved = [e for e in entries if e.kind == "saved"]
     if not saved:
-        out_console.print(f"no saved profiles in {folder} (write one with `tree-attn tune`)", markup=False)
+        say(styled("no saved profiles (`tree-attn tune` writes one) in"))
+        say(styled(f"    {folder}"))
     for e in entries:
         if e.error:
             warn(e.error)
@@ -102,10 +108,12 @@ def _short_dtype(dtype: str) -> str:
 
 
 def _tokens(n: int) -> str:
-    """8192 -> 8K, 1048576 -> 1M (exact powers of two), else the number with separators."""
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
+    """In the CLI's count spelling (``tree_attn.sizes``: K = 1,024, M = 1,000,000), so a bucket
+    reads as its --seq-len would be written: 8192 -> 8K, 1048576 -> 1,024K, 2000000 -> 2M."""
+    if n >= 1_000_000 and n % 1_000_000 == 0:
+        return f"{n // 1_000_000:,}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024:,}K"
     return f"{n:,}"
 
 
@@ -150,12 +158,12 @@ def render_profile(prof) -> None:
     out_console.print(line(
         "reduction plan: ", (red.plan.label, "bold"), " chosen by ", _chosen(red.chosen_by),
         f", message {red.message_bytes:,} bytes" if red.message_bytes else "",
-    ))
+    ), soft_wrap=True)
     if red.candidates:
         t = Table(title="reduction candidates", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0))
-        for col in ("", "plan", "by", "median us", "p95 us", "model us"):
-            t.add_column(col, justify="right" if col.endswith("us") else "left")
+        for col in ("", "plan", "by", "median us", "p95 us", "model us"):  # labels whole: no_wrap
+            t.add_column(col, justify="right" if col.endswith("us") else "left", no_wrap=col == "plan")
         for c in red.candidates:
             t.add_row(styled("*", "bold green") if c.selected else "", styled(c.label), _chosen(c.chosen_by),
                       _us(c.median_us), _us(c.p95_us), _us(c.predicted_us))

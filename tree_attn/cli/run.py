@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from .common import announce_setup, err_console, error, line, out_console, print_json, styled
+from .common import (announce_setup, count_list_option, count_option, err_console, error, line, out_console, plan_name,
+                     print_json, ranks, styled)
 
 HELP = (
     "Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.\n\n"
@@ -26,8 +27,8 @@ def register(app: typer.Typer) -> None:
 
 def run_command(
     world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun)."),
-    seq_len: int = typer.Option(65536, "--seq-len", "-n", help="Total KV tokens, split over the ranks."),
-    batch: int = typer.Option(1, "--batch", "-b", help="Sequences decoded together."),
+    seq_len: int = count_option(65536, "--seq-len", "-n", help="Total KV tokens, split over the ranks (at least 1)."),
+    batch: int = count_option(1, "--batch", "-b", help="Sequences decoded together."),
     heads: int = typer.Option(32, "--heads", help="Query heads."),
     kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads (heads must be a multiple)."),
     head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
@@ -42,32 +43,44 @@ def run_command(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else a built-in one for the same machine, else built-in defaults."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs eagerly."),
-    sweep: str = typer.Option(None, "--sweep", help="Comma list of sequence lengths (16K = 16,384; 65536; 1M = 1,000,000) to run one after the other instead of --seq-len; one table row per length and strategy."),
-    plot: str = typer.Option(None, "--plot", help="Write median step time and bytes per rank vs sequence length, per strategy, to FILE.png (log axes; needs matplotlib)."),
+    sweep: str = count_list_option(None, "--sweep", help="Comma list of sequence lengths to run one after the other instead of --seq-len; one table row per length and strategy."),
+    plot: str = typer.Option(None, "--plot", help="With --sweep: write median step time and bytes per rank vs sequence length, per strategy, to FILE.png (log axes; needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
+    from ..errors import ConfigError
     from ..runner.decode_run import run_decode
     from ..runner.run_setup import RunOptions, plan_run, strategies_beyond_tolerance
 
+    if sweep is None and seq_len < 1:
+        # The library takes an empty shard, but a benchmark of an empty cache times nothing and
+        # compares nothing ("max err 0.0e+00" of no keys).
+        raise ConfigError(f"--seq-len must be at least 1 token; got {seq_len}"
+                          + (" (an empty cache: nothing to time or check)" if seq_len == 0 else ""))
     options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
         seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     )
     if plot:
+        if sweep is None:
+            # A picture of step time against sequence length needs lengths; a one-point sweep made
+            # silently of --seq-len would plot nothing worth a file.
+            raise ConfigError("--plot draws step time against sequence length: give the lengths with --sweep "
+                              "(e.g. --sweep 16K,64K,256K --plot FILE.png)")
         from ..plots import check_png_path, require_matplotlib
 
         check_png_path(plot)
         require_matplotlib()
-    if sweep is not None or plot:
+    if sweep is not None:
         _run_sweep(options, sweep, plot, json_out)
         return
     setup = plan_run(options)
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
         f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
-        f"{spec.seq_len:,} tokens over {spec.world_size} ranks ({spec.backend}); "
-        f"strategies: {', '.join(p.label if p else 'ring' for _, p in spec.plans)}"))
+        f"{spec.seq_len:,} tokens {_over(spec.world_size)} ({spec.backend}); "
+        f"strategies: {', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"
+        + ("; one rank sends and merges nothing: every strategy runs the local kernel alone" if spec.world_size == 1 else "")))
     result = run_decode(spec)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return
@@ -97,7 +110,7 @@ def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> 
 
         first = results[0]
         plot_sweep([r.to_dict() for r in results], plot,
-                   f"tree-attn run: {first.spec['world_size']} ranks, {first.device} ({first.backend}); measured")
+                   f"tree-attn run: {ranks(first.spec['world_size'])}, {first.device} ({first.backend}); measured")
         err_console.print(f"wrote {plot}", markup=False)
     bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
     if bad:
@@ -111,7 +124,7 @@ def render_sweep(results) -> None:
 
     first = results[0]
     table = Table(
-        title=styled(f"tree-attn run --sweep: {first.spec['world_size']} ranks, {first.device} ({first.backend})"),
+        title=styled(f"tree-attn run --sweep: {ranks(first.spec['world_size'])}, {first.device} ({first.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     # Fits 80 columns: units in the headers.
@@ -120,12 +133,19 @@ def render_sweep(results) -> None:
     for res in results:
         ring = next((r.step_ms_median for r in res.results if r.strategy == "ring"), None)
         for r in res.results:
-            table.add_row(f"{res.spec['seq_len']:,}", styled(r.plan), f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
+            table.add_row(f"{res.spec['seq_len']:,}", styled(plan_name(r.plan, res.spec["world_size"])),
+                          f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
                           _fmt_bytes(r.bytes_sent_per_step), _fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
                           f"{ring / r.step_ms_median:.1f}" if ring else "-")
     out_console.print(table)
     out_console.print("per decode step, as `tree-attn run` (median / p95 of the slowest rank; bytes each rank sends; "
-                      "peak memory of a rank); ring/x = ring's median over this row's", style="dim")
+                      "peak memory of a rank); ring/x = ring's median step divided by this row's median step, at the "
+                      "same length (above 1: this row is faster than ring)", style="dim")
+
+
+def _over(world_size: int) -> str:
+    """``over 4 ranks``; ``on 1 rank`` (one rank holds the whole cache: nothing is split)."""
+    return f"on {ranks(1)}" if world_size == 1 else f"over {ranks(world_size)}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -143,7 +163,7 @@ def render_run(result) -> None:
     cfg = result.config if hasattr(result, "config") else result.spec
     # Fits 80 columns: no vertical rules, units in the headers.
     table = Table(
-        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens over {cfg['world_size']} ranks, {result.device} ({result.backend})"),
+        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens {_over(cfg['world_size'])}, {result.device} ({result.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
@@ -155,7 +175,7 @@ def render_run(result) -> None:
         table.add_column(col, justify=just, no_wrap=True)
     for r in result.results:
         cells = [
-            styled(r.plan),
+            styled(plan_name(r.plan, cfg["world_size"])),
             "graph" if r.execution == "cuda graph" else "eager",
             f"{r.step_ms_median:.2f} ms",
             f"{r.step_ms_p95:.2f} ms",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import out_console, print_json, styled
+from .common import count_list_option, count_option, int_list_option, out_console, print_json, styled
 
 HELP = (
     "Predict one decode step of tree attention, the all-reduce form and Ring on a cluster you cannot "
@@ -17,7 +17,7 @@ HELP = (
     "(NVSwitch + 400G InfiniBand per GPU), mi300x (xGMI + 400G RoCE), rtx4090-pcie (PCIe without P2P + "
     "100 GbE). The preset also gives what a topology or profile lacks (device, network); without --preset, "
     "the one of the topology's kind of GPU.\n\n"
-    "Sequence lengths take K (x1024) and M (x1,000,000, as the paper's 5.12M). The numbers are "
+    "Counts take K = 1,024 and M = 1,000,000 (the paper's 5.12M tokens), as in every command. The numbers are "
     "predictions, checked against measured runs in benchmarks/RESULTS.md, not measurements."
 )
 
@@ -31,10 +31,10 @@ def simulate_command(
     topology: str = typer.Option(None, "--topology", "-t", help="A node's topology: probe YAML (measured numbers used) or a recorded dump."),
     profile: str = typer.Option(None, "--profile", "-p", help="A profile (path or name): topology, kernel bandwidth, plan timings."),
     params: str = typer.Option(None, "--params", help="A parameters file written by benchmarks/calibrate_costmodel.py."),
-    world_sizes: str = typer.Option("8,16,32,64,128", "--world-sizes", "-w", help="Comma list of GPU counts (multiples of --gpus-per-node above one node)."),
+    world_sizes: str = int_list_option("8,16,32,64,128", "--world-sizes", "-w", help="Comma list of GPU counts (multiples of --gpus-per-node above one node)."),
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's or topology's)."),
-    seq_lens: str = typer.Option("32K,128K,512K,1M,5.12M", "--seq-lens", "-n", help="Comma list of total tokens (32768, 32K, 5.12M)."),
-    batch: int = typer.Option(1, "--batch", "-b", help="Sequences decoded together."),
+    seq_lens: str = count_list_option("32K,128K,512K,1M,5.12M", "--seq-lens", "-n", help="Comma list of total tokens (1 to 100M)."),
+    batch: int = count_option(1, "--batch", "-b", help="Sequences decoded together."),
     heads: int = typer.Option(32, "--heads", help="Query heads."),
     kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
     head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
@@ -100,9 +100,11 @@ def render(result) -> None:
                       _bytes(r.tree.bytes_per_rank), _bytes(r.ring.bytes_per_rank))
     out_console.print(table)
     plans = sorted({r.tree.plan for r in result.rows})
+    # The source (it may name a file) and the plan labels on lines of their own, never wrapped.
+    out_console.print(f"parameters: {result.source}", style="dim", markup=False, soft_wrap=True)
+    out_console.print(f"tree plans: {', '.join(plans)}", style="dim", markup=False, soft_wrap=True)
     out_console.print(
-        f"parameters: {result.source}. tree = {', '.join(plans)}; sent = bytes per rank per step (busiest rank); "
-        "peak memory per rank in --json. Predictions of the cost model, not measurements "
-        "(its check against measured runs: benchmarks/RESULTS.md).", style="dim")
+        "sent = bytes per rank per step (busiest rank); peak memory per rank in --json. Predictions of the cost "
+        "model, not measurements (its check against measured runs: benchmarks/RESULTS.md).", style="dim")
     for note in result.notes:
         out_console.print(f"note: {note}", style="dim", markup=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import err_console, line, notice, out_console, print_json, styled, warn
+from .common import count_option, err_console, line, notice, out_console, print_json, styled, warn
 
 HELP = (
     "Tune tree attention for this machine and write a profile that `tree-attn run` uses.\n\n"
@@ -34,7 +34,7 @@ def tune_command(
     output: str = typer.Option(None, "--output", "-o", help="Profile path (default: the cache folder, named by fingerprint)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing profile."),
     quick: bool = typer.Option(False, "--quick", help="A small budget: few iterations, two shard buckets (under a minute on CPU ranks)."),
-    batch: int = typer.Option(1, "--batch", "-b", help="Batch of the decode message size."),
+    batch: int = count_option(1, "--batch", "-b", help="Batch of the decode message size."),
     heads: int = typer.Option(32, "--heads", help="Query heads."),
     kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
     head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
@@ -93,9 +93,12 @@ def _render(profile, path: str) -> None:
     from rich.table import Table
 
     red = profile.reduction
-    table = Table(title=styled(f"reduction plans ({red.chosen_by}), message {red.message_bytes} B per rank"), title_justify="left")
+    # The heading as a line of its own: a table's title wraps at the table's (narrow) width.
+    out_console.print(styled(f"reduction plans ({red.chosen_by}), message {red.message_bytes:,} B per rank"), soft_wrap=True)
+    table = Table()
+    # Plan labels and configs stay whole (no_wrap): the numbers' columns give way first.
     for col in ("", "plan", "median", "p95", "predicted"):
-        table.add_column(col, justify="left" if col in ("", "plan") else "right")
+        table.add_column(col, justify="left" if col in ("", "plan") else "right", no_wrap=col == "plan")
 
     def us(x):
         return "-" if x is None else f"{x:,.0f} us"
@@ -107,7 +110,7 @@ def _render(profile, path: str) -> None:
     if profile.kernel.buckets:
         kt = Table(title="kernel configs per shard bucket (measured)", title_justify="left")
         for col in ("bucket", "config", "time", "GB/s", "tried"):
-            kt.add_column(col)
+            kt.add_column(col, no_wrap=col in ("bucket", "config"))
         for b in profile.kernel.buckets:
             kt.add_row(styled(f"{b.dtype} D={b.head_dim} G={b.group} N<={b.max_shard_len:,}"), styled(b.config.describe()),
                        us(b.time_us), f"{b.gbps:,.0f}" if b.gbps else "-", str(b.candidates_tried))
@@ -115,4 +118,5 @@ def _render(profile, path: str) -> None:
     for note in profile.notes:
         if "not measured" in note:
             warn(note)
-    out_console.print(line("profile written to ", (path, "bold"), f" (plan: {red.plan.label})"))
+    # One line, never wrapped by the console: the path and the label are copied from it.
+    out_console.print(line("profile written to ", (path, "bold"), f" (plan: {red.plan.label})"), soft_wrap=True)

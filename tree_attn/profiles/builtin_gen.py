@@ -102,7 +102,9 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
         topology=_cpu_topology,
         device_spec=None,
         notes=(
-            "CPU ranks run the torch reference kernel: no Triton config applies, so there are no kernel buckets.",
+            "CPU ranks run the C decode kernel (kernels/cpu_native.py, compiled once per machine), or torch ops where "
+            "it cannot be built or TREE_ATTN_CPU_KERNEL=torch; `tree-attn run` names the one that ran (local_kernel "
+            "in --json). No Triton config applies, so there are no kernel buckets.",
             "plan: the project's default binary tree (reduce.plan.default_plan); the candidates' model "
             "predictions are listed for reference only, gloo message costs are rough guesses.",
         ),

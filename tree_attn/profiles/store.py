@@ -14,6 +14,7 @@ fingerprint: ``$TREE_ATTN_PROFILE_DIR`` if set, else ``$XDG_CACHE_HOME/tree-attn
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,15 +52,43 @@ def profile_to_yaml(profile: Profile) -> str:
     return yaml.dump(profile.to_dict(), Dumper=_ProfileDumper, sort_keys=False, width=100, allow_unicode=True)
 
 
+def _topology_instead(text: str, data: Any, source: str) -> str | None:
+    """The error for a topology handed in as a profile (a saved ``probe --output`` YAML or a
+    recorded dump): its keys or lines are no profile's, and a list of unknown keys says nothing
+    of the mix-up. None when the text is not a topology either."""
+    what = None
+    if isinstance(data, dict) and "devices" in data and "links" in data and "machine" not in data:
+        what = "a topology (as `tree-attn probe --output` writes it)"
+    elif not (isinstance(data, dict) and ("schema_version" in data or "machine" in data)):
+        from ..errors import TopologyError
+        from ..topology.dumps import detect_format
+
+        try:
+            what = f"a recorded topology dump ({detect_format(text)})"
+        except TopologyError:
+            return None
+    if what is None:
+        return None
+    arg = shlex.quote(source)
+    return (f"{source}: this is {what}, not a profile: `tree-attn tune --topology {arg}` derives a profile from "
+            f"it (and `tree-attn check --expect {arg}` checks a machine against it)")
+
+
 def profile_from_yaml(text: str, *, source: str = "<profile>") -> Profile:
     """Parse and validate profile YAML; errors are ProfileErrors that start with ``source``."""
     try:
         data = load_yaml(text)
     except yaml.YAMLError as exc:
+        instead = _topology_instead(text, None, source)
+        if instead:
+            raise ProfileError(instead) from None
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ProfileError(f"{where}: not valid YAML ({problem}); fix the file or re-tune with `tree-attn tune --force`") from None
+    instead = _topology_instead(text, data, source)
+    if instead:
+        raise ProfileError(instead)
     if data is None:
         raise ProfileError(f"{source}: the file is empty; re-tune with `tree-attn tune --force`")
     try:

@@ -208,9 +208,11 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                         device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
                     per_step_bytes.append(stats.bytes_sent)
                     per_step_msgs.append(stats.messages)
-                    # A progress line every tenth of the steps, and at least every PROGRESS_S seconds.
-                    if s and (s % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S):
-                        _progress(env, f"{label}: step {s}/{spec.steps}")
+                    # A progress line every tenth of the steps, and at least every PROGRESS_S seconds;
+                    # it counts steps done (s + 1) and always shows the last ("8/8").
+                    done = s + 1
+                    if done == spec.steps or done % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S:
+                        _progress(env, f"{label}: step {done}/{spec.steps}")
                         last_note = time.monotonic()
             reports[label] = RankReport(
                 step_s=times,
@@ -224,7 +226,9 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 execution="eager" if why_eager is not None else "cuda graph",
                 why_eager=why_eager,
             )
-            _progress(env, f"{label}: median step {1e3 * statistics.median(times):.2f} ms")
+            # Rank 0's own times: the table's median takes each step's slowest rank, so it can be higher.
+            _progress(env, f"{label}: rank 0's median step {1e3 * statistics.median(times):.2f} ms "
+                           "(the table's median takes each step's slowest rank)")
         finally:
             if prepared is not None:
                 # Free its graph now: NCCL's teardown waits for every graph holding its kernels, so

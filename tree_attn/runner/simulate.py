@@ -11,13 +11,12 @@ dump; the device and network from the preset of its kind of GPU), else the prese
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
 from ..cost.model import DTYPE_BYTES
 from ..errors import ConfigError
+from ..sizes import parse_count
 
 MAX_WORLD = 4096
 MAX_SEQ = 100_000_000
@@ -27,15 +26,12 @@ DEFAULT_PRESET = "h100-sxm"
 
 
 def parse_tokens(text: str) -> int:
-    """``32768``, ``32K`` (x1,024), ``5.12M`` (x1,000,000, as the paper writes 5.12M tokens)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ConfigError(f"sequence length {text!r}: expected a number of tokens like 32768, 32K or 5.12M")
-    value, unit = Fraction(m.group(1)), m.group(2).lower()  # exact: 4.1M is 4,100,000, not 4099999.99...
-    n = value * (1024 if unit == "k" else 1_000_000 if unit == "m" else 1)
-    if n.denominator != 1:
-        raise ConfigError(f"sequence length {text!r} is not a whole number of tokens")
-    n = int(n)
+    """``32768``, ``32K`` (x1,024), ``5.12M`` (x1,000,000, as the paper writes 5.12M tokens): the
+    CLI's one count syntax (``tree_attn.sizes``), then 1 to :data:`MAX_SEQ` tokens."""
+    try:
+        n = parse_count(text)
+    except ConfigError as exc:
+        raise ConfigError(f"sequence length: {exc}") from None
     if not 1 <= n <= MAX_SEQ:
         raise ConfigError(f"sequence length {text!r}: expected 1 to {MAX_SEQ:,} tokens")
     return n

@@ -1,7 +1,7 @@
 """Compare a machine's topology with an expected one (``tree-attn check``), and JUnit output.
 
-Each check is one category (device count, names, link classes, NVLink counts, peer-to-peer,
-bandwidth); its differences are listed in plain words. A fact one side does not know (a dump
+Each check is one category (device model, device count, link classes, NVLink counts,
+peer-to-peer, bandwidth); its differences are listed in plain words. A fact one side does not know (a dump
 without names, a probe that could not read P2P) is not a difference: it is reported as not
 checked.
 """
@@ -42,6 +42,11 @@ class CheckReport:
         return all(r.status != "failed" for r in self.results)
 
     @property
+    def model_compared(self) -> bool:
+        """False when the device models could not be compared (a dump that names no GPU)."""
+        return all(r.status != "skipped" for r in self.results if r.name == "device model")
+
+    @property
     def differences(self) -> list[str]:
         return [d for r in self.results for d in r.differences]
 
@@ -73,6 +78,95 @@ def _result(name: str, diffs: list[str], checked: int, skipped_why: str | None =
     return CheckResult(name, "passed", f"{checked} compared, all as expected")
 
 
+# Full NVLink counts of a GPU model between two GPUs (through NVSwitch, or bridged pairs), for
+# reading a dump that names no GPU: a count that is the same on every pair and is one of these is
+# a model's whole set of links, not links down. Sources: NVIDIA datasheets (V100 SXM3 6 links
+# per GPU on DGX-2's NVSwitch; A100 12; H100/H200 SXM and B200 18; bridged PCIe pairs: A100 PCIe
+# and H100 NVL 12 with three bridges, RTX A6000 / A40 / RTX 3090 4).
+FULL_NVLINK_SETS = {
+    4: "RTX A6000, A40, RTX 3090 bridged pairs",
+    6: "V100 SXM3 (DGX-2)",
+    12: "A100, H100 NVL pairs",
+    18: "H100, H200, B200 SXM",
+}
+NO_NAMES = "add `nvidia-smi -L` output as another --from to compare the names"
+
+
+def _model_words(topo: Topology) -> str:
+    """``8x NVIDIA H100 80GB HBM3``, ``8 NVIDIA GPUs`` (names unknown), ``4 CPU ranks``."""
+    n = len(topo)
+    names = sorted({d.name for d in topo.devices})
+    vendors = sorted({d.vendor for d in topo.devices})
+    if vendors == ["cpu"]:
+        return f"{n} CPU rank{'s' if n != 1 else ''}"
+    if len(names) == 1 and names[0] != UNKNOWN:
+        return f"{n}x {names[0]}"
+    if len(names) > 1 and UNKNOWN not in names:
+        return f"{n} GPUs ({', '.join(names)})"
+    vendor = {"nvidia": "NVIDIA ", "amd": "AMD "}.get(vendors[0], "") if len(vendors) == 1 else ""
+    return f"{n} {vendor}GPU{'s' if n != 1 else ''}"
+
+
+def _uniform_nvlinks(topo: Topology) -> int | None:
+    """The NVLink count every NVLink pair shares, when every pair is NVLink and they all agree."""
+    counts = {l.nvlinks if l.kind is LinkKind.NVLINK else None for l in topo.links}
+    return counts.pop() if len(counts) == 1 and None not in counts else None
+
+
+def _compare_models(expected: Topology, actual: Topology) -> CheckResult:
+    """The first check: the same kind of device (GPU or CPU rank), vendor and model.
+
+    Names are compared where both sides know them; where one side names nothing (a ``topo -m``
+    dump), a uniform NVLink count that is another model's full set still tells the models apart."""
+    name = "device model"
+    e_gpu = any(d.vendor != "cpu" for d in expected.devices)
+    a_gpu = any(d.vendor != "cpu" for d in actual.devices)
+    if e_gpu and not a_gpu:
+        where = ("this machine has no GPU (no NVIDIA or AMD GPU could be read; its CPU ranks are not GPUs): run the "
+                 "check on the GPU machine, or check a recorded dump with --from" if actual.source == "host" else
+                 "the checked topology has no GPU")
+        return CheckResult(name, "failed", "this machine has no GPU" if actual.source == "host" else "no GPU",
+                           [f"expected {_model_words(expected)}; {where}"])
+    if a_gpu and not e_gpu:
+        return CheckResult(name, "failed", "different device model",
+                           [f"different device model: expected {_model_words(expected)}, found {_model_words(actual)}"])
+    if not e_gpu:
+        return CheckResult(name, "passed", "CPU ranks on both sides")
+    e_vendors = {d.vendor for d in expected.devices} - {UNKNOWN}
+    a_vendors = {d.vendor for d in actual.devices} - {UNKNOWN}
+    if e_vendors and a_vendors and e_vendors != a_vendors:
+        return CheckResult(name, "failed", "different GPU model",
+                           [f"different GPU model: expected {_model_words(expected)}, found {_model_words(actual)}"])
+    pairs = [(i, e.name, a.name) for i, (e, a) in enumerate(zip(expected.devices, actual.devices))
+             if UNKNOWN not in (e.name, a.name)]
+    if pairs:
+        wrong = [(i, e, a) for i, e, a in pairs if e != a]
+        if not wrong:
+            names = {e for _, e, _ in pairs}
+            return CheckResult(name, "passed", f"{len(pairs)} compared, all {names.pop()}" if len(names) == 1
+                               else f"{len(pairs)} compared, all as expected")
+        kinds = {(e, a) for _, e, a in wrong}
+        if len(kinds) == 1 and len(wrong) == len(pairs):
+            e, a = kinds.pop()
+            diffs = [f"different GPU model: expected {e}, found {a}"
+                     + (f" (all {len(pairs)} GPUs)" if len(pairs) > 1 else "")]
+        else:
+            diffs = [f"GPU{i}: different GPU model: expected {e}, found {a}" for i, e, a in wrong]
+        return CheckResult(name, "failed", "different GPU model", diffs)
+    # Names unknown on one side at least: the NVLink counts may still tell.
+    e_nv, a_nv = _uniform_nvlinks(expected), _uniform_nvlinks(actual)
+    if e_nv and a_nv and e_nv != a_nv and a_nv in FULL_NVLINK_SETS and e_nv in FULL_NVLINK_SETS:
+        return CheckResult(name, "failed", "different GPU model (by its NVLinks)", [
+            f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
+            f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
+            f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}"])
+    side = ("neither side names its GPUs" if all(d.name == UNKNOWN for d in expected.devices)
+            and all(d.name == UNKNOWN for d in actual.devices)
+            else "the expected topology names no GPU" if all(d.name == UNKNOWN for d in expected.devices)
+            else "the checked topology names no GPU")
+    return CheckResult(name, "skipped", f"not compared: {side} (a `nvidia-smi topo -m` dump names none); {NO_NAMES}")
+
+
 def compare_topologies(
     expected: Topology,
     actual: Topology,
@@ -80,9 +174,19 @@ def compare_topologies(
     min_bandwidth_ratio: float | None = None,
 ) -> CheckReport:
     """Compare ``actual`` with ``expected``. With ``min_bandwidth_ratio`` R, each pair whose
-    bandwidth was measured in ``actual`` must reach R x the expected bandwidth."""
-    results: list[CheckResult] = []
+    bandwidth was measured in ``actual`` must reach R x the expected bandwidth.
+
+    The device model comes first: on another model (or without a GPU) the links differ because
+    the machine is another one, so they are not compared pair by pair (an A100's NV12 read as
+    "6 NVLinks down" against an H100's NV18 would send someone to reseat healthy cards)."""
+    link_checks = ["link classes", "nvlink counts", "peer-to-peer"] + (["bandwidth"] if min_bandwidth_ratio is not None else [])
+    model = _compare_models(expected, actual)
+    results: list[CheckResult] = [model]
     ne, na = len(expected), len(actual)
+    if model.status == "failed" and not any(d.vendor != "cpu" for d in actual.devices):
+        for name in ["device count"] + link_checks:
+            results.append(CheckResult(name, "skipped", "no GPU to compare"))
+        return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
         what = "missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne else "more than expected"
         results.append(CheckResult("device count", "failed", f"expected {ne}, found {na}",
@@ -91,19 +195,13 @@ def compare_topologies(
         results.append(CheckResult("device count", "passed", f"{na} devices, as expected"))
     n = min(ne, na)
 
-    diffs, checked = [], 0
-    for i in range(n):
-        e, a = expected.devices[i].name, actual.devices[i].name
-        if UNKNOWN in (e, a):
-            continue
-        checked += 1
-        if e != a:
-            diffs.append(f"GPU{i}: expected {e}, found {a}")
-    results.append(_result("device names", diffs, checked, "names unknown on one side (a dump without names)"))
-
+    if model.status == "failed":
+        for name in link_checks:
+            results.append(CheckResult(name, "skipped", "another device model: its links are not compared pair by pair"))
+        return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
         # Indices shift when a GPU is missing: pair-by-pair comparisons would mislead.
-        for name in ("link classes", "nvlink counts", "peer-to-peer"):
+        for name in link_checks:
             results.append(CheckResult(name, "skipped", "device counts differ; pairs cannot be matched"))
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
 
