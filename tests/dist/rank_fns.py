@@ -142,17 +142,22 @@ def static_step_loop(env, strategy: str, capacity: int, steps: int, seed: int):
     q = torch.zeros(2, 8, 16, device=dev)
     seq_lens = lens[env.rank].clone().to(dev)
     plan = ReductionPlan(strategy, 2)
-    step = TreeDecodeStep(q, k, v, seq_lens, plan=plan)
     stats = CommStats()
     history = []
-    for s in range(steps):
-        q.copy_(torch.randn(2, 8, 16, generator=g))
-        owner = s % world
-        lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
-        seq_lens.copy_(lens[env.rank])
-        out, lse = step(stats)
-        history.append(tuple(t.to("cpu", copy=True) for t in (q, lens, out, lse)))
-    return history, (stats.messages, stats.bytes_sent), (step.traffic.messages, step.traffic.bytes_sent), step.captured
+    # Closed on the way out, error or not: a graph alive at the group's teardown would hang NCCL's.
+    with TreeDecodeStep(q, k, v, seq_lens, plan=plan) as step:
+        captured = step.captured
+        for s in range(steps):
+            q.copy_(torch.randn(2, 8, 16, generator=g))
+            owner = s % world
+            lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
+            seq_lens.copy_(lens[env.rank])
+            out, lse = step(stats)
+            step.wait(f"static step {s}")  # bounded by the group's timeout (a no-op on CPU ranks)
+            history.append(tuple(t.to("cpu", copy=True) for t in (q, lens, out, lse)))
+        traffic = (step.traffic.messages, step.traffic.bytes_sent)
+    assert step.graph.closed and step.graph.graph is None
+    return history, (stats.messages, stats.bytes_sent), traffic, captured
 
 
 def gpu_static_loops(env, capacity: int, steps: int):
