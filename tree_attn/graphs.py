@@ -15,13 +15,15 @@ the GPU alone), so a replayed receive whose peer stalls without dying would bloc
 ``torch.cuda.synchronize()`` with it, forever, while the rank's heartbeat thread kept beating.
 :func:`wait_for` polls an event against a deadline instead and, on expiry, aborts the
 communicator (so the NCCL kernels waiting on it return) and raises one line naming the rank and
-the step.
+the step. NCCL's abort itself waits until every graph holding its kernels is destroyed, so a
+step gives up by freeing those graphs first (:meth:`CapturedStep.wait`).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -33,12 +35,13 @@ import torch
 SPIN_S = 1.0
 POLL_SLEEP_S = 1e-3
 
-# Graphs that could not be freed safely: one whose replay timed out (its kernels may still run
-# and write its memory pool, which a reset would hand to new tensors) is kept until the process
-# ends; one dropped during another capture (where a device sync is illegal and would break that
-# capture) is freed by the next close or build outside a capture.
-_ABANDONED: list = []
+# Graphs dropped during another capture (where a device sync is illegal and would break that
+# capture), freed by the next close or build outside a capture.
 _DEFERRED: list = []
+# Live steps whose graphs hold NCCL kernels. NCCL's abort waits until every graph holding one of
+# its communicator's kernels is destroyed (ncclCommAbort -> commDestroySync polls until
+# localPersistentRefs is 0), so before an abort they are all freed (see CapturedStep._give_up).
+_COMMUNICATING: weakref.WeakSet = weakref.WeakSet()
 
 
 def wait_for(
@@ -89,6 +92,18 @@ def _call_abort(abort: Callable[[], str]) -> str:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def free_communicating_graphs(why: str) -> int:
+    """Free every live graph that holds NCCL kernels, without waiting for it (CUDA frees one still
+    running once it ends), before its communicator is aborted or destroyed: NCCL waits for them
+    all to be destroyed first. Their steps cannot run after (``why`` says so). Returns how many."""
+    steps = list(_COMMUNICATING)
+    for step in steps:
+        step._drop(why)
+    while _DEFERRED:
+        _DEFERRED.pop()[1].reset()
+    return len(steps)
 
 
 def _free_deferred() -> None:
@@ -149,7 +164,7 @@ class CapturedStep:
         self.rank = rank
         self.name = name
         self.calls = 0
-        self.failed: str | None = None  # the error of a wait that timed out
+        self.failed: str | None = None  # why the step cannot run again (a wait timed out)
         self.device = torch.device(device)
         self.outputs: Any = None
         self.why_eager: str | None = None
@@ -202,6 +217,8 @@ class CapturedStep:
                 self.outputs = None
                 return
             self.graph = graph
+            if self.communicates:
+                _COMMUNICATING.add(self)
         finally:
             torch.cuda.set_stream(current)
             torch.cuda.set_stream(here)
@@ -214,7 +231,7 @@ class CapturedStep:
         if self.failed is not None:
             from .errors import DistributedError
 
-            raise DistributedError(f"this decode step timed out before and its communicator was aborted: {self.failed}")
+            raise DistributedError(f"this decode step cannot run again: {self.failed}")
         self.calls += 1
         if self.graph is None:
             return self.fn()
@@ -225,51 +242,58 @@ class CapturedStep:
         """Wait for the step's work: ``done`` (an event recorded after it), else everything issued
         so far on the device's current stream (where the step replays), at most ``timeout_s``.
 
-        On expiry ``abort`` runs and :class:`DistributedError` is raised (one line naming the
-        rank and ``what``, by default this step and its call count); the step cannot run after.
-        CPU steps have finished when they return: nothing to wait for.
+        On expiry the graph is freed (CUDA frees one still running once it ends), with every
+        other live graph that holds NCCL kernels when this step communicates (NCCL's abort
+        waits for them all), ``abort`` runs, and :class:`DistributedError` is raised: one line
+        naming the rank and ``what``, by default this step and its call count. The step (and
+        those others) cannot run after. CPU steps have finished when they return.
         """
         if self.device.type != "cuda":
             return
         if done is None:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        try:
-            wait_for(done, self.timeout_s, what=what or f"{self.name} (call {self.calls})", rank=self.rank,
-                     abort=self.abort)
-        except Exception as exc:
-            self.failed = str(exc)
-            raise
+        wait_for(done, self.timeout_s, what=what or f"{self.name} (call {self.calls})", rank=self.rank,
+                 abort=self._give_up)
+
+    def _give_up(self) -> str:
+        """A wait timed out: free the graphs the abort would wait for, then abort."""
+        why = f"{self.name} timed out after {self.timeout_s:g} s and its communicator was aborted"
+        self._drop(why)
+        if self.communicates:
+            free_communicating_graphs(f"{why} (that of this step too)")
+        return self.abort() if self.abort is not None else "nothing to abort"
+
+    def _drop(self, why: str) -> None:
+        """Free the graph without waiting for it (a replay may still run: CUDA frees it once it
+        ends); the step cannot run after."""
+        self.failed = why
+        graph, self.graph, self.outputs = self.graph, None, None
+        _COMMUNICATING.discard(self)
+        if graph is not None:
+            graph.reset()
 
     def close(self) -> None:
         """Wait for the device (at most ``timeout_s`` for the current stream, as :meth:`wait`),
         then free the graph (and the NCCL kernels it holds). Idempotent; runs by itself when the
-        step is dropped. After a wait that timed out the graph is not freed (its kernels may
-        still write its memory), only forgotten."""
+        step is dropped. A wait that times out here gives up as :meth:`wait` does."""
         if self.closed:
             return
-        self.closed = True
-        graph, self.graph, self.outputs, self.fn = self.graph, None, None, None
-        if graph is None:
-            return
-        if self.failed is not None:
-            _ABANDONED.append(graph)
-            return
-        if _capturing():  # dropped inside another capture: no sync allowed here
-            _DEFERRED.append((self.device, graph))
-            return
-        if self.timeout_s is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            try:
-                wait_for(done, self.timeout_s, what=f"closing {self.name}", rank=self.rank, abort=self.abort)
-            except Exception as exc:
-                self.failed = str(exc)
-                _ABANDONED.append(graph)
-                raise
-        torch.cuda.synchronize(self.device)  # the rest (other streams); quick after the wait
-        graph.reset()
-        _free_deferred()
+        try:
+            if self.graph is not None and _capturing():  # dropped inside another capture: no sync here
+                _DEFERRED.append((self.device, self.graph))
+            elif self.graph is not None:
+                if self.timeout_s is not None:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(self.device))
+                    wait_for(done, self.timeout_s, what=f"closing {self.name}", rank=self.rank, abort=self._give_up)
+                torch.cuda.synchronize(self.device)  # the rest (other streams); quick after the wait
+                self.graph.reset()
+                _free_deferred()
+        finally:
+            self.closed = True
+            _COMMUNICATING.discard(self)
+            self.graph, self.outputs, self.fn = None, None, None
 
     def __del__(self) -> None:
         # The last reference went: free the graph now, not whenever the collector would run.

@@ -53,12 +53,14 @@ class DoneAfter(NeverDone):
 
 
 class Abort:
-    def __init__(self, fails: bool = False):
+    def __init__(self, fails: bool = False, log: list | None = None):
         self.calls = 0
         self.fails = fails
+        self.log = log if log is not None else []
 
     def __call__(self) -> str:
         self.calls += 1
+        self.log.append("abort")
         if self.fails:
             raise RuntimeError("ncclCommAbort failed\nsecond line")
         return "the stand-in communicator was aborted"
@@ -142,6 +144,7 @@ class FakeStream:
 
 class FakeGraph:
     made: list = []
+    log: list = []
 
     def __init__(self):
         self.replays = 0
@@ -153,6 +156,7 @@ class FakeGraph:
 
     def reset(self):
         self.resets += 1
+        FakeGraph.log.append(("reset", FakeGraph.made.index(self)))
 
 
 @pytest.fixture
@@ -205,16 +209,18 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda, "graph", Capture)
     monkeypatch.setattr(cuda, "Event", new_event)
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: state.__setitem__("syncs", state["syncs"] + 1))
-    FakeGraph.made = []
+    FakeGraph.made, FakeGraph.log = [], []
     yield state
-    graphs._ABANDONED.clear()
 
 
-def test_a_captured_step_whose_replay_never_completes_times_out_and_keeps_its_graph(fake_cuda):
-    """step.wait() on a replay that never completes: the abort runs, the error names the rank and
-    the step; the step refuses to run again, and closing it neither syncs (it would hang) nor
-    frees the graph under kernels that may still run."""
-    abort = Abort()
+def test_a_captured_step_whose_replay_never_completes_gives_up_and_frees_the_graphs_first(fake_cuda):
+    """step.wait() on a replay that never completes: the step's graph, and every other live graph
+    holding NCCL kernels, is freed before the abort (NCCL's abort waits until they are all
+    destroyed: aborting first would hang); a local step's graph is left alone. The error names
+    the rank and the step; the communicating steps refuse to run again; closing syncs nothing."""
+    abort = Abort(log=FakeGraph.log)
+    other = graphs.CapturedStep(lambda: "other", CUDA0, communicates=True)  # another layer's step, say
+    local = graphs.CapturedStep(lambda: "local", CUDA0)
     step = graphs.CapturedStep(lambda: "out", CUDA0, communicates=True, timeout_s=0.2, abort=abort, rank=3,
                                name="the tree k=2 decode step")
     assert step.captured and step() == "out"
@@ -222,14 +228,29 @@ def test_a_captured_step_whose_replay_never_completes_times_out_and_keeps_its_gr
     text = str(box.get("error"))
     assert isinstance(box.get("error"), DistributedError), box
     assert text.startswith("rank 3: the tree k=2 decode step (call 1) did not finish within 0.2 s"), text
+    assert "the stand-in communicator was aborted" in text
     assert abort.calls == 1 and fake_cuda["events"] and fake_cuda["events"][0].polls > 0
-    with pytest.raises(DistributedError, match="timed out before"):
-        step()
+    assert sorted(FakeGraph.log[:2]) == [("reset", 0), ("reset", 2)] and FakeGraph.log[2:] == ["abort"]
+    assert not step.captured and not other.captured and local.captured
+    for s in (step, other):
+        with pytest.raises(DistributedError, match="cannot run again: the tree k=2 decode step timed out after 0.2 s"):
+            s()
+    assert local() == "local"
     syncs = fake_cuda["syncs"]
     _bounded(step.close)
-    graph = FakeGraph.made[0]
-    assert fake_cuda["syncs"] == syncs and graph.resets == 0 and graph in graphs._ABANDONED
-    assert step.closed and not step.captured
+    assert fake_cuda["syncs"] == syncs and step.closed
+    assert [g.resets for g in FakeGraph.made] == [1, 0, 1]
+    local.close()
+    other.close()
+
+
+def test_closing_a_step_whose_last_replay_never_completes_gives_up_too(fake_cuda):
+    abort = Abort()
+    step = graphs.CapturedStep(lambda: None, CUDA0, communicates=True, timeout_s=0.1, abort=abort, rank=0)
+    step()
+    box = _bounded(step.close)
+    assert isinstance(box.get("error"), DistributedError) and "closing the decode step did not finish" in str(box["error"])
+    assert step.closed and abort.calls == 1 and FakeGraph.made[0].resets == 1
 
 
 def test_a_wait_given_the_steps_event_uses_it(fake_cuda):
@@ -326,3 +347,23 @@ def test_a_step_dropped_during_another_capture_is_freed_after_it(fake_cuda, monk
     other = graphs.CapturedStep(lambda: None, CUDA0)  # built outside a capture: frees the deferred
     assert graph.resets == 1 and not graphs._DEFERRED
     other.close()
+
+
+def test_aborting_a_group_frees_the_graphs_holding_its_kernels_first(fake_cuda, monkeypatch):
+    """NCCL's abort waits until every graph holding its kernels is destroyed: abort_group frees
+    them before it aborts (at the abort they are gone), and their steps refuse to run after."""
+    import torch.distributed as dist
+
+    from tree_attn.reduce import collectives
+
+    step = graphs.CapturedStep(lambda: None, CUDA0, communicates=True)
+    local = graphs.CapturedStep(lambda: None, CUDA0)
+    resets_at_abort = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda group=None: resets_at_abort.append([g.resets for g in FakeGraph.made]))
+    assert collectives.abort_group() == "the process group was aborted"
+    assert resets_at_abort == [[1, 0]]
+    with pytest.raises(DistributedError, match="cannot run again: its process group was aborted"):
+        step()
+    local.close()

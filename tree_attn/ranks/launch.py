@@ -285,6 +285,7 @@ def close_process_group(clean: bool | None = None, timeout_s: float | None = Non
 
     import torch.distributed as dist
 
+    from ..graphs import free_communicating_graphs
     from ..reduce.collectives import abort_group, clear_merge_cache, group_timeout_s
 
     clear_merge_cache()
@@ -301,6 +302,9 @@ def close_process_group(clean: bool | None = None, timeout_s: float | None = Non
             warnings.warn(f"rank {rank}: a peer did not reach the end of the job within {limit:g} s; {did} "
                           "instead of torn down", RuntimeWarning, stacklevel=2)
             return
+    # Graphs still holding NCCL kernels (a step its owner never closed) would hang the teardown:
+    # after the barrier every rank's work is done, so they are freed here.
+    free_communicating_graphs("its process group was torn down")
     dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import dtypes
 from ..errors import DistributedError, ShapeError
-from ..graphs import CapturedStep, StaticStep
+from ..graphs import CapturedStep, StaticStep, free_communicating_graphs
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
 from ..kernels.prepared import PreparedDecode, prepared_decode
@@ -358,6 +358,8 @@ def abort_group(group=None) -> str:
         return "no process group was left to abort"
     world = group is None or group == dist.group.WORLD
     clear_merge_cache()  # the cached merges hold the group
+    # NCCL's abort waits until every graph holding its kernels is destroyed: free them first.
+    free_communicating_graphs("its process group was aborted")
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         abort(None if world else group)
