@@ -75,9 +75,9 @@ def wait_for(
             did = "nothing to abort" if abort is None else _call_abort(abort)
             who = "" if rank is None else f"rank {rank}: "
             raise DistributedError(
-                f"{who}{what} did not finish within {timeout_s:g} s: a peer rank stopped or hung without failing "
-                f"(NCCL work replayed from a CUDA graph has no watchdog); {did}. Check the other ranks' errors, or "
-                f"raise the timeout (--timeout) if a step really takes this long"
+                f"{who}{what} did not finish within {timeout_s:g} s (a peer rank stopped or hung without failing?); "
+                f"{did}. Check the other ranks, or raise the timeout (--timeout, timeout_s) if a step really takes "
+                f"this long"
             )
         if now - start > SPIN_S:
             time.sleep(min(POLL_SLEEP_S, deadline - now))

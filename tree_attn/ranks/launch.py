@@ -270,8 +270,9 @@ def close_process_group(clean: bool | None = None, timeout_s: float | None = Non
 
     Args:
         clean: this rank's work succeeded, so its peers are expected at the barrier. False (a
-            rank that failed): no barrier, its peers may never come. None: clean unless an
-            exception is propagating (called from a ``finally``).
+            rank that failed): no barrier, its peers may never come, and an NCCL group is
+            aborted rather than destroyed (destroying flushes work a stuck peer never completes).
+            None: clean unless an exception is propagating (called from a ``finally``).
         timeout_s: the longest wait at the barrier (default: the group's own timeout). A peer
             that does not come in time gets the group aborted, not destroyed (NCCL's destroy
             would wait for it), with a warning.
@@ -294,6 +295,11 @@ def close_process_group(clean: bool | None = None, timeout_s: float | None = Non
         return
     if clean is None:
         clean = sys.exc_info()[1] is None
+    if not clean and dist.get_backend() == "nccl":
+        # A failing rank's peers may be stuck in a collective that never completes: NCCL's
+        # destroy flushes outstanding work (ncclCommFinalize) and would wait for it; abort does not.
+        abort_group()
+        return
     if clean and dist.get_world_size() > 1:
         limit = timeout_s if timeout_s is not None else (group_timeout_s() or DEFAULT_TEARDOWN_S)
         if not _teardown_barrier(limit):

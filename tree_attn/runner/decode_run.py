@@ -269,7 +269,13 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             if prepared is not None:
                 # Free its graph now: NCCL's teardown waits for every graph holding its kernels, so
                 # one kept alive (by an error's traceback, say) would hang destroy_process_group.
-                prepared.close()
+                # While an error propagates, that error is the one to report, not the close's.
+                failing = sys.exc_info()[1] is not None
+                try:
+                    prepared.close()
+                except Exception:  # noqa: BLE001 - see above
+                    if not failing:
+                        raise
     return reports
 
 
