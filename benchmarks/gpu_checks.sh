@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR [--quick] [GROUP|STEP ...]
 #
 # Groups, each sized to finish within about 10 minutes on one H100/H200 with --quick:
-#   tests  the README's test command (the GPU tests are part of it; `gpu-tests` runs them alone)
+#   tests  replay-timeout (the bounded wait on a hung CUDA-graph replay, on its own so its result
+#          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
+#          runs them alone)
 #   bench  bench-kernel, bench-step, bench-host, bench-paged
 #   cli    probe, probe-measure, tune, run, run-eager, calibrate-costmodel, simulate-calibrated
 # With no group or step named, every group runs in turn (about 30 minutes).
@@ -23,16 +25,16 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(whole-suite bench-kernel bench-step bench-host bench-paged probe probe-measure tune run run-eager
+all_steps=(replay-timeout whole-suite bench-kernel bench-step bench-host bench-paged probe probe-measure tune run run-eager
            calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli}"; do
   for word in $arg; do
     case $word in
-      tests) selected+=(whole-suite) ;;
+      tests) selected+=(replay-timeout whole-suite) ;;
       bench) selected+=(bench-kernel bench-step bench-host bench-paged) ;;
       cli) selected+=(probe probe-measure tune run run-eager calibrate-costmodel simulate-calibrated) ;;
-      gpu-tests|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|calibrate-costmodel|simulate-calibrated)
+      gpu-tests|replay-timeout|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -53,6 +55,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
 cli=(python3 -m tree_attn)
 step gpu-tests 540 python3 -m pytest -q -m gpu -rs
+# A replay that never finishes must end in one line naming the rank and the step, after the
+# timeout, not hang: on one GPU a captured spin kernel longer than the timeout; on two or more,
+# a replayed tree step whose peer never replays its own (NCCL aborted). Written without a GPU at
+# hand: unverified until this step has passed on one.
+step replay-timeout 120 python3 -m pytest -q -rs tests/dist/test_replay_timeout_gpu.py
 step whole-suite 560 python3 -m pytest -q -rs
 if [ "$quick" = "--quick" ]; then
   step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --out "$out/bench_kernel.json"

@@ -142,17 +142,22 @@ def static_step_loop(env, strategy: str, capacity: int, steps: int, seed: int):
     q = torch.zeros(2, 8, 16, device=dev)
     seq_lens = lens[env.rank].clone().to(dev)
     plan = ReductionPlan(strategy, 2)
-    step = TreeDecodeStep(q, k, v, seq_lens, plan=plan)
     stats = CommStats()
     history = []
-    for s in range(steps):
-        q.copy_(torch.randn(2, 8, 16, generator=g))
-        owner = s % world
-        lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
-        seq_lens.copy_(lens[env.rank])
-        out, lse = step(stats)
-        history.append(tuple(t.to("cpu", copy=True) for t in (q, lens, out, lse)))
-    return history, (stats.messages, stats.bytes_sent), (step.traffic.messages, step.traffic.bytes_sent), step.captured
+    # Closed on the way out, error or not: a graph alive at the group's teardown would hang NCCL's.
+    with TreeDecodeStep(q, k, v, seq_lens, plan=plan) as step:
+        captured = step.captured
+        for s in range(steps):
+            q.copy_(torch.randn(2, 8, 16, generator=g))
+            owner = s % world
+            lens[owner] = torch.clamp(lens[owner] + torch.tensor([1, 2]), max=capacity)
+            seq_lens.copy_(lens[env.rank])
+            out, lse = step(stats)
+            step.wait(f"static step {s}")  # bounded by the group's timeout (a no-op on CPU ranks)
+            history.append(tuple(t.to("cpu", copy=True) for t in (q, lens, out, lse)))
+        traffic = (step.traffic.messages, step.traffic.bytes_sent)
+    assert step.graph.closed and step.graph.graph is None
+    return history, (stats.messages, stats.bytes_sent), traffic, captured
 
 
 def gpu_static_loops(env, capacity: int, steps: int):
@@ -278,3 +283,105 @@ def own_tcp_addresses(env) -> tuple[str | None, list[str]]:
             if cols[9] in inodes:
                 addresses.append(cols[1].split(":")[0])  # hex, in the kernel's byte order
     return os.environ.get("GLOO_SOCKET_IFNAME"), addresses
+
+
+# -- step lifetime and teardown (tests/dist/test_teardown.py) --------------------------------------
+
+
+def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
+    """World 2, CPU ranks (gloo). Returns this rank's findings:
+
+    1. a TreeDecodeStep's waits take the group's timeout, and the step (with its CapturedStep)
+       is freed the moment its last reference goes, with the garbage collector off;
+    2. ``close_process_group`` after success waits for the peer at a barrier: rank 1 comes
+       ``delay_s`` late, so rank 0's close lasts about that long;
+    3. in a second group rank 1 never reaches teardown: rank 0's close gives up after its 1 s
+       timeout, aborts the group with a warning, and returns (rank 1 waits for ``flag``, written
+       by rank 0 once its close returned, so that a close that never returns fails the test).
+    """
+    import datetime
+    import gc
+    import warnings
+    import weakref
+
+    import torch.distributed as dist
+
+    from tree_attn.ranks.launch import _init_process_group, close_process_group
+    from tree_attn.reduce.collectives import TreeDecodeStep
+
+    found = {}
+    q = torch.randn(1, 4, 8)
+    k = torch.randn(1, 3 + env.rank, 2, 8)
+    step = TreeDecodeStep(q, k, k, plan=ReductionPlan("tree", 2))
+    found["step_timeout_s"] = step.graph.timeout_s
+    out, _ = step()
+    found["finite"] = bool(torch.isfinite(out).all())
+    refs = (weakref.ref(step), weakref.ref(step.graph))
+    gc.disable()
+    try:
+        del step
+        found["freed"] = [r() is None for r in refs]
+    finally:
+        gc.enable()
+
+    if env.rank == 1:
+        time.sleep(delay_s)
+    t0 = time.monotonic()
+    close_process_group(clean=True, timeout_s=60.0)
+    found["barrier_waited_s"] = time.monotonic() - t0
+    found["first_closed"] = not dist.is_initialized()
+
+    _init_process_group("gloo", "cpu", init_method=f"file://{second_init}", rank=env.rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+    if env.rank == 0:
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            close_process_group(clean=True, timeout_s=1.0)
+        found["gave_up_after_s"] = time.monotonic() - t0
+        found["second_closed"] = not dist.is_initialized()
+        found["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        with open(flag, "w"):
+            pass
+    else:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found["saw_flag"] = os.path.exists(flag)
+    return found
+
+
+def replay_without_peer(env, flag: str, timeout_s: float):
+    """World 2, GPU ranks (NCCL): both ranks capture a tree step; only rank 0 replays it, so its
+    replayed receive waits for a send that never comes. Its ``wait()`` must give up after
+    ``timeout_s``, abort the group and name the rank and the step. Rank 1 stays alive and out of
+    every collective until rank 0 has written ``flag`` (a stalled peer, not a dead one).
+    Returns ``(captured, the error's text or None, whether the group is still initialised)``
+    on rank 0, ``(captured, None, whether it saw the flag)`` on rank 1."""
+    import torch.distributed as dist
+
+    from tree_attn.errors import DistributedError
+    from tree_attn.reduce.collectives import TreeDecodeStep
+
+    dev = torch.device(env.device)
+    q = torch.randn(1, 4, 16, device=dev)
+    k = torch.randn(1, 8, 2, 16, device=dev)
+    step = TreeDecodeStep(q, k, k, plan=ReductionPlan("tree", 2), timeout_s=timeout_s)
+    captured = step.captured
+    if env.rank == 0:
+        step()
+        try:
+            step.wait("the replay without its peer")
+            error = None
+        except DistributedError as exc:
+            error = str(exc)
+        initialized = dist.is_initialized()
+        step.close()
+        with open(flag, "w"):
+            pass
+        return captured, error, initialized
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    step.close()
+    return captured, None, os.path.exists(flag)

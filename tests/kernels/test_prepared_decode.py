@@ -141,6 +141,7 @@ def test_a_failed_capture_runs_eagerly_unless_the_step_communicates(monkeypatch)
     cuda = graphs.torch.cuda
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
     monkeypatch.setattr(cuda, "Stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
+    monkeypatch.setattr(cuda, "set_stream", lambda s: None)
     monkeypatch.setattr(cuda, "stream", lambda s: __import__("contextlib").nullcontext())
     monkeypatch.setattr(cuda, "CUDAGraph", FailingGraph)
     monkeypatch.setattr(cuda, "graph", FailingCapture)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from functools import partial
 
 import torch
 
@@ -289,10 +290,19 @@ class DecodeStep(StaticStep):
             q, k, v, seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=causal
         )
         self.out, self.lse = self.prepared.new_outputs()
-        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph)
-
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prepared(*self.tensors, self.out, self.lse, self.block_table)
+        # The graph's function holds the step's parts, not the step: a bound method would make a
+        # cycle (step -> graph -> step), and the graph would outlive `del step` until the
+        # garbage collector ran.
+        self.graph = CapturedStep(
+            partial(_decode_step, self.prepared, self.tensors, self.out, self.lse, self.block_table),
+            q.device, enabled=cuda_graph, name="the local decode step",
+        )
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.graph()
+
+
+def _decode_step(prepared: PreparedDecode, tensors: tuple, out: torch.Tensor, lse: torch.Tensor,
+                 block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One :class:`DecodeStep` on its static tensors (what its graph captures)."""
+    return prepared(*tensors, out, lse, block_table)

@@ -9,10 +9,17 @@ waiting for a dead peer.
 
 Faults, and how each ends:
 
-- A hung or stopped peer: collectives inside the ranks fail after ``timeout_s``. The parent
-  bounds silence, not work: each rank beats a heartbeat (a thread, every 0.5 s) and the parent
-  gives up on a rank only after ``timeout_s`` + :data:`SILENCE_MARGIN_S` without one (a
-  SIGSTOPped rank), however long a healthy run takes.
+- A hung or stopped peer: collectives inside the ranks fail after ``timeout_s``: the ones the
+  host issues by torch's own timeout (gloo; NCCL's watchdog), the NCCL work replayed from a
+  CUDA graph, which no watchdog sees, by the bounded wait that follows every replay
+  (``graphs.wait_for``: on expiry it aborts the communicator and names the rank and the step).
+  The parent bounds silence, not work: each rank beats a heartbeat (a thread, every 0.5 s) and
+  the parent gives up on a rank only after ``timeout_s`` + :data:`SILENCE_MARGIN_S` without one
+  (a SIGSTOPped rank), however long a healthy run takes.
+- The end: a rank whose work succeeded waits at a barrier (at most ``timeout_s``) before it
+  tears its group down, so no rank destroys its communicator while a peer still moves data
+  through it; a peer that never arrives gets the group aborted, not waited for. A failing rank
+  tears down at once (its peers may be stuck in a collective that will never complete).
 - The parent dies (kill -9, a crash): every rank watches its parent (Linux: the parent-death
   signal, ``prctl(PR_SET_PDEATHSIG)``; everywhere: a thread polling ``os.getppid()``), removes the
   rendezvous folder and exits.
@@ -256,24 +263,84 @@ def barrier(env: RankEnv) -> None:
         dist.barrier()
 
 
-def close_process_group() -> None:
+def close_process_group(clean: bool | None = None, timeout_s: float | None = None) -> None:
     """Tear the default process group down cleanly: drop tree-attn's cached merges (they hold the
-    group), collect what still refers to it, then ``destroy_process_group``.
+    group), collect what still refers to it, wait for the peers at a barrier, then
+    ``destroy_process_group``.
 
-    Without this, a gloo group kept alive by a cache is destroyed only at interpreter exit, and
-    tearing down its worker threads there aborted about one torchrun rank in twelve with
-    "terminate called without an active exception" (SIGABRT) on a loaded 2-core machine.
+    Args:
+        clean: this rank's work succeeded, so its peers are expected at the barrier. False (a
+            rank that failed): no barrier, its peers may never come, and an NCCL group is
+            aborted rather than destroyed (destroying flushes work a stuck peer never completes).
+            None: clean unless an exception is propagating (called from a ``finally``).
+        timeout_s: the longest wait at the barrier (default: the group's own timeout). A peer
+            that does not come in time gets the group aborted, not destroyed (NCCL's destroy
+            would wait for it), with a warning.
+
+    Without the cache drop, a gloo group kept alive by a cache is destroyed only at interpreter
+    exit, and tearing down its worker threads there aborted about one torchrun rank in twelve with
+    "terminate called without an active exception" (SIGABRT) on a loaded 2-core machine. Without
+    the barrier, a rank could destroy its communicator while a peer still sends through it.
     """
     import gc
 
     import torch.distributed as dist
 
-    from ..reduce.collectives import clear_merge_cache
+    from ..graphs import free_communicating_graphs
+    from ..reduce.collectives import abort_group, clear_merge_cache, group_timeout_s
 
     clear_merge_cache()
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if clean is None:
+        clean = sys.exc_info()[1] is None
+    if not clean and dist.get_backend() == "nccl":
+        # A failing rank's peers may be stuck in a collective that never completes: NCCL's
+        # destroy flushes outstanding work (ncclCommFinalize) and would wait for it; abort does not.
+        abort_group()
+        return
+    if clean and dist.get_world_size() > 1:
+        limit = timeout_s if timeout_s is not None else (group_timeout_s() or DEFAULT_TEARDOWN_S)
+        if not _teardown_barrier(limit):
+            rank = dist.get_rank()
+            did = abort_group()
+            warnings.warn(f"rank {rank}: a peer did not reach the end of the job within {limit:g} s; {did} "
+                          "instead of torn down", RuntimeWarning, stacklevel=2)
+            return
+    # Graphs still holding NCCL kernels (a step its owner never closed) would hang the teardown:
+    # after the barrier every rank's work is done, so they are freed here.
+    free_communicating_graphs("its process group was torn down")
+    dist.destroy_process_group()
+
+
+# The barrier before teardown, when the group does not say its timeout.
+DEFAULT_TEARDOWN_S = 120.0
+# The barrier's own timeout and our wait for it differ by this much, so that the intended one
+# ends the wait (see _teardown_barrier).
+TEARDOWN_GRACE_S = 5.0
+
+
+def _teardown_barrier(timeout_s: float) -> bool:
+    """A barrier of the default group, waited for at most about ``timeout_s``; whether every rank
+    came. NCCL: our poll ends first, since NCCL's watchdog would end a barrier past its own
+    timeout by killing the process; gloo: the barrier's own timeout ends it first, since a gloo
+    group cannot be torn down while its worker thread still runs one."""
+    import torch.distributed as dist
+
+    nccl = dist.get_backend() == "nccl"
+    own, poll = (timeout_s + TEARDOWN_GRACE_S, timeout_s) if nccl else (timeout_s, timeout_s + TEARDOWN_GRACE_S)
+    try:
+        work = dist.barrier(async_op=True, timeout=datetime.timedelta(seconds=own))
+        deadline = time.monotonic() + poll
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        work.wait()
+        return True
+    except Exception:  # noqa: BLE001 - a peer gone (connection closed) or a timeout: not clean
+        return False
 
 
 def torchrun_rendezvous(env: RankEnv) -> tuple[str, int]:
@@ -403,6 +470,7 @@ def _child(
     parent_pid: int,
 ) -> None:
     rdzv_dir = os.path.dirname(init_file)
+    ok = False  # fn returned and its result went out: teardown may wait for the peers
     _watch_parent(parent_pid, rdzv_dir)
     beats[rank] = time.monotonic()  # started: from now on the silence limit applies
     threading.Thread(target=_heartbeat, args=(rank, beats, parent_pid, rdzv_dir), name="tree-attn-heartbeat",
@@ -434,13 +502,16 @@ def _child(
         # Plain pickle, not torch's shared-memory reductions: those hand over file descriptors
         # that vanish once this process exits, before the parent may have read them.
         results.put(("ok", rank, pickle.dumps(value)))
+        ok = True
     except TreeAttnError as exc:
         results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         results.put(("error", rank, type(exc).__name__, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
         try:
-            close_process_group()
+            # After success: a barrier first (bounded by timeout_s), so this rank's teardown never
+            # cuts a peer's last messages short; after a failure: at once.
+            close_process_group(clean=ok, timeout_s=timeout_s)
         except Exception:  # noqa: BLE001
             pass
         if os.getppid() != parent_pid:  # the parent died while this rank was failing or finishing
@@ -535,6 +606,7 @@ def _quiet_ranks(beats, started: float, values: dict, limit: float) -> list[tupl
 def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
     _, rank, kind, text, tb = msg
     text = " ".join(text.split())  # one line: torch's messages span several
+    text = text.removeprefix(f"rank {rank}: ")  # named below already (errors that name their rank)
     hint = ""
     if beats is not None:
         quiet = [(r, s) for r, s in _quiet_ranks(beats, started, values or {}, QUIET_S) if r != rank]

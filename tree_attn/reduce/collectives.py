@@ -20,13 +20,14 @@ Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and t
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from .. import dtypes
 from ..errors import DistributedError, ShapeError
-from ..graphs import CapturedStep, StaticStep
+from ..graphs import CapturedStep, StaticStep, free_communicating_graphs
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
 from ..kernels.prepared import PreparedDecode, prepared_decode
@@ -263,6 +264,12 @@ class TreeDecodeStep(StaticStep):
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
     same point. ``captured`` says whether the graph is in use, ``why_eager`` why not.
+
+    A call issues the step; ``step.wait()`` waits for it, at most ``timeout_s`` seconds (default:
+    the process group's own timeout). NCCL work replayed from a graph has no watchdog, so this is
+    the only bound on a step whose peer stalls: on expiry the group is aborted (its waiting NCCL
+    kernels return) and :class:`DistributedError` names the rank and the step. Reading the
+    outputs (``out.cpu()``, a later kernel) without ``wait()`` waits without a bound.
     """
 
     def __init__(
@@ -281,6 +288,7 @@ class TreeDecodeStep(StaticStep):
         cuda_graph: bool = True,
         block_table: torch.Tensor | None = None,
         causal: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         comm.require_initialized()
         group = group if group is not None else dist.group.WORLD
@@ -298,24 +306,63 @@ class TreeDecodeStep(StaticStep):
         self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        self.graph = CapturedStep(self._step, q.device, enabled=cuda_graph,
-                                  communicates=dist.get_world_size(group) > 1)
+        # The graph's function holds the step's parts, not the step (no step -> graph -> step
+        # cycle: dropping the step frees its graph at once, see graphs.CapturedStep).
+        self.graph = CapturedStep(
+            partial(_tree_step, self.decoder, self.tensors, self.block_table, self.out, self.lse), q.device,
+            enabled=cuda_graph, communicates=dist.get_world_size(group) > 1,
+            timeout_s=timeout_s if timeout_s is not None else group_timeout_s(group),
+            abort=partial(abort_group, group), rank=dist.get_rank(), name=f"the {plan.label} decode step",
+        )
 
     @property
     def traffic(self):
         """Messages and bytes this rank sends per step (from the plan)."""
         return self.decoder.merge.traffic
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.out.numel() == 0:
-            return self.out, self.lse
-        out, lse = self.decoder(*self.tensors, None, self.block_table)
-        self.out.copy_(out)
-        self.lse.copy_(lse)
-        return self.out, self.lse
-
     def __call__(self, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.graph()
         if stats is not None:
             stats.add(self.traffic)
         return result
+
+
+def _tree_step(decoder: TreeDecoder, tensors: tuple, block_table, out: torch.Tensor,
+               lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One :class:`TreeDecodeStep` on its static tensors (what its graph captures)."""
+    if out.numel() == 0:
+        return out, lse
+    o, l = decoder(*tensors, None, block_table)
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
+
+
+def group_timeout_s(group=None) -> float | None:
+    """The collective timeout ``group`` was created with, in seconds (None when torch does not
+    say: an unknown backend)."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private attributes: absent in some torch build, then no bound
+        return None
+
+
+def abort_group(group=None) -> str:
+    """Abort ``group`` (default: every group) without waiting for its peers: NCCL aborts its
+    communicators (``ncclCommAbort``), so kernels waiting on a peer that never comes return.
+    ``destroy_process_group`` would wait for them instead. Returns what was done, for an error
+    message. (``_abort_process_group`` is torch's, experimental, since 2.5.)"""
+    if not dist.is_available() or not dist.is_initialized():
+        return "no process group was left to abort"
+    world = group is None or group == dist.group.WORLD
+    clear_merge_cache()  # the cached merges hold the group
+    # NCCL's abort waits until every graph holding its kernels is destroyed: free them first.
+    free_communicating_graphs("its process group was aborted")
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort(None if world else group)
+    else:  # torch without it: the backend's own abort
+        (dist.group.WORLD if world else group).abort()
+    return "the process group was aborted" if world else "its process group was aborted"

@@ -117,9 +117,10 @@ class RankReport:
     peak_mem_above_start_bytes: int
     out: torch.Tensor  # last step, CPU
     lse: torch.Tensor
-    device_step_s: list[float] = field(default_factory=list)  # GPUs: CUDA events around each step
+    device_step_s: list[float] = field(default_factory=list)  # GPUs: each step's device time (see device_time)
     execution: str = "eager"  # "cuda graph" or "eager"
     why_eager: str | None = None
+    device_time: str | None = None  # GPUs: how device_step_s was taken, or why it was not (then empty)
 
 
 def _progress(env: RankEnv, text: str) -> None:
@@ -132,6 +133,18 @@ def _progress(env: RankEnv, text: str) -> None:
 # baseline whose time is dominated by moving those bytes, not by Python.
 RING_EAGER = "the ring baseline runs eagerly (whole KV shards travel each step)"
 
+# How a row's device time was taken. Events around a graph replay bracket device work (the
+# replay issues the whole step at once). Events around an eager step would bracket the host's
+# pace instead: the GPU runs each launch as it arrives, and waits for the next one. So eager
+# steps are timed again, each queued behind a spin kernel that outlasts its issuing.
+DEVICE_TIME_GRAPH = "CUDA events around each graph replay"
+DEVICE_TIME_HELD = ("CUDA events around each eager step, its launches queued behind a spin kernel that outlasted "
+                    "their issuing (extra steps after the timed ones)")
+DEVICE_TIME_NO_HOLD = ("not measured: this torch has no torch.cuda._sleep to queue an eager step's launches behind, "
+                       "and events around launches as they come time the host")
+DEVICE_TIME_HOST_BOUND = ("not measured: the GPU reached an eager step before the host had issued all of it, even "
+                          "behind a spin kernel, so events around it would time the host")
+
 
 def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     """Run every strategy of ``spec`` on this rank; returns one report per strategy label.
@@ -140,9 +153,13 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     static buffers (the shape check and the merge's peers resolved there), replayed as a CUDA
     graph on GPUs unless ``spec.cuda_graph`` is off; each step writes the new query into the
     static query buffer and runs. ring: the eager baseline. A step's time runs from a barrier to
-    the end of its device work (synchronised); on GPUs CUDA events also give its device time.
+    the end of its device work. On GPUs every wait for a step is bounded by ``spec.timeout_s``
+    (a replayed NCCL receive whose peer stalls has no other bound: see ``graphs.wait_for``),
+    and the device time of a step is taken from CUDA events: around each timed replay, or for
+    eager steps around extra steps queued behind a spin kernel (``device_time`` says which).
     """
-    from ..reduce.collectives import TreeDecodeStep
+    from ..graphs import wait_for
+    from ..reduce.collectives import TreeDecodeStep, abort_group
     from ..reduce.comm import CommStats
     from ..reduce.ring import ring_decode
     from .memory import MemoryMonitor
@@ -172,18 +189,33 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             else:
                 # Collective: every rank builds its step here (shape check, warm-up, capture).
                 prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
-                                          cuda_graph=spec.cuda_graph)
+                                          cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s)
                 why_eager = prepared.why_eager
 
                 def step() -> tuple[torch.Tensor, torch.Tensor]:
                     return prepared(stats)
+
+            def finish(what: str, done=None) -> None:
+                """Wait for the step just issued (``done``: an event recorded after it), at most the
+                job's timeout; on expiry the group is aborted and the error names rank and step."""
+                if not cuda:
+                    return  # CPU ranks: the step has finished when it returns
+                if done is None:
+                    done = torch.cuda.Event()
+                    done.record()
+                if prepared is not None:
+                    prepared.wait(what, done=done)
+                else:
+                    wait_for(done, spec.timeout_s, what=what, rank=env.rank, abort=abort_group)
 
             _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
                            + ("" if why_eager is None else f" ({why_eager})"))
             for w in range(spec.warmup):
                 q_static.copy_(make_query(spec, w).to(device))
                 step()
+                finish(f"{label} warm-up step {w + 1} of {spec.warmup}")
             times: list[float] = []
+            issue_times: list[float] = []
             device_times: list[float] = []
             per_step_bytes: list[int] = []
             per_step_msgs: list[int] = []
@@ -200,11 +232,12 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     t0 = time.perf_counter()
                     q_static.copy_(q_next)
                     out, lse = step()
+                    issue_times.append(time.perf_counter() - t0)
                     if cuda:
                         events[1].record()
-                        torch.cuda.synchronize(device)
+                        finish(f"{label} step {s + 1} of {spec.steps}", events[1])
                     times.append(time.perf_counter() - t0)
-                    if cuda:
+                    if cuda and why_eager is None:
                         device_times.append(events[0].elapsed_time(events[1]) * 1e-3)
                     per_step_bytes.append(stats.bytes_sent)
                     per_step_msgs.append(stats.messages)
@@ -214,17 +247,24 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     if done == spec.steps or done % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S:
                         _progress(env, f"{label}: step {done}/{spec.steps}")
                         last_note = time.monotonic()
+            out, lse = out.cpu(), lse.cpu()  # before any further step overwrites the static outputs
+            device_time = None
+            if cuda and why_eager is None:
+                device_time = DEVICE_TIME_GRAPH
+            elif cuda:
+                device_times, device_time = _held_device_times(env, spec, label, step, q_static, max(issue_times), finish)
             reports[label] = RankReport(
                 step_s=times,
                 bytes_sent_per_step=max(per_step_bytes),
                 messages_per_step=max(per_step_msgs),
                 peak_mem_bytes=mem.result.peak_bytes,
                 peak_mem_above_start_bytes=mem.result.above_start_bytes,
-                out=out.cpu(),
-                lse=lse.cpu(),
+                out=out,
+                lse=lse,
                 device_step_s=device_times,
                 execution="eager" if why_eager is not None else "cuda graph",
                 why_eager=why_eager,
+                device_time=device_time,
             )
             # Rank 0's own times: the table's median takes each step's slowest rank, so it can be higher.
             _progress(env, f"{label}: rank 0's median step {1e3 * statistics.median(times):.2f} ms "
@@ -233,8 +273,50 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             if prepared is not None:
                 # Free its graph now: NCCL's teardown waits for every graph holding its kernels, so
                 # one kept alive (by an error's traceback, say) would hang destroy_process_group.
-                prepared.close()
+                # While an error propagates, that error is the one to report, not the close's.
+                failing = sys.exc_info()[1] is not None
+                try:
+                    prepared.close()
+                except Exception:  # noqa: BLE001 - see above
+                    if not failing:
+                        raise
     return reports
+
+
+def _held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: torch.Tensor, issue_s: float,
+                       finish) -> tuple[list[float], str]:
+    """Device time of eager steps, taken as the graph path takes it from its replays.
+
+    Each of ``spec.steps`` more steps (the timed steps' queries, in order) is queued behind a spin
+    kernel (``timing.hold_stream``) of 1.5x the longest time the host took to issue a timed step
+    (``issue_s``), so the GPU starts the step only once all of it is queued, and the events
+    around it bracket device work, not the host's pace. If the GPU reached the step's start event
+    before the host had finished issuing it, the times are dropped and the reason returned
+    instead. Returns ``(seconds per step, how they were taken)``.
+    """
+    from ..timing import HOLD_US, hold_stream
+
+    device = q_static.device
+    hold_us = HOLD_US + 1.5 * issue_s * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _progress(env, f"{label}: {spec.steps} more steps for the device time (each queued behind a spin kernel)")
+    times: list[float] = []
+    reason = None
+    for s in range(spec.steps):
+        q_next = make_query(spec, s).to(device)  # before the hold: a pageable copy would wait behind it
+        barrier(env)
+        torch.cuda.synchronize(device)
+        if not hold_stream(device, hold_us):
+            reason = DEVICE_TIME_NO_HOLD
+        start.record()
+        q_static.copy_(q_next)
+        step()
+        if start.query() and reason is None:  # the GPU began before the host had issued it all
+            reason = DEVICE_TIME_HOST_BOUND
+        end.record()
+        finish(f"{label} device-time step {s + 1} of {spec.steps}", end)
+        times.append(start.elapsed_time(end) * 1e-3)
+    return ([], reason) if reason is not None else (times, DEVICE_TIME_HELD)
 
 
 @dataclass
@@ -256,7 +338,10 @@ class StrategyResult:
     execution: str = "eager"  # "cuda graph" (the step replayed as one graph) or "eager"
     ranks_agree_note: str | None = None  # why ranks_agree may be false (ring), else None
     why_eager: str | None = None
-    device_ms_median: float | None = None  # GPUs: CUDA-event time of a step (slowest rank)
+    device_ms_median: float | None = None  # GPUs: CUDA-event time of a step (slowest rank), see device_time
+    # GPUs: how device_ms_median was taken (events around graph replays, or around eager steps
+    # queued behind a spin kernel), or why there is none; None on CPU ranks.
+    device_time: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -358,8 +443,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 ranks_agree_note=RING_ORDER_NOTE if name == "ring" and not agree else None,
                 execution=first.execution,
                 why_eager=first.why_eager,
-                device_ms_median=(1e3 * statistics.median(max(rep.device_step_s[i] for rep in reps) for i in range(spec.steps))
-                                  if first.device_step_s else None),
+                **_device_summary(reps, spec.steps),
             )
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
@@ -374,6 +458,17 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
         result.speedup_vs_ring = ring[0].step_ms_median / other[0].step_ms_median
         result.compared = other[0].plan
     return result
+
+
+def _device_summary(reps: list[RankReport], steps: int) -> dict:
+    """``device_ms_median`` (the median over steps of the slowest rank's device time) and
+    ``device_time`` (how it was taken) of one row; None and the reason when a rank has no device
+    times (then the first such rank's reason), both None on CPU ranks."""
+    missing = [rep for rep in reps if not rep.device_step_s]
+    if missing:
+        return {"device_ms_median": None, "device_time": missing[0].device_time}
+    slowest = [max(rep.device_step_s[i] for rep in reps) for i in range(steps)]
+    return {"device_ms_median": 1e3 * statistics.median(slowest), "device_time": reps[0].device_time}
 
 
 def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
@@ -419,16 +514,18 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
             f"torchrun started {env.world_size} ranks but --world-size is {spec.world_size}; omit --world-size under torchrun"
         )
     init_torchrun(env, spec.timeout_s)
+    ok = False
     try:
         reports = decode_rank(env, spec)
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(reports, gathered, dst=0)
-        # No rank tears its group down while a peer still moves the gathered reports: a gloo pair
-        # destroyed under a peer's pending transfer aborts the process ("terminate called without
-        # an active exception"; seen with 2 torchrun nodes x 2 ranks on loopback).
-        barrier(env)
+        ok = True
     finally:
-        close_process_group()
+        # After success, a barrier first (at most the timeout): no rank tears its group down
+        # while a peer still moves the gathered reports (a gloo pair destroyed under a peer's
+        # pending transfer aborts the process, "terminate called without an active exception";
+        # seen with 2 torchrun nodes x 2 ranks on loopback). After a failure, at once.
+        close_process_group(clean=ok, timeout_s=spec.timeout_s)
     if env.rank != 0:
         return None
     return summarize(spec, gathered, _device_name(spec.device_kind), env.backend)

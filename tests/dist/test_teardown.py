@@ -1,0 +1,33 @@
+"""How ranks end, on CPU ranks (gloo): a prepared step is freed when its last reference goes; a
+rank that succeeded waits for its peers at a barrier before tearing its group down, and a peer
+that never comes gets the group aborted after the timeout, not waited for. (The same on NCCL,
+and the replay timeout, need GPUs: tests/dist/test_replay_timeout_gpu.py.)
+"""
+
+from __future__ import annotations
+
+from tree_attn.ranks.launch import launch_ranks
+from tests.dist.rank_fns import lifetime_and_teardown
+
+DELAY_S = 2.0
+
+
+def test_steps_are_freed_on_del_and_teardown_waits_for_peers_within_the_timeout(tmp_path):
+    flag = tmp_path / "rank0-closed"
+    per_rank = launch_ranks(lifetime_and_teardown, 2, args=(str(tmp_path / "second-group"), str(flag), DELAY_S),
+                            timeout_s=60.0)
+    for rank, found in enumerate(per_rank):
+        assert found["step_timeout_s"] == 60.0, found  # the group's own timeout bounds the step's waits
+        assert found["finite"]
+        assert found["freed"] == [True, True], f"rank {rank}: the step outlived its last reference"
+        assert found["first_closed"]
+    # Rank 1 came DELAY_S late to the barrier: rank 0's teardown waited for it (without the
+    # barrier it would have returned at once).
+    assert per_rank[0]["barrier_waited_s"] >= DELAY_S / 2, per_rank[0]
+    # Second group: rank 1 never came; rank 0 gave up after its 1 s, aborted, said so, returned.
+    zero = per_rank[0]
+    assert 1.0 <= zero["gave_up_after_s"] < 30.0, zero
+    assert zero["second_closed"]
+    assert any("rank 0: a peer did not reach the end of the job within 1 s" in w and "aborted" in w
+               for w in zero["warnings"]), zero["warnings"]
+    assert per_rank[1]["saw_flag"]
