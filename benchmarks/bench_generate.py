@@ -1,11 +1,12 @@
 """``tree-attn generate`` at long contexts: per-token latency of tree vs ring vs one process, on
 CPU ranks (or GPUs with ``--device cuda``).
 
-For each context length the prompt (random ids) is prefilled once, in this process; the
-reference (transformers' sdpa attention and cache) and the one-rank row (tree-attn's paged kernel)
-decode here, then the prefill KV is split over 2 and over 4 spawned ranks and each strategy
-decodes the same tokens. Every row's tokens are checked against the reference's; a row that
-differs is marked and the script exits 1. Nothing here asserts a time.
+For each context length the prompt (random ids) is prefilled once, in a child process, which also
+decodes the reference (transformers' sdpa attention and cache) and the one-rank row (tree-attn's
+paged kernel); then the prefill KV is split over 2 and over 4 spawned ranks and each strategy
+decodes the same tokens. ``--dtype auto`` (the default) is generate's: bf16 on GPUs, float32 on CPU
+ranks. Every row's tokens are checked against the reference's; a row that differs is marked and
+the script exits 1. Nothing here asserts a time.
 
 Cases:
 
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
-import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,8 +35,10 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from tree_attn.dtypes import parse_dtype  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
 from tree_attn.runner.generate import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
+from tree_attn.runner.generate_setup import default_dtype  # noqa: E402
 from tree_attn.runner.models import PRESETS, ModelSource  # noqa: E402
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
@@ -52,6 +55,7 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, action="append", help="rank counts (repeat; default 2 and 4)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPUs, float32 on CPU), float32, fp16 or bf16")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/generate-<case>.json)")
     args = ap.parse_args()
     contexts = args.ctx or [8192]
@@ -59,22 +63,28 @@ def main() -> int:
     source = CASES[args.case]
     vocab = PRESETS[source.preset]["vocab_size"]
     backend = "nccl" if args.device == "cuda" else "gloo"
-    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.machine()}, {__import__('os').cpu_count()} cores)"
+    dtype = parse_dtype(default_dtype(args.device) if args.dtype == "auto" else args.dtype)
+    device = None  # named by the child that decodes the one-process rows (this process touches no GPU)
     records = []
     failed = False
     for ctx in contexts:
         prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
         spec = GenerateSpec(source, prompt, new_tokens=args.new_tokens, world_size=worlds[0],
                             strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)),
-                            device_kind=args.device, backend=backend, timeout_s=600.0)
+                            device_kind=args.device, backend=backend, dtype=dtype,
+                            timeout_s=600.0)
         print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
-        local = decode_in_one_process(spec, _say)
-        gc.collect()  # this process's model is gone before the ranks load theirs
-        rows = [(1, r) for r in local.rows]
-        for world in worlds:
-            print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
-            spec_w = dataclasses.replace(spec, world_size=world)
-            rows += [(world, r) for r in decode_on_ranks(spec_w, local.prefill, local.reference, _say)]
+        folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
+        try:
+            local = decode_in_one_process(spec, folder, _say)
+            device = local.device
+            rows = [(1, r) for r in local.rows]
+            for world in worlds:
+                print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
+                spec_w = dataclasses.replace(spec, world_size=world)
+                rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         ring = {w: r.median_s for w, r in rows if r.name == "ring"}
         for world, r in rows:
             same = r.matches_reference and r.ranks_agree
@@ -85,7 +95,7 @@ def main() -> int:
                                 ring_over_this=(ring[world] / r.median_s) if world in ring else None,
                                 prefill_s=local.prefill_s))
         del local
-    print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}; per-token latency on rank 0")
+    print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}, {dtype}; per-token latency on rank 0")
     print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
           f"{'sent/rank/token':>16} {'ring/this':>9} {'same':>5}")
     for rec in records:
@@ -95,7 +105,7 @@ def main() -> int:
               f"{'yes' if rec['same_tokens'] else 'NO':>5}")
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=device, backend=backend, torch=torch.__version__,
+    out.write_text(json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,
                                    when=time.strftime("%Y-%m-%d %H:%M"), records=records), indent=2))
     print(f"wrote {out}")
     return 1 if failed else 0

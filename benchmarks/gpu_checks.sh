@@ -11,7 +11,7 @@
 #          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
 #          runs them alone)
 #   bench  bench-kernel, bench-step, bench-host, bench-paged
-#   cli    probe, probe-measure, tune, run, run-eager, calibrate-costmodel, simulate-calibrated
+#   cli    probe, probe-measure, tune, run, run-eager, generate, calibrate-costmodel, simulate-calibrated
 # With no group or step named, every group runs in turn (about 30 minutes).
 set -u
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
@@ -26,15 +26,15 @@ summary="$out/summary.txt"
 touch "$summary"
 
 all_steps=(replay-timeout whole-suite bench-kernel bench-step bench-host bench-paged probe probe-measure tune run run-eager
-           calibrate-costmodel simulate-calibrated)
+           generate calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli}"; do
   for word in $arg; do
     case $word in
       tests) selected+=(replay-timeout whole-suite) ;;
       bench) selected+=(bench-kernel bench-step bench-host bench-paged) ;;
-      cli) selected+=(probe probe-measure tune run run-eager calibrate-costmodel simulate-calibrated) ;;
-      gpu-tests|replay-timeout|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|calibrate-costmodel|simulate-calibrated)
+      cli) selected+=(probe probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated) ;;
+      gpu-tests|replay-timeout|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -75,6 +75,8 @@ step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json
 step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --json
 step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
+# The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
+step generate 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --json
 # The cost model's single-GPU terms and this node's links, measured; then the model from them.
 step calibrate-costmodel 120 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
 step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json

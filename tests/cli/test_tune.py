@@ -92,6 +92,7 @@ def test_tune_refuses_to_overwrite_without_force_before_timing(profile_dir, caps
 
     monkeypatch.setattr(tune, "tune_plans", no_timing)
     monkeypatch.setattr(tune, "tune_kernels", no_timing)
+    monkeypatch.setattr(tune, "tune_kernels_in_child", no_timing)
     out = tmp_path / "p.yaml"
     out.write_text("precious\n")
     code = main(["tune", "--device", "cpu", "--quick", "--world-size", "2", "--output", str(out)])
@@ -171,14 +172,31 @@ def test_run_refuses_a_profile_for_another_machine(profile_dir, capsys):
 
 
 def test_every_rank_uses_rank_0s_plan():
+    """Plans are timed in batches of back-to-back iterations between barriers (the ranks' start
+    skew counts once per batch, not once per iteration); every rank returns the same timings'
+    plans and rank 0's choice, the plan of the lowest median."""
     from tree_attn.reduce.hier_plan import candidate_plans
     from tree_attn.ranks.launch import launch_ranks
     from tree_attn.runner.tune import time_plans_rank
 
     cands = candidate_plans(3, [("node", [[0, 1], [2]]), ("sys", [[0, 1, 2]])])
-    results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 1))
+    results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 4, 1))  # 3 batches of 4, 1 warm-up
     assert len({r.chosen for r in results}) == 1
     assert [t.plan for t in results[0].timings] == cands
+    for t in results[0].timings:
+        assert (t.iterations, t.per_batch, t.method) == (12, 4, "host-clock")
+        assert 0 < t.median_us <= t.p95_us
+    assert results[0].chosen == min(results[0].timings, key=lambda t: t.median_us).plan
+    # the slowest rank's batch is every rank's sample: all ranks computed the same numbers
+    assert all(r.timings == results[0].timings for r in results)
+
+
+def test_plan_timing_batches():
+    from tree_attn.runner.tune import TuneOptions
+
+    quick = TuneOptions(world_size=2, device_kind="cpu", backend="gloo", quick=True).plan_batches
+    full = TuneOptions(world_size=2, device_kind="cpu", backend="gloo").plan_batches
+    assert quick == (8, 25, 3) and full == (25, 50, 20)  # skew counts 1/25 and 1/50 of itself
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():

@@ -51,9 +51,9 @@ def transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
     model.set_attn_implementation("sdpa")
     dev = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=torch.tensor([list(prompt)], device=dev), past_key_values=cache, use_cache=True).logits
+    logits = model(input_ids=torch.tensor([list(prompt)], device=dev), cache=cache, use_cache=True).logits
     tokens = [int(logits[0, -1].argmax())]
     while len(tokens) < n:
-        logits = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), cache=cache, use_cache=True).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens

@@ -113,6 +113,131 @@ def test_one_process_row_needs_the_whole_cache(small_model):
     assert decode(150) != whole
 
 
+# -- where the work runs, transformers' cache API, the dtype default --------------------------------
+
+def test_the_one_process_rows_run_in_a_child_process(tmp_path):
+    """The launching process computes nothing: the prefill, the reference and the one-rank row
+    run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
+    progress reaches the caller, and the prefill it saves is what the ranks split."""
+    from tree_attn.runner.generate import PREFILL_FILE, _load_prefill, decode_in_one_process
+
+    prompt = _prompt(41, 4096, seed=4)
+    spec = GenerateSpec(SMALL, prompt, new_tokens=6, world_size=2, timeout_s=60.0)
+    said = []
+    local = decode_in_one_process(spec, str(tmp_path), said.append)
+    assert local.pid != os.getpid()
+    assert [r.name for r in local.rows] == [REFERENCE, ONE_RANK]
+    assert local.rows[0].tokens == local.rows[1].tokens == local.reference and len(local.reference) == 6
+    assert local.device.startswith("CPU") and local.prefill_s > 0
+    assert any(m.startswith("prefill: 40/40") for m in said) and any(m.startswith(REFERENCE) for m in said)
+    pre = _load_prefill(str(tmp_path))
+    shape = ModelShape.from_config(build_model(SMALL, dtype=torch.float32, device="cpu").config.to_dict())
+    assert (tmp_path / PREFILL_FILE).is_file() and pre.length == 40 and len(pre.k) == shape.layers
+    assert pre.k[0].shape == (shape.kv_heads, 40, shape.head_dim)
+
+
+def test_generate_emits_no_future_warning(tmp_path):
+    """transformers 5.24 renamed the forward's ``past_key_values=`` to ``cache=`` (the old name
+    warns, and goes in 5.40): the child's whole work (load, prefill, reference through
+    transformers' cache, one-rank row) runs here with every warning recorded."""
+    import warnings
+
+    from tree_attn.runner.generate import one_process_work
+
+    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), new_tokens=3, world_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        local = one_process_work(spec, str(tmp_path), lambda t: None)
+    assert local.rows[0].tokens == local.rows[1].tokens
+    future = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not future, future
+
+
+def test_the_transformers_pin_is_the_range_with_the_cache_api():
+    """The ``models`` extra, the install hint and the run-time check agree on the first
+    transformers whose models take ``cache=`` (an older one would pass it through ``**kwargs``
+    unread, and the reference would decode without its cache)."""
+    import inspect
+    from pathlib import Path
+
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    from tree_attn.runner import models
+
+    assert "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+    assert models.transformers_version(transformers.__version__) >= models.MIN_TRANSFORMERS
+    assert models.transformers_version("5.25.0.dev0") == (5, 25) and models.transformers_version("x") == (0, 0)
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert '"transformers>=5.24,<6"' in pyproject and '"transformers>=5.24,<6"' in models.MODELS_EXTRA
+    assert models.MIN_TRANSFORMERS == (5, 24)
+
+
+def test_older_transformers_is_refused_naming_the_pin(monkeypatch):
+    import transformers
+
+    from tree_attn.runner.models import require_transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.23.1")
+    with pytest.raises(ConfigError, match=r"needs transformers 5\.24 or newer; found 5\.23\.1.*transformers>=5\.24,<6"):
+        require_transformers()
+
+
+def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
+    """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
+    and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
+    CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
+    from tree_attn.ranks import launch
+    from tree_attn.runner.generate_setup import GenerateOptions, default_dtype, plan_generate
+
+    assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    small = dict(layers=1, prompt_len=10, new_tokens=2)
+    assert GenerateOptions().dtype == "auto"
+    assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.dtype == "float32"
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)
+    on_gpu = plan_generate(GenerateOptions(**small))
+    assert (on_gpu.spec.device_kind, on_gpu.spec.dtype) == ("cuda", "bfloat16")
+    assert any("bfloat16: rounding may differ" in w for w in on_gpu.warnings)
+    assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.dtype == "float32"
+    assert plan_generate(GenerateOptions(dtype="fp32", **small)).spec.dtype == "float32"  # asked for: kept
+    assert plan_generate(GenerateOptions(device="cpu", world_size=2, dtype="fp16", **small)).spec.dtype == "float16"
+
+
+def test_generate_help_states_the_dtype_default():
+    from typer.testing import CliRunner
+
+    from tree_attn.cli.app import app
+
+    out = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "300", "TERM": "dumb"}).output
+    assert "auto (bf16 on GPUs, float32 on CPU ranks)" in " ".join(out.split())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
+    """On a GPU: the launching process of ``generate`` (and of ``tune``'s kernel search) never
+    initialises CUDA, so it holds no context on GPU 0 beside rank 0's."""
+    script = (
+        "import json, sys, torch\n"
+        "from tree_attn.cli.app import main\n"
+        "code = main(['generate', '--layers', '2', '--prompt-len', '200', '--new-tokens', '8', '-w', '1', '--json'])\n"
+        "assert code in (0, 1), code  # 1: a bf16 near-tie flipped a token (the JSON says which row)\n"
+        "assert not torch.cuda.is_initialized(), 'generate initialised CUDA in the launching process'\n"
+        "from tree_attn.runner.tune import TuneOptions, tune_kernels_in_child\n"
+        "rep = tune_kernels_in_child(TuneOptions(world_size=1, device_kind='cuda', backend='nccl', q_heads=8, kv_heads=2,"
+        " head_dim=64, quick=True, buckets=(1024,)))\n"
+        "assert rep.buckets and rep.buckets[0].chosen.median_us > 0\n"
+        "assert not torch.cuda.is_initialized(), 'kernel tuning initialised CUDA in the launching process'\n"
+    )
+    env = {**os.environ, "TREE_ATTN_PROFILE_DIR": str(tmp_path / "profiles")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["dtype"] == "bfloat16" and result["device"] != "cpu"
+
+
 # -- prefill and the paged shard against float64 ---------------------------------------------------
 
 SHAPES = [(1, 1, True), (37, 37, True), (130, 130, True), (5, 200, False)]
@@ -177,8 +302,9 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
     prompt = "the tree attention model will merge the shard of each rank " * 12
     env = {**os.environ, "TREE_ATTN_PROFILE_DIR": str(tmp_path / "profiles")}
     proc = subprocess.run(
-        [sys.executable, "-m", "tree_attn", "generate", "--model", str(folder), "--prompt", prompt, "-w", "2",
-         "--device", "cpu", "--new-tokens", "32", "--json"],
+        # -W reaches the spawned processes too (multiprocessing passes the interpreter's flags on)
+        [sys.executable, "-W", "error::FutureWarning", "-m", "tree_attn", "generate", "--model", str(folder),
+         "--prompt", prompt, "-w", "2", "--device", "cpu", "--new-tokens", "32", "--json"],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -195,7 +321,7 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
         assert row["tokens"] == expected, row["name"]
         assert row["text"] == tok.decode(expected)
     assert result["profile"]["chosen_by"] in ("default", "builtin", "saved")
-    assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr
+    assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr and "FutureWarning" not in proc.stderr
 
 
 @pytest.mark.slow

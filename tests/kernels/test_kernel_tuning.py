@@ -81,6 +81,25 @@ def test_a_config_that_cannot_run_here_is_skipped_not_fatal(device, monkeypatch)
         tune_kernels(options, device=_tuning_device(device))
 
 
+def test_kernel_search_runs_in_a_child_process(device):
+    """``tune`` times kernel configs in a child process (on a GPU machine: the launching process
+    then holds no CUDA context on GPU 0, where rank 0 runs next); its progress reaches the caller
+    as it comes and its results are what tune_kernels returns."""
+    import os
+
+    from tree_attn.runner.tune import tune_kernels_in_child
+
+    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
+                          dtype="float32", quick=True, buckets=(64,))
+    messages = []
+    report = tune_kernels_in_child(options, progress=messages.append, device=_tuning_device(device))
+    assert report.pid != os.getpid()
+    (r,) = report.buckets
+    assert r.max_shard_len == 64 and len(r.timings) == options.kernel_survivors
+    assert r.chosen in r.timings and r.chosen.median_us > 0
+    assert any(m.startswith("kernel bucket 64 tokens: best") for m in messages), messages
+
+
 def test_the_timed_configs_span_split_counts_and_include_the_default():
     """The model's time saturates (dozens of configs tie, one split count): the survivors must
     still cover several split counts, and the default config (what runs without a profile)."""

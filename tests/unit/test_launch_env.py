@@ -6,7 +6,7 @@ import pytest
 
 from tree_attn.errors import ConfigError
 from tree_attn.ranks import launch
-from tree_attn.ranks.launch import resolve_backend, torchrun_env
+from tree_attn.ranks.launch import rank_cuda_device, resolve_backend, torchrun_env
 
 
 def test_not_under_torchrun(monkeypatch):
@@ -31,6 +31,29 @@ def test_torchrun_variables(monkeypatch):
     assert torchrun_env("cpu").device == "cpu"
     with pytest.raises(ConfigError, match="nccl backend needs GPU ranks"):
         torchrun_env("cpu", "nccl")
+
+
+def test_rank_cuda_device_with_one_visible_gpu_per_process():
+    """torchrun on a node whose processes see all its GPUs: LOCAL_RANK picks one. A launcher that
+    gives each process one GPU (SLURM --gpus-per-task=1) renumbers it cuda:0 in every process."""
+    assert [rank_cuda_device(r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [rank_cuda_device(r, 1) for r in range(8)] == ["cuda:0"] * 8
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=2 but this process sees 2 GPUs.*--nproc-per-node 2"):
+        rank_cuda_device(2, 2)
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        rank_cuda_device(0, 0)
+
+
+def test_torchrun_env_with_one_visible_gpu(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setattr(launch, "gpu_count", lambda: 1)
+    env = torchrun_env()
+    assert (env.device, env.local_rank, env.backend) == ("cuda:0", 5, "nccl")
+    monkeypatch.setattr(launch, "gpu_count", lambda: 4)
+    with pytest.raises(ConfigError, match="LOCAL_RANK=5 but this process sees 4 GPUs"):
+        torchrun_env("cuda")
 
 
 def test_resolve_backend():

@@ -14,9 +14,10 @@ HELP = (
     "nothing is downloaded). Without --model a small Llama is built from a config with --seed: random "
     "weights, so the output is token ids, not text, and the prompt is --prompt-len random ids (or ids "
     "given as --prompt 1,2,3).\n\n"
-    "The launching process prefills the prompt, decodes the reference (transformers' own sdpa attention "
-    "and cache, one process) and the one-rank row (tree-attn's paged kernel); then it splits the prefill "
-    "KV over the ranks (rank r a contiguous slice, 16-token pages) and each strategy decodes the same "
+    "One process (a child: the launching process computes nothing on a GPU) prefills the prompt, decodes "
+    "the reference (transformers' own sdpa attention and cache) and the one-rank row (tree-attn's paged "
+    "kernel); then the prefill KV is split over the ranks (rank r a contiguous slice, 16-token pages) and "
+    "each strategy decodes the same "
     "tokens, the new tokens' KV going to the last rank. Every row must give the reference's tokens: "
     "exit 1 if one does not. Needs the \\[models] extra (Hugging Face transformers).\n\n"
     "Under torchrun (one node or several) it joins the job instead of spawning: every rank loads the model "
@@ -43,7 +44,7 @@ def generate_command(
     fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
     backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weights and KV cache: float32 (fp32), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
     page_size: int = count_option(16, "--page-size", help="Tokens per KV page (1..256)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),

@@ -176,6 +176,24 @@ def _env_int(name: str, default: str | None = None) -> int:
         ) from None
 
 
+def rank_cuda_device(local_rank: int, visible: int) -> str:
+    """The GPU of a torchrun rank: ``cuda:<local_rank>`` when this process sees the node's GPUs,
+    ``cuda:0`` when it sees exactly one (launchers that give each process its own GPU, such as
+    SLURM's ``--gpus-per-task=1``, renumber it 0 in every process). A LOCAL_RANK beyond several
+    visible GPUs is a ConfigError (CUDA's "invalid device ordinal" otherwise)."""
+    if visible == 1:
+        return "cuda:0"
+    if visible < 1:
+        raise ConfigError("GPU ranks asked for, but no GPU is visible to this process (CUDA_VISIBLE_DEVICES?); "
+                          "use --device cpu for CPU ranks")
+    if local_rank >= visible:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs (cuda:0..cuda:{visible - 1}): start at most "
+            f"{visible} ranks per node (torchrun --nproc-per-node {visible}), or give each process one GPU"
+        )
+    return f"cuda:{local_rank}"
+
+
 def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankEnv | None:
     """The rank environment set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK), or None.
 
@@ -194,8 +212,9 @@ def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankE
         raise ConfigError(f"RANK={rank} must lie in 0..WORLD_SIZE-1={world - 1} (torchrun sets it; outside torchrun unset it)")
     if local < 0:
         raise ConfigError(f"LOCAL_RANK={local} must be >= 0 (torchrun sets it; outside torchrun unset it)")
-    kind = device_kind if device_kind is not None else ("cuda" if gpu_count() > 0 else "cpu")
-    device = f"cuda:{local}" if kind == "cuda" else "cpu"
+    visible = gpu_count()
+    kind = device_kind if device_kind is not None else ("cuda" if visible > 0 else "cpu")
+    device = rank_cuda_device(local, visible) if kind == "cuda" else "cpu"
     return RankEnv(rank=rank, world_size=world, backend=resolve_backend(backend, kind), device=device, local_rank=local)
 
 

@@ -1,20 +1,20 @@
 """``tree-attn generate``: greedy decoding of a language model with its KV cache sharded over ranks.
 
-The launching process loads the model and prefills the prompt (all tokens but the last, in
-chunks); it then decodes the reference (transformers' own SDPA attention over a ``DynamicCache``
-holding the same prefill KV) and the one-process row (tree-attn's paged kernel, no collective).
-It splits the prefill KV evenly over the ranks (rank r holds a contiguous slice of the prompt)
-and spawns them; each rank loads the model, pages its slice into a :class:`PagedKVShard`, and
-decodes with each strategy (tree, allreduce, ring) in turn. A decode step feeds one token through
-every layer; each layer's attention is a collective over the ranks' shards, and the new token's K
-and V are appended to the last rank's shard. Every row starts from the last prompt token, so all
-of them decode the same ``new_tokens`` tokens, each by a decode step, and must match the
-reference exactly.
+A child process (the launching process computes nothing on a device, so it holds no CUDA
+context) loads the model and prefills the prompt (all tokens but the last, in chunks); it then
+decodes the reference (transformers' own SDPA attention over a ``DynamicCache`` holding the same
+prefill KV) and the one-process row (tree-attn's paged kernel, no collective), saves the prefill
+KV to a file and exits. The launching process then spawns the ranks, which split the prefill KV
+evenly (rank r holds a contiguous slice of the prompt); each rank loads the model, pages its slice
+into a :class:`PagedKVShard`, and decodes with each strategy (tree, allreduce, ring) in turn. A
+decode step feeds one token through every layer; each layer's attention is a collective over the
+ranks' shards, and the new token's K and V are appended to the last rank's shard. Every row starts
+from the last prompt token, so all of them decode the same ``new_tokens`` tokens, each by a decode
+step, and must match the reference exactly.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import statistics
@@ -29,7 +29,7 @@ import torch
 from ..dtypes import torch_dtype
 from ..reduce.plan import ReductionPlan
 from ..ranks.launch import RankEnv, barrier
-from .decode_run import _device_name, percentile
+from .decode_run import percentile
 from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
 from .kv_store import PAGE_SIZE, PagedKVShard
 from .models import ModelSource, build_model
@@ -260,7 +260,7 @@ def reference_tokens(model, pre: PrefillContext, first: int, steps: int) -> Stra
 
         def forward(cache, token: int, pos: int) -> int:
             logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=_positions(pos, 1, device),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                           cache=cache, use_cache=True, logits_to_keep=1).logits
             return _next_token(logits)
 
         forward(fresh_cache(), first, start)  # warm-up, as for the other rows
@@ -328,22 +328,33 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
     return runs
 
 
-def generate_rank(env: RankEnv, spec: GenerateSpec, shard_dir: str) -> dict[str, StrategyRun]:
-    """A spawned rank: load the model and this rank's prefill slice from ``shard_dir``, decode."""
+PREFILL_FILE = "prefill.pt"
+
+
+def _save_prefill(pre: PrefillContext, folder: str) -> None:
+    """Save the prefill KV to ``folder`` as ``{"k": [[Hkv, n, D] per layer], "v": ...}``, from
+    which each rank maps its own slice (for any world size: the benchmark splits one prefill over
+    several)."""
+    n = pre.length
+    torch.save({"k": [t[:, :n].contiguous().cpu() for t in pre.k], "v": [t[:, :n].contiguous().cpu() for t in pre.v]},
+               os.path.join(folder, PREFILL_FILE))
+
+
+def _load_prefill(folder: str) -> PrefillContext:
+    """The prefill saved by :func:`_save_prefill`, memory-mapped: a rank reads only its slice."""
+    saved = torch.load(os.path.join(folder, PREFILL_FILE), mmap=True, weights_only=True)
+    return PrefillContext(k=saved["k"], v=saved["v"], length=saved["k"][0].shape[1] if saved["k"] else 0)
+
+
+def generate_rank(env: RankEnv, spec: GenerateSpec, folder: str) -> dict[str, StrategyRun]:
+    """A spawned rank: load the model and this rank's slice of the prefill in ``folder``, decode."""
     model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=torch.device(env.device))
     use_tree_attention(model)
-    saved = torch.load(os.path.join(shard_dir, f"rank{env.rank}.pt"), mmap=True, weights_only=True)
-    return decode_strategies(env, spec, model, saved["k"], saved["v"])
-
-
-def _save_shards(pre: PrefillContext, sizes: list[int], folder: str) -> None:
-    """Each rank's contiguous slice of the prefill KV, ``{"k": [[n_r, Hkv, D] per layer], "v": ...}``."""
-    start = 0
-    for rank, n in enumerate(sizes):
-        parts = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
-        torch.save({"k": [k.contiguous().cpu() for k, _ in parts], "v": [v.contiguous().cpu() for _, v in parts]},
-                   os.path.join(folder, f"rank{rank}.pt"))
-        start += n
+    pre = _load_prefill(folder)
+    sizes = spec.shard_sizes()
+    start, n = sum(sizes[:env.rank]), sizes[env.rank]
+    mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
+    return decode_strategies(env, spec, model, [k for k, _ in mine], [v for _, v in mine])
 
 
 def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | None) -> GenerateRow:
@@ -359,11 +370,13 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | 
 
 @dataclass
 class OneProcess:
-    """What the launching process computed: the prefill KV and the reference and one-rank rows."""
+    """What the one-process child computed: the prefill time, the reference and one-rank rows,
+    the device's name, and the child's pid (the launching process computes nothing)."""
 
-    prefill: PrefillContext
     prefill_s: float
     rows: list[GenerateRow]
+    device: str
+    pid: int
 
     @property
     def reference(self) -> list[int]:
@@ -401,35 +414,44 @@ def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callab
     return rows
 
 
-def decode_in_one_process(spec: GenerateSpec, say: Callable[[str], None]) -> OneProcess:
-    """Load the model here, prefill the prompt, decode the reference and the one-rank row."""
+def one_process_work(spec: GenerateSpec, folder: str, say: Callable[[str], None]) -> OneProcess:
+    """In the child: load the model (GPU 0 or CPU), prefill the prompt, decode the reference and
+    the one-rank row, and save the prefill KV to ``folder`` for the ranks."""
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     model, pre, prefill_s = load_and_prefill(spec, device, say)
     rows = one_process_rows(spec, model, pre, say)
-    # The ranks read their slices from files: the prefill waits in host memory, not on GPU 0,
-    # which rank 0 uses next.
-    pre = pre.to_host()
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # hand the freed blocks back, for rank 0's own model and cache
-    return OneProcess(pre, prefill_s, rows)
+    _save_prefill(pre, folder)
+    return OneProcess(prefill_s, rows, _device_name(device), os.getpid())
 
 
-def decode_on_ranks(spec: GenerateSpec, pre: PrefillContext, reference: list[int],
+def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], None]) -> OneProcess:
+    """:func:`one_process_work` in a child process that exits before any rank starts: the
+    launching process makes no CUDA context (about 0.5 GB on GPU 0, which rank 0 uses next, and
+    a failure under exclusive-process compute mode). The prefill KV waits in ``folder``."""
+    from .child import run_in_child
+
+    return run_in_child(one_process_work, (spec, folder), what="the one-process rows (prefill, reference, one rank)",
+                        timeout_s=spec.timeout_s, progress=say).value
+
+
+def decode_on_ranks(spec: GenerateSpec, folder: str, reference: list[int],
                     say: Callable[[str], None]) -> list[GenerateRow]:
-    """Split the prefill KV over ``spec.world_size`` spawned ranks; one row per strategy."""
+    """Split the prefill KV in ``folder`` over ``spec.world_size`` spawned ranks; one row per strategy."""
     from ..ranks.launch import launch_ranks
 
-    folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
-    try:
-        _save_shards(pre, spec.shard_sizes(), folder)
-        say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
-        per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
-                                device_kind=spec.device_kind, timeout_s=spec.timeout_s)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
+    per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
+                            device_kind=spec.device_kind, timeout_s=spec.timeout_s)
     return [_row(label, spec.world_size, [runs[label] for runs in per_rank], reference) for label in per_rank[0]]
+
+
+def _device_name(device: torch.device) -> str:
+    """The name of the device the rows ran on (asked where they ran: never in the launching process)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from .decode_run import _device_name as host_name
+
+    return host_name("cpu")
 
 
 def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, device: str, backend: str,
@@ -445,12 +467,17 @@ def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, devic
 
 
 def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
-    """Prefill, decode the reference and the one-process row here, then every strategy on
-    ``spec.world_size`` spawned ranks; return the rows with the check against the reference."""
+    """Prefill and decode the reference and the one-process row in a child process, then every
+    strategy on ``spec.world_size`` spawned ranks; return the rows with the check against the
+    reference. This process only launches and collects: it computes nothing on a device."""
     say = progress or (lambda text: None)
-    local = decode_in_one_process(spec, say)  # its model is gone, its prefill in host memory
-    rows = local.rows + decode_on_ranks(spec, local.prefill, local.reference, say)
-    return _result(spec, rows, local.prefill_s, _device_name(spec.device_kind), spec.backend, tokenizer)
+    folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
+    try:
+        local = decode_in_one_process(spec, folder, say)
+        rows = local.rows + decode_on_ranks(spec, folder, local.reference, say)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return _result(spec, rows, local.prefill_s, local.device, spec.backend, tokenizer)
 
 
 def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[str], None] | None = None,
@@ -489,4 +516,4 @@ def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[
         return None
     local = one_process_rows(spec, model, pre, say)
     rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens) for label in gathered[0]]
-    return _result(spec, rows, prefill_s, _device_name(spec.device_kind), env.backend, tokenizer)
+    return _result(spec, rows, prefill_s, _device_name(torch.device(env.device)), env.backend, tokenizer)

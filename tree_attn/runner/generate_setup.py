@@ -33,7 +33,7 @@ class GenerateOptions:
     fanout: int | None = None
     device: str = "auto"
     backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # see default_dtype
     page_size: int = 16
     timeout_s: float = 120.0
     profile: str | None = None
@@ -52,6 +52,14 @@ class GenerateSetup:
     @property
     def rank(self) -> int:
         return self.env.rank if self.env is not None else 0
+
+
+def default_dtype(device_kind: str) -> str:
+    """``generate``'s weights and KV dtype when ``--dtype auto``: bfloat16 on GPUs (what
+    checkpoints ship in: half the bytes of float32, and the 16-bit paged kernel build, where
+    float32's spills registers), float32 on CPU ranks (16-bit matrix products are slow on most
+    CPUs, and float32 keeps the rows' tokens equal to the reference's)."""
+    return "bfloat16" if device_kind == "cuda" else "float32"
 
 
 def parse_prompt(text: str | None, prompt_len: int, vocab: int, seed: int, tokenizer) -> tuple[list[int], str | None]:
@@ -160,7 +168,7 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
         raise ConfigError(f"world size {world} is larger than the {n_gpus} GPUs of this machine")
     if device_kind == "cpu" and trun is None:
         check_cpu_ranks(world)
-    dtype = parse_dtype("float32" if options.dtype == "auto" else options.dtype)
+    dtype = parse_dtype(default_dtype(device_kind) if options.dtype == "auto" else options.dtype)
     backend = resolve_backend(options.backend, device_kind)
     notices: list[str] = []
     warnings: list[str] = []
@@ -173,12 +181,14 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
         elem = torch_dtype(dtype).itemsize
         weights = _param_bytes(config, elem)
         total = len(ids) + n_new
-        need = (world + 1) * (weights + PROCESS_BYTES) + 3 * shape.kv_bytes(total, dtype)
+        # The launching process holds no weights: the one-process child (which has exited before
+        # the ranks start) holds a copy, then each rank does.
+        need = world * (weights + PROCESS_BYTES) + PROCESS_BYTES + 3 * shape.kv_bytes(total, dtype)
         have = available_host_bytes()
         if have is not None and need > have:
             raise ConfigError(
                 f"this generate needs about {need / 2**30:,.1f} GiB of host memory (a copy of the model's "
-                f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks and the launcher, and the KV cache of "
+                f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
                 f"{total:,} tokens); {have / 2**30:,.1f} GiB are available: use fewer ranks, layers or tokens"
             )
     if dtype != "float32":

@@ -54,13 +54,6 @@ class PrefillContext:
         return cls(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
                    v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)])
 
-    def to_host(self) -> "PrefillContext":
-        """The valid tokens' K and V in host memory (itself when already there)."""
-        if all(t.device.type == "cpu" for t in self.k + self.v):
-            return self
-        return PrefillContext(k=[t[:, : self.length].cpu() for t in self.k], v=[t[:, : self.length].cpu() for t in self.v],
-                              length=self.length)
-
     def tokens(self, layer: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of tokens ``start..stop - 1`` as ``[n, Hkv, D]`` views."""
         return self.k[layer][:, start:stop].transpose(0, 1), self.v[layer][:, start:stop].transpose(0, 1)

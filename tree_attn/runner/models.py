@@ -42,7 +42,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 # logits are nearly flat, greedy decoding repeats one token, and an exactness check would prove
 # little. Wider weights give spread-out logits and varied tokens.
 DEFAULT_PRESET = "small"
-MODELS_EXTRA = 'pip install "transformers>=5,<6" safetensors (in a checkout of tree-attn: pip install ".[models]")'
+# The first transformers whose models take ``cache=`` (5.24 renamed ``past_key_values=``, which
+# warns until its removal in 5.40). An older one would pass ``cache=`` through its ``**kwargs``
+# unread: the reference would decode without its cache.
+MIN_TRANSFORMERS = (5, 24)
+MODELS_EXTRA = 'pip install "transformers>=5.24,<6" safetensors (in a checkout of tree-attn: pip install ".[models]")'
 
 
 @dataclass(frozen=True)
@@ -70,14 +74,24 @@ class ModelSource:
 
 
 def require_transformers() -> None:
-    """Raise :class:`ConfigError` naming the extra when transformers is not installed."""
+    """Raise :class:`ConfigError` naming the extra when transformers is missing or older than
+    :data:`MIN_TRANSFORMERS`."""
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"tree-attn generate needs Hugging Face transformers: {MODELS_EXTRA}") from exc
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
-        raise ConfigError(f"tree-attn generate needs transformers 5 or newer; found {transformers.__version__}: {MODELS_EXTRA}")
+    if transformers_version(transformers.__version__) < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ConfigError(f"tree-attn generate needs transformers {need} or newer; found {transformers.__version__}: "
+                          f"{MODELS_EXTRA}")
+
+
+def transformers_version(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``5.24.0`` or ``5.25.0.dev0``."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def check_source(source: ModelSource) -> dict[str, Any]:

@@ -1,9 +1,13 @@
 """Measurements behind ``tree-attn tune``: time every candidate reduction plan across the ranks,
 and (on GPUs) the surviving kernel configs of each shape bucket.
 
-Plans are timed at the decode message size (one ``[B, Hq, D+1]`` float32 state per rank), each
-iteration started together (barrier) and lasting as long as its slowest rank. Rank 0 decides and
-broadcasts its choice, so every rank runs the same plan even if timings were noisy.
+Plans are timed at the decode message size (one ``[B, Hq, D+1]`` float32 state per rank), in
+batches of back-to-back iterations between barriers (see :func:`time_plans_rank` for why), each
+batch lasting as long as its slowest rank. Rank 0 decides and broadcasts its choice, so every rank
+runs the same plan even if timings were noisy.
+
+Kernel configs are timed on GPU 0 by a child process (:func:`tune_kernels_in_child`), never by
+the launching process, which thus makes no CUDA context on the GPU rank 0 uses.
 """
 
 from __future__ import annotations
@@ -22,13 +26,19 @@ from ..ranks.launch import RankEnv
 
 @dataclass(frozen=True)
 class PlanTiming:
-    """Measured latency of one plan's merge (both directions), microseconds, slowest rank."""
+    """Measured latency of one plan's merge (both directions), microseconds per iteration.
+
+    Each sample is one batch of ``per_batch`` back-to-back iterations, timed on every rank and
+    divided by ``per_batch``; the batch's time is its slowest rank's. ``median_us`` and ``p95_us``
+    are over the batches (``iterations`` = batches x ``per_batch``).
+    """
 
     plan: ReductionPlan
     median_us: float
     p95_us: float
     iterations: int
     method: str = "host-clock"  # cuda-graph (replays between events), cuda-events, host-clock
+    per_batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -43,15 +53,28 @@ def time_plans_rank(
     batch: int,
     q_heads: int,
     head_dim: int,
-    iterations: int,
+    batches: int,
+    per_batch: int,
     warmup: int,
 ) -> PlanTuneResult:
     """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision.
 
     Each candidate is the prepared merge ``decode_run`` runs (static buffers, peers resolved
-    once), replayed as a CUDA graph on GPUs, eager on CPU ranks. Iterations start together
-    (barrier); on GPUs the time of one is taken by CUDA events around the replay, on CPU by the
-    host clock; an iteration lasts as long as its slowest rank.
+    once), replayed as a CUDA graph on GPUs, eager on CPU ranks.
+
+    Why batches: ranks leave a barrier at different moments (the skew is the barrier's own
+    latency, some microseconds to tens of them), and each rank can only start its clock at its
+    own exit. A rank that starts early waits for its peers inside the merge, so one timed
+    iteration per barrier adds the skew to the slowest rank's time, as much as the 10-40 us
+    plans being compared. So every rank times ``per_batch`` back-to-back iterations after the
+    barrier (CUDA events around the replays, queued behind a short spin so that their launches
+    are not timed; the host clock on CPU ranks) and divides: the skew lands on the first
+    iteration only and counts 1/``per_batch`` of it. A merge ends with every rank holding the
+    result, so a rank starts an iteration only once the previous one has reached it: back-to-back
+    iterations overlap only where one's last messages are still arriving at some ranks while
+    others begin the next (per-iteration latency as nccl-tests reports it, not pipelined
+    throughput). The batch lasts as long as its slowest rank; ``batches`` such samples give the
+    median and p95.
     """
     import torch.distributed as dist
 
@@ -77,24 +100,26 @@ def time_plans_rank(
         for _ in range(warmup):
             step()
         mine = []
-        for _ in range(iterations):
+        for _ in range(batches):
             barrier(env)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize(device)
-                hold_stream(device)  # the replay queues behind it: its launch latency is not timed
+                hold_stream(device)  # the replays queue behind it: their launch latency is not timed
                 start.record()
-                step()
+                for _ in range(per_batch):
+                    step()
                 end.record()
                 end.synchronize()
-                mine.append(start.elapsed_time(end) * 1e-3)
+                mine.append(start.elapsed_time(end) * 1e-3 / per_batch)
             else:
                 t0 = time.perf_counter()
-                step()
-                mine.append(time.perf_counter() - t0)
+                for _ in range(per_batch):
+                    step()
+                mine.append((time.perf_counter() - t0) / per_batch)
         method = "cuda-graph" if step.captured else ("cuda-events" if cuda else "host-clock")
         step.close()  # a graph alive at destroy_process_group would hang NCCL's teardown
-        # Each iteration lasts as long as its slowest rank: gather everyone's times.
+        # Each batch lasts as long as its slowest rank: gather everyone's times.
         local = torch.tensor(mine, dtype=torch.float64, device=device if env.backend == "nccl" else "cpu")
         every = [torch.empty_like(local) for _ in range(env.world_size)]
         dist.all_gather(every, local)
@@ -104,8 +129,9 @@ def time_plans_rank(
                 plan=plan,
                 median_us=1e6 * statistics.median(slowest),
                 p95_us=1e6 * percentile(slowest, 0.95),
-                iterations=iterations,
+                iterations=batches * per_batch,
                 method=method,
+                per_batch=per_batch,
             )
         )
     # Rank 0 decides; the broadcast makes the choice identical everywhere by construction.
@@ -203,9 +229,10 @@ class TuneOptions:
     buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
 
     @property
-    def plan_iterations(self) -> tuple[int, int]:
-        """(timed, warm-up) iterations per candidate plan."""
-        return (20, 3) if self.quick else (200, 20)
+    def plan_batches(self) -> tuple[int, int, int]:
+        """(timed batches, iterations per batch, warm-up iterations) per candidate plan: 50
+        iterations a batch leave 1/50 of the ranks' start skew in each (25 with --quick)."""
+        return (8, 25, 3) if self.quick else (25, 50, 20)
 
     @property
     def shard_buckets(self) -> list[int]:
@@ -238,11 +265,11 @@ def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTun
     """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
     from ..ranks.launch import launch_ranks
 
-    iters, warm = options.plan_iterations
+    batches, per_batch, warm = options.plan_batches
     results = launch_ranks(
         time_plans_rank,
         options.world_size,
-        args=(candidates, options.batch, options.q_heads, options.head_dim, iters, warm),
+        args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm),
         backend=options.backend,
         device_kind=options.device_kind,
         timeout_s=options.timeout_s,
@@ -252,6 +279,29 @@ def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTun
 
         raise DistributedError("ranks ended the plan search with different plans; rank 0's broadcast did not arrive")
     return results[0]
+
+
+@dataclass(frozen=True)
+class KernelTuneReport:
+    """The kernel buckets :func:`tune_kernels_in_child` tuned, and the process that timed them."""
+
+    buckets: list[BucketResult]
+    pid: int
+
+
+def _tune_kernels_work(options: TuneOptions, device: str | None, say) -> list[BucketResult]:
+    return tune_kernels(options, progress=say, device=device)
+
+
+def tune_kernels_in_child(options: TuneOptions, progress=None, device: str | None = None) -> KernelTuneReport:
+    """:func:`tune_kernels` in a spawned child process (see :mod:`tree_attn.runner.child`): the
+    same timings and choices, while this process makes no CUDA context. ``progress`` receives the
+    child's lines as they come."""
+    from .child import run_in_child
+
+    done = run_in_child(_tune_kernels_work, (options, device), what="kernel tuning", timeout_s=options.timeout_s,
+                        progress=progress)
+    return KernelTuneReport(done.value, done.pid)
 
 
 def tune_kernels(options: TuneOptions, progress=None, device: str | None = None) -> list[BucketResult]:

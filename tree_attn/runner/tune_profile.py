@@ -187,7 +187,7 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
     from ..profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
     from ..profiles.plan_model import decode_message_bytes
     from ..reduce.hier_plan import candidate_plans
-    from .tune import tune_kernels, tune_plans
+    from .tune import tune_kernels_in_child, tune_plans
 
     def emit(stage: str, kind: str, text: str) -> None:
         if progress is not None:
@@ -197,7 +197,8 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
     buckets = []
     if options.device_kind == "cuda":
         emit("kernels", "start", f"kernel configs: {len(options.shard_buckets)} shard buckets")
-        buckets = tune_kernels(options, progress=lambda m: emit("kernels", "detail", m))
+        # In a child process: this one makes no CUDA context on the GPU rank 0 uses next.
+        buckets = tune_kernels_in_child(options, progress=lambda m: emit("kernels", "detail", m)).buckets
         emit("kernels", "done", f"kernel configs: {len(buckets)} buckets tuned")
     emit("plans", "start", f"reduction plans: timing {len(candidates)} candidates on {options.world_size} ranks")
     plans = tune_plans(options, candidates)
