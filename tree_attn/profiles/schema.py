@@ -43,7 +43,7 @@ from ..errors import ConfigError, TopologyError
 from ..kernels.config import DecodeConfig
 from ..reduce.plan import STRATEGIES, ReductionPlan
 from ..topology.model import LinkKind, P2PStatus, Topology, format_ranges
-from ._check import (
+from ..validate import (
     FieldError,
     as_float,
     check_bool,

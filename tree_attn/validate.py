@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from ..errors import ProfileError
+from .errors import ProfileError
 
 
 class FieldError(ProfileError):
