@@ -8,7 +8,7 @@ import torch
 
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig, default_config
-from tree_attn.kernels.perf_model import (
+from tree_attn.cost.kernel import (
     CPU_INTERPRETER,
     KNOWN_DEVICES,
     DeviceSpec,

@@ -2,7 +2,7 @@
 with their sources (``presets``), predictions for tree / allreduce / ring (``model``) and
 parameters from measurements (``fit``). Pure Python: no torch at import time."""
 
-from .model import (
+from .step import (
     StepPrediction, Workload, allreduce_us, cluster_hierarchy, cluster_plan, local_attention_us, predict_allreduce,
     predict_ring, predict_step, predict_tree,
 )

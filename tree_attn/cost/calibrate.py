@@ -200,7 +200,7 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     from ..ranks.launch import launch_ranks, usable_cores
     from ..topology.host import host_topology
     from ..topology.measure import measure_topology
-    from .model import DTYPE_BYTES
+    from .step import DTYPE_BYTES
 
     cores = usable_cores()
     n = ranks or cores
@@ -268,7 +268,7 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     from ..topology.measure import measure_topology
     from ..topology.probe import probe_topology
     from .fit import device_for
-    from .model import DTYPE_BYTES
+    from .step import DTYPE_BYTES
 
     if not torch.cuda.is_available():
         from ..errors import ConfigError

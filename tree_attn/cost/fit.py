@@ -67,7 +67,7 @@ def link_class(link, cpu: bool) -> str:
 def device_for(name: str) -> DeviceParams | None:
     """The preset device matching a device name, else a generic one from the perf model's table,
     else None (a recorded dump names no device)."""
-    from ..kernels.perf_model import lookup_known_device
+    from .kernel import lookup_known_device
 
     spec = lookup_known_device(name)
     low = name.lower()

@@ -3,7 +3,7 @@
 Configs are plain data, chosen before launch: there is no ``@triton.autotune`` anywhere, because in
 a multi-GPU decode every rank must run the same config (ranks that each benchmark at run time can
 pick different winners, and timing noise then turns into run-to-run differences in rounding).
-``tune`` searches :func:`tree_attn.kernels.perf_model.candidate_configs` once and writes the winner
+``tune`` searches :func:`tree_attn.cost.kernel.candidate_configs` once and writes the winner
 into a profile; without one, :func:`default_config` picks a config from the shape and the device.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .perf_model import DeviceSpec
+    from ..cost.kernel import DeviceSpec
     from .shapes import DecodeShape
 
 # tl.dot needs every block dimension >= 16; above 512 keys per tile the K and V tiles of one
@@ -222,7 +222,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
     ``waves_per_eu=2``.
     """
-    from .perf_model import dtype_bytes  # local: perf_model imports this module
+    from ..cost.kernel import dtype_bytes  # local: cost.kernel imports this module
 
     d = shape.head_dim
     elem = dtype_bytes(dtype)

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .perf_model import CPU_INTERPRETER, DeviceSpec
+from ..cost.kernel import CPU_INTERPRETER, DeviceSpec
 
 
 def is_rocm() -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..topology.model import P2PStatus, Topology
-from .plan_model import decode_message_bytes, predict_plan_us
+from ..cost.plan import decode_message_bytes, predict_plan_us
 from .schema import KernelBucket, KernelSection, Machine, PlanCandidate, Profile, Reduction, Versions
 from .store import profile_to_yaml
 
@@ -144,7 +144,7 @@ def _kernel_section(device_key: str | None) -> KernelSection:
     if device_key is None:
         return KernelSection(device_spec=None, buckets=[])
     # Imported here: the perf model needs kernels.shapes, which imports torch.
-    from ..kernels.perf_model import KNOWN_DEVICES, candidate_configs, rank_candidates
+    from ..cost.kernel import KNOWN_DEVICES, candidate_configs, rank_candidates
     from ..kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES[device_key]

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
-from ..cost.model import DTYPE_BYTES
+from ..cost.step import DTYPE_BYTES
 from ..errors import ConfigError
 from ..sizes import parse_count
 

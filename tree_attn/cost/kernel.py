@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from .. import dtypes as _dtypes
 from ..errors import ConfigError
-from .config import (
+from ..kernels.config import (
     HEURISTIC_MAX_SPLITS,
     MIN_TILES_PER_SPLIT,
     DecodeConfig,
@@ -35,7 +35,7 @@ from .config import (
     split_len,
     stage1_smem_bytes,
 )
-from .shapes import DecodeShape
+from ..kernels.shapes import DecodeShape
 
 VENDORS = ("nvidia", "amd", "cpu")
 BANDWIDTH_SOURCES = ("datasheet", "measured", "assumed")
