@@ -151,6 +151,7 @@ def check_str(
     choices: Iterable[str] | None = None,
     nonempty: bool = True,
     error: type[Exception] = ConfigError,
+    must: bool = False,
 ) -> Any:
     """``value`` must be a string (not blank, unless ``nonempty=False``), one of ``choices`` if
     given; returns it."""
@@ -158,11 +159,11 @@ def check_str(
         return None
     if not isinstance(value, str) or (nonempty and not value.strip()):
         want = _or_null(f"a {'non-empty ' if nonempty else ''}string", optional)
-        fail(error, name, f"expected {want}, got {type_name(value)} {show(value)}")
+        _wrong(error, name, want, value, must=must, wrong_type=True)
     if choices is not None:
         choices = tuple(choices)
         if value not in choices:
-            fail(error, name, f"expected one of {', '.join(choices)}, got {show(value)}")
+            _wrong(error, name, f"one of {', '.join(choices)}", value, must=must, wrong_type=False)
     return value
 
 

@@ -21,7 +21,7 @@ from tree_attn.kernels.config import (
     split_len,
     stage1_smem_bytes,
 )
-from tree_attn.cost.kernel import KNOWN_DEVICES
+from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]

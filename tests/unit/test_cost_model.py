@@ -13,7 +13,8 @@ import pytest
 from tree_attn.cost import (
     PRESETS, ClusterSpec, DeviceParams, LinkParams, Workload, cluster_plan, predict_step, preset,
 )
-from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology, link_class
+from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology
+from tree_attn.cost.links import link_class
 from tree_attn.errors import ConfigError
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -367,3 +368,4 @@ def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
         big = c.with_shape(16, 8)
         for strat in ("tree", "allreduce", "ring"):
             assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us
+

@@ -26,7 +26,10 @@ import statistics
 import time
 from typing import Any
 
-from .params import ClusterSpec, DeviceParams, LinkParams
+from ..dtypes import itemsize
+from .links import LinkParams
+from .params import ClusterSpec, DeviceParams
+from .step import decode_message_bytes
 
 # The calibration shape: Llama-3.1-8B attention (32 query heads, 8 KV heads, D 128), batch 1.
 SHAPE = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128)
@@ -78,7 +81,7 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
 
 
 # The decode message all-reduced: a packed state of the calibration shape, float32 [B, Hq, D + 1].
-ALLREDUCE_BYTES = 4 * SHAPE["batch"] * SHAPE["q_heads"] * (SHAPE["head_dim"] + 1)
+ALLREDUCE_BYTES = decode_message_bytes(SHAPE["batch"], SHAPE["q_heads"], SHAPE["head_dim"])
 
 
 def _allreduce_after_barrier(env, sync, dev, repeats: int) -> float:
@@ -200,7 +203,6 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     from ..ranks.launch import launch_ranks, usable_cores
     from ..topology.host import host_topology
     from ..topology.measure import measure_topology
-    from .step import DTYPE_BYTES
 
     cores = usable_cores()
     n = ranks or cores
@@ -208,7 +210,7 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     link = topo.links[0]
     meas = topo.measurement
     res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo", device_kind="cpu")
-    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
     local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
     fixed_us, gbps = _line(local, per_token)
     merge_us = max(r["merge"] for r in res) * 1e6
@@ -268,7 +270,6 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     from ..topology.measure import measure_topology
     from ..topology.probe import probe_topology
     from .fit import device_for
-    from .step import DTYPE_BYTES
 
     if not torch.cuda.is_available():
         from ..errors import ConfigError
@@ -280,7 +281,7 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     base = device_for(topo.devices[0].name) or device_for(torch.cuda.get_device_name(0))
     tokens = (long_tokens // 8, long_tokens)
     res = launch_ranks(_time_local, 1, args=(tokens, dtype, repeats), backend="nccl", device_kind="cuda")[0]
-    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
     fixed_us, gbps = _line(res["local"], per_token)
     mem = base.mem_gbps if base is not None else gbps
     dev = DeviceParams(

@@ -222,7 +222,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
     ``waves_per_eu=2``.
     """
-    from ..cost.kernel import dtype_bytes  # local: cost.kernel imports this module
+    from ..dtypes import itemsize as dtype_bytes  # local: keeps this module free of imports at load time
 
     d = shape.head_dim
     elem = dtype_bytes(dtype)

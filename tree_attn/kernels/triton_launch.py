@@ -13,7 +13,8 @@ import torch
 from ..errors import ConfigError, KernelUnavailableError
 from .config import DecodeConfig, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
 from .device_info import device_spec_for, is_rocm
-from ..cost.kernel import STAGE2_SPLIT_TILE, DeviceSpec
+from ..cost.devices import DeviceSpec
+from ..cost.kernel import STAGE2_SPLIT_TILE
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
 from .shapes import check_decode_inputs

@@ -316,8 +316,8 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
             return []
         device = "cuda:0"
     from ..kernels.config import resolve_config
-    from ..cost.kernel import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
-                                      rank_candidates, tuning_survivors)
+    from ..cost.devices import CPU_INTERPRETER, DeviceSpec
+    from ..cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
     from ..kernels.shapes import DecodeShape
     from ..dtypes import torch_dtype
 
