@@ -369,3 +369,20 @@ def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
         for strat in ("tree", "allreduce", "ring"):
             assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us
 
+
+
+def test_the_allreduce_steps_at_its_slowest_link_whatever_the_cluster_shape():
+    """A node of mixed classes (DGX-1: PCIe switches, host bridges, sockets) prices its all-reduce
+    at the largest per-step alpha of its pairs, before and after with_shape (which fills in the
+    node's class for pairs it no longer describes)."""
+    from tree_attn.topology.dumps import load_dump
+
+    dgx1 = load_dump("tests/fixtures/topology/dgx1_v100_8gpu_nvidia-smi_topo_mp.txt")
+    c = cluster_from_topology(dgx1, device=DEV)
+    slowest = max(c.pair_links.values(), key=lambda l: l.ar_step_us)
+    assert slowest.kind == "pcie_host"  # PCIe of unknown P2P status: host-staged, the slowest step
+    w = Workload(65536)
+    same = predict_step(c, w, "allreduce")
+    assert predict_step(c.with_shape(1, 8), w, "allreduce").comm_us == same.comm_us
+    step = 5.0 + 2 * 7 * slowest.ar_step_us  # collective_us + 2 (g - 1) steps, plus the byte terms
+    assert same.comm_us > 2 * step

@@ -202,7 +202,13 @@ def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
         return 0.0
     t = cluster.device.collective_us
     if g > 1:
-        intra = cluster.intra or max(cluster.pair_links.values(), key=lambda l: l.ar_step_us)
+        # A ring all-reduce steps at the pace of its slowest link: the largest per-step alpha among
+        # the links the node's pairs use (its pairs' own, and the node's class for any pair they
+        # leave out).
+        links = list(cluster.pair_links.values())
+        if cluster.intra is not None and len(links) < g * (g - 1) // 2:
+            links.append(cluster.intra)
+        intra = max(links, key=lambda l: l.ar_step_us)
         t += 2 * (g - 1) * intra.ar_step_us + 2 * (g - 1) / g * nbytes / (intra.ar_gbps * 1e3)
     if nodes > 1:
         hops = 2 * math.ceil(math.log2(nodes))
