@@ -386,3 +386,39 @@ def test_the_allreduce_steps_at_its_slowest_link_whatever_the_cluster_shape():
     assert predict_step(c.with_shape(1, 8), w, "allreduce").comm_us == same.comm_us
     step = 5.0 + 2 * 7 * slowest.ar_step_us  # collective_us + 2 (g - 1) steps, plus the byte terms
     assert same.comm_us > 2 * step
+
+
+@pytest.mark.parametrize("dump", [
+    "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt", "mi300x_8gpu_amd-smi_topology.txt",
+    "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt", "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt",
+])
+def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
+    """tune's plan pricing (cost.plan: the built-in profiles, tune --topology) and simulate's step
+    model read one link-class table and one merge: every candidate plan on a recorded topology costs
+    what `tree-attn simulate --topology` predicts for its merge."""
+    import json
+
+    from tree_attn.cli.app import main
+    from tree_attn.cost import merge_us
+    from tree_attn.cost.plan import plan_cluster, predict_plan_us
+    from tree_attn.reduce.hier_plan import candidate_plans
+    from tree_attn.topology.dumps import load_dump
+
+    path = f"tests/fixtures/topology/{dump}"
+    topo = load_dump(path)
+    assert main(["simulate", "--topology", path, "-w", "8", "-n", "64K", "-k", "4", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    row = sim["rows"][0]
+    w = Workload(65536)  # simulate's default shape (Llama-3.1-8B attention, batch 1)
+    msg, lse = w.message_bytes, w.lse_bytes
+    assert predict_plan_us(ReductionPlan("allreduce"), topo, msg, lse) == row["allreduce"]["comm_us"]
+    tree = cluster_plan(plan_cluster(topo), fanout=4)  # the topology-aware tree simulate predicts
+    assert row["tree"]["plan"] == tree.label
+    assert predict_plan_us(tree, topo, msg, lse) == row["tree"]["comm_us"]
+    # Every plan tune prices, on the very cluster simulate resolved from the dump.
+    cluster = cluster_from_dict(sim["cluster"])
+    plans = candidate_plans(len(topo), topo.hierarchy)
+    assert len(plans) >= 4
+    for plan in plans:
+        step = predict_step(cluster, w, plan.strategy, plan if plan.strategy == "tree" else None)
+        assert predict_plan_us(plan, topo, msg, lse) == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label

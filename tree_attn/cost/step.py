@@ -20,7 +20,8 @@ What a step is, as ``reduce.collectives`` and ``reduce.ring`` run it:
   that compute) a round is compute + transfer + merge, and with more ranks than cores its compute
   and transfer last the longer of their sum and the cores' shared work.
 
-The merge alone (tree or all-reduce, after the local attention) is :func:`merge_us`.
+The merge alone (tree or all-reduce, after the local attention) is :func:`merge_us`: ``tune``'s
+pricing of candidate plans (:mod:`tree_attn.cost.plan`) is this same function.
 
 Bytes per rank follow ``reduce.comm``'s counting (the same numbers ``tree-attn run`` reports), and
 peak memory per rank counts the KV shard plus what the step allocates (ring: two more shards in
