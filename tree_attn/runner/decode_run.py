@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..dtypes import parse_dtype, torch_dtype
-from ..errors import ConfigError
+from ..errors import ConfigError, DistributedError
 from ..reduce.plan import ReductionPlan
 from ..ranks.launch import RankEnv, barrier, close_process_group
 
@@ -423,6 +423,9 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
         # destroyed under a peer's pending transfer aborts the process ("terminate called without
         # an active exception"; seen with 2 torchrun nodes x 2 ranks on loopback).
         barrier(env)
+    except DistributedError as exc:
+        # Every rank of a node prints its error on the node's one stderr: say whose line it is.
+        raise DistributedError(f"rank {env.rank} of {env.world_size}: {exc}") from exc
     finally:
         close_process_group()
     if env.rank != 0:
