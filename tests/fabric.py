@@ -537,7 +537,7 @@ class Fabric:
 
     def torchrun(self, args: list[str], ranks_per_node: int, *, nodes: list[int] | None = None,
                  join_timeout_s: float = 60, env: dict[str, str] | None = None, module: str = "tree_attn",
-                 host: int = 0, rendezvous: str = "c10d", workers: dict[int, list[str]] | None = None) -> TorchrunJob:
+                 host: int = 0, workers: dict[int, list[str]] | None = None) -> TorchrunJob:
         """Start one torchrun per node (``nodes``: which of them start, default all; a node left
         out never joins) running ``python -m <module> <args>`` on ``ranks_per_node`` ranks each.
 
@@ -549,7 +549,7 @@ class Fabric:
         never come; no restarts. PYTHONPATH starts with this repository, so the ranks run this
         checkout's code. ``workers`` replaces what torchrun starts on given nodes (the argv after
         torchrun's own options, e.g. ``["--no-python", "sleep", "600"]``: ranks that never join).
-        ``rendezvous="static"``: ``--master-addr`` / ``--node-rank`` instead of c10d. stdout / stderr of each node go to files read by :meth:`TorchrunJob.wait`.
+        Each node's stdout / stderr go to files, read by :meth:`TorchrunJob.wait`.
         """
         if self._closed or self._tmp is None:
             raise FabricError("the fabric is not up")
@@ -567,17 +567,11 @@ class Fabric:
         for i in nodes:
             node = self.nodes[i]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.nodes)),
-                   "--nproc-per-node", str(ranks_per_node)]
-            if rendezvous == "c10d":
-                cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                        "--rdzv-conf", f"is_host={1 if i == host else 0},join_timeout={join_timeout_s:g}"]
-            elif rendezvous == "static":
-                cmd += ["--master-addr", self.nodes[host].addr, "--master-port", str(TORCHRUN_PORT),
-                        "--node-rank", str(i)]
-            else:
-                raise ValueError(f"rendezvous must be c10d or static; got {rendezvous!r}")
-            cmd += ["--local-addr", node.addr, "--max-restarts", "0",
-                    *((workers or {}).get(i) or ["-m", module, *args])]
+                   "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", run_id,
+                   "--rdzv-conf", f"is_host={1 if i == host else 0},join_timeout={join_timeout_s:g}",
+                   "--local-addr", node.addr, "--max-restarts", "0",
+                   *((workers or {}).get(i) or ["-m", module, *args])]
             out_path = Path(self._tmp) / f"job{self._jobs}-n{i}.out"
             err_path = Path(self._tmp) / f"job{self._jobs}-n{i}.err"
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
