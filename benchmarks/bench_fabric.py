@@ -206,6 +206,7 @@ def main() -> int:
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--rate", default="100mbit", help="tc rate of every node's link (e.g. 100mbit, 1gbit; 'none': unshaped)")
     ap.add_argument("--rates", help="comma list of rates to sweep instead of --rate (e.g. 10mbit,100mbit,1gbit,10gbit)")
+    ap.add_argument("--burst", type=int, help="tbf bucket in bytes (default: max(64 KiB, 5 ms of the rate))")
     ap.add_argument("--seq-len", default="65536", help="total KV tokens, or a comma list (16K,64K)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--heads", type=int, default=32)
@@ -237,7 +238,7 @@ def main() -> int:
             ap.error(f"unknown strategy {s!r}")
     rows: list[dict] = []
     started = time.time()
-    with Fabric(opts.nodes, rate=None) as fab:
+    with Fabric(opts.nodes, rate=None, burst_bytes=opts.burst) as fab:
         for rate in rates:
             for i in range(opts.nodes):
                 if rate != "none":
@@ -265,7 +266,8 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
         "fabric": {"nodes": opts.nodes, "ranks_per_node": opts.ranks_per_node, "link": "veth to a bridge, tbf both ways",
-                   "tbf": "burst max(64 KiB, 5 ms of the rate), latency 50 ms"},
+                   "tbf": (f"burst {opts.burst} B" if opts.burst else "burst max(64 KiB, 5 ms of the rate)")
+                   + ", latency 50 ms"},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "rows": rows,

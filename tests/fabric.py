@@ -359,10 +359,17 @@ class Fabric:
     deletes them.
     """
 
-    def __init__(self, nodes: int, rate: str | None = "100mbit", *, prefix: str = PREFIX) -> None:
+    def __init__(self, nodes: int, rate: str | None = "100mbit", *, prefix: str = PREFIX,
+                 burst_bytes: int | None = None) -> None:
         if not isinstance(nodes, int) or nodes < 1 or nodes > 200:
             raise ValueError(f"nodes must be an integer in 1..200; got {nodes!r}")
         self.rate = rate
+        # tbf bucket: None = :func:`tbf_burst_bytes` of the rate. A bucket larger than a message
+        # lets that message leave at the veth's own speed when the link was idle (the rate then
+        # bounds throughput, not each message's time); a bucket of about one frame (~2 KB)
+        # serialises every message at the rate, as a NIC does, but at gigabit rates and above
+        # the kernel's timers cannot refill so small a bucket fast enough.
+        self.burst_bytes = burst_bytes
         if rate is not None:
             parse_rate(rate)
         self.prefix = prefix
@@ -470,7 +477,7 @@ class Fabric:
 
     def _shape(self, node: Node, rate: str, verb: str) -> None:
         bps = parse_rate(rate)
-        burst = str(tbf_burst_bytes(bps))
+        burst = str(self.burst_bytes or tbf_burst_bytes(bps))
         # Both directions: out of the node (its fab0) and into it (the switch's port toward it).
         _tc(node.ns, "qdisc", verb, "dev", node.ifname, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
         _tc(self.switch, "qdisc", verb, "dev", node.port, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
