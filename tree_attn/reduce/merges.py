@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 from ..merge import merge_states
-from .comm import global_rank, start_batch, wait_all
+from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
 
 
@@ -73,6 +73,9 @@ class TreeMerge:
             dist.P2POp(dist.irecv, self.down, global_rank(group, self.parent), **g),
         ]
         self._send_children = [dist.P2POp(dist.isend, self.final, global_rank(group, c), **g) for c in self.children]
+        # Each operation's peer, for an error that names the one that did not complete.
+        self._peers = ([f"from rank {c}" for c in self.children],
+                       [f"to rank {self.parent}", f"from rank {self.parent}"], [f"to rank {c}" for c in self.children])
         sends = (1 if self.parent >= 0 else 0) + n
         self.traffic = Traffic(messages=sends, bytes_sent=sends * self.local.numel() * 4)
         self._use_triton = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -80,12 +83,15 @@ class TreeMerge:
     def __call__(self) -> torch.Tensor:
         """Merge :attr:`local` across the group; returns :attr:`final`."""
         if self._recv_children:
-            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}")
+            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}",
+                     self._peers[0])
             self._merge_states()
         if self._up_and_down:
-            wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}")
+            wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}",
+                     self._peers[1])
         if self._send_children:
-            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}")
+            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}",
+                     self._peers[2])
         return self.final
 
     def _merge_states(self) -> None:
@@ -154,7 +160,7 @@ class AllReduceMerge:
         try:
             dist.all_reduce(t, op=op, group=self.group)
         except RuntimeError as exc:
-            raise DistributedError(f"all_reduce failed (a peer rank may have died or timed out): {exc}") from exc
+            raise DistributedError(f"all_reduce failed: {transport_text(exc)} ({PEER_HINT})") from exc
 
 
 def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int, device) -> TreeMerge | AllReduceMerge:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..dtypes import parse_dtype, torch_dtype
-from ..errors import ConfigError
+from ..errors import ConfigError, DistributedError
 from ..reduce.plan import ReductionPlan
 from ..ranks.launch import RankEnv, barrier, close_process_group
 
@@ -520,6 +520,9 @@ def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(reports, gathered, dst=0)
         ok = True
+    except DistributedError as exc:
+        # Every rank of a node prints its error on the node's one stderr: say whose line it is.
+        raise DistributedError(f"rank {env.rank} of {env.world_size}: {exc}") from exc
     finally:
         # After success, a barrier first (at most the timeout): no rank tears its group down
         # while a peer still moves the gathered reports (a gloo pair destroyed under a peer's
