@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .. import validate
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -48,15 +49,8 @@ def _is_pow2(x: int) -> bool:
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, pow2: bool = False, optional: bool = False) -> None:
-    if value is None:
-        if optional:
-            return
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got None")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got {value!r} ({type(value).__name__})")
-    if not lo <= value <= hi:
-        raise ConfigError(f"DecodeConfig.{name} must lie in {lo}..{hi}; got {value}")
-    if pow2 and not _is_pow2(value):
+    validate.check_int(value, f"DecodeConfig.{name}", minimum=lo, maximum=hi, optional=optional, must=True)
+    if pow2 and value is not None and not _is_pow2(value):
         raise ConfigError(f"DecodeConfig.{name} must be a power of two; got {value}")
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import TopologyError
+from ..validate import check_int, check_number
 
 SCHEMA_VERSION = 1
 UNKNOWN = "unknown"
@@ -100,17 +101,11 @@ VENDORS = ("nvidia", "amd", "cpu", UNKNOWN)
 
 
 def _check_opt_int(name: str, value: Any, *, minimum: int = 0) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TopologyError(f"{name}: expected an integer >= {minimum} or null, got {value!r}")
+    check_int(value, name, minimum=minimum, optional=True, error=TopologyError)
 
 
 def _check_opt_float(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise TopologyError(f"{name}: expected a number >= 0 or null, got {value!r}")
+    check_number(value, name, optional=True, finite=False, error=TopologyError)
 
 
 def _check_opt_str(name: str, value: Any) -> None:
