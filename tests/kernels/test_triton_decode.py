@@ -107,10 +107,35 @@ def test_noncontiguous_strides(device):
     check_against_references(q, k2, v, config=DecodeConfig(block_n=32, num_splits=2), what="d-stride 2")
 
 
-def test_mixed_dtypes_q_fp32_kv_bf16(device):
-    q, _, _ = make_inputs(1, 4, 1, 64, 33, torch.float32, device, seed=5)
-    _, k, v = make_inputs(1, 4, 1, 64, 33, torch.bfloat16, device, seed=6)
-    check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=2), what="mixed")
+# (q dtype, cache dtype): a bf16 cache takes fp16 / fp32 queries as 2 / 3 bf16 parts; the other
+# mixes compute in fp32 (see kernels.config.dot_math).
+MIXED = [
+    (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+    (torch.float32, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", MIXED, ids=[f"q_{str(a)[6:]}-kv_{str(b)[6:]}" for a, b in MIXED])
+def test_mixed_dtypes_keep_the_query_precise(q_dtype, kv_dtype, device):
+    """A query in one dtype over a cache in another, against float64 with the tolerance of the
+    query's dtype, not the coarser cache's: the query (and the softmax weights) must not be
+    rounded to the cache's dtype. Scores of ~10 make such a rounding visible: the last assert
+    shows that q rounded to bf16 would miss that tolerance."""
+    b, hq, hkv, d, n = 2, 8, 2, 64, 45
+    q, _, _ = make_inputs(b, hq, hkv, d, n, q_dtype, device, seed=5, q_scale=4.0)
+    _, k, v = make_inputs(b, hq, hkv, d, n, kv_dtype, device, seed=6)
+    lens = torch.tensor([45, 29], dtype=torch.int32, device=device)
+    tol = tol_for(q_dtype, device=device)
+    for config in (DecodeConfig(block_n=16, num_splits=3), DecodeConfig(block_n=32, num_splits=1)):
+        out, lse = decode_attention_triton(q, k, v, seq_lens=lens, config=config)
+        assert out.dtype == q_dtype
+        o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
+        assert_decode_close(out, lse, o64, l64, tol, what=f"q {q_dtype} over {kv_dtype}, {config.describe()}")
+    rounded = q.to(torch.bfloat16).to(q_dtype)
+    if not torch.equal(rounded, q):
+        r_out, r_lse = decode_attention_float64(rounded, k, v, seq_lens=lens)
+        with pytest.raises(AssertionError):
+            assert_decode_close(r_out.to(q_dtype), r_lse, o64, l64, tol, what="q rounded to bf16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

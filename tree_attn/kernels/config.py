@@ -122,6 +122,27 @@ class DecodeConfig:
         return s
 
 
+def dot_math(q_dtype: Any, kv_dtype: Any) -> tuple[int, int]:
+    """How stage one's dots compute for a query of ``q_dtype`` over a cache of ``kv_dtype`` (torch
+    dtypes or names): ``(operand bytes, parts)``.
+
+    - one dtype: ``(2, 1)`` fp16/bf16 tensor-core dots, ``(4, 1)`` fp32 dots;
+    - a bf16 cache with an fp16 or fp32 query: ``(2, 2)`` or ``(2, 3)``: bf16 tensor-core dots
+      with q and the softmax weights as the sum of 2 or 3 bf16 parts (exact for fp16, fp32's
+      precision for fp32; see ``triton_decode``);
+    - an fp32 cache, or an fp16 cache with a bf16 or fp32 query (fp16 cannot hold their range):
+      ``(4, 1)``, the kernel converts to fp32.
+    """
+    from .. import dtypes as _dtypes  # local: keeps this module free of imports at load time
+
+    q, kv = _dtypes.parse_dtype(q_dtype), _dtypes.parse_dtype(kv_dtype)
+    if q == kv:
+        return _dtypes.ITEMSIZE[kv], 1
+    if kv == "bfloat16":
+        return 2, 2 if q == "float16" else 3
+    return 4, 1
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The kernel's ``BLOCK_D``: the head dim rounded up to a power of two, at least 16 (tl.dot)."""
     return 1 << max(4, (max(1, head_dim) - 1).bit_length())
@@ -151,24 +172,39 @@ def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: 
     return max(mma, wgmma) + 1024
 
 
-# Registers: a stage-one program holds one [block_n, D] K/V tile and the [rows, D] fp32 accumulator
-# per pipeline step, spread over its threads. ptxas -v on Triton 3.9 builds (sm_80/89/90) puts the
-# spill boundary, in those elements per thread, at:
-# - bf16/fp16 (tensor-core dots): 160 fits (D=128, 64 keys, 2 warps: 255 registers, no spill);
-#   192 spills on sm_89 (D=256, 32 keys, 64 rows, 4 warps) and 288 on sm_90 (D=128, 128 keys, 2 warps).
-# - fp32 (FMA dots, operands in registers): 64 fits (D=256, 16 keys, 4 warps: 140 registers); 72
-#   spills (D=64, 128 keys, 4 warps: 76 B) and 96 spills 9 KB per thread (D=256, 32 keys, 4 warps).
-MAX_STATE_ELEMS_PER_THREAD = {2: 160, 4: 64}
+# PROVISIONAL
+MAX_FMA_PER_THREAD = 512
+MAX_MMA_STATE_PER_THREAD = 160
 
 
 def spill_free(
-    block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32
+    block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32,
+    *, gather: bool = False, dot_parts: int = 1,
 ) -> bool:
-    """Whether a stage-one program with this tile, group block and warp count keeps its state in
-    registers (see ``MAX_STATE_ELEMS_PER_THREAD``)."""
     d = padded_head_dim(head_dim)
-    per_thread = (block_n * d + group_rows * d) / (num_warps * warp_size)
-    return per_thread <= MAX_STATE_ELEMS_PER_THREAD.get(elem_bytes, 160)
+    threads = num_warps * warp_size
+    if elem_bytes == 4:
+        return group_rows * block_n * d / threads <= MAX_FMA_PER_THREAD
+    return (group_rows * d / 2 + block_n * d + group_rows * block_n) / threads < MAX_MMA_STATE_PER_THREAD
+
+
+def paged_gather(block_size: int, block_n: int) -> bool:
+    """Whether a paged launch gathers its tiles key by key: pages that do not hold whole tiles
+    (``block_size % block_n != 0``; see ``triton_decode``). False for a contiguous cache (0)."""
+    return block_size > 0 and block_size % block_n != 0
+
+
+def stage1_spill_free(
+    block_n: int, num_warps: int, shape: "DecodeShape", dtype: Any, warp_size: int = 32, *, q_dtype: Any = None
+) -> bool:
+    """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
+    query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
+    query rows and whether the tiles are gathered key by key (:func:`paged_gather`)."""
+    elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
+    return spill_free(
+        block_n, num_warps, shape.head_dim, elem, group_block(shape.query_rows), warp_size,
+        gather=paged_gather(shape.block_size, block_n), dot_parts=parts,
+    )
 
 
 def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
@@ -212,28 +248,28 @@ def default_num_splits(
     return best
 
 
-def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
+def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None) -> DecodeConfig:
     """The config used when none is given, with ``num_splits`` resolved.
+
+    ``dtype`` is the KV cache's, ``q_dtype`` the query's (``None``: the same); together they say
+    how the dots compute (:func:`dot_math`).
 
     Tile and warp choices follow common Flash-Decoding practice for bandwidth-bound decode: 64 keys
     per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small;
-    smaller where the program would spill registers: fp32, whose dots hold their operands in
-    registers, and 64-row query groups at D=256), 4 warps (more for 64-row fp32 groups), 2 stages
-    on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
+    smaller where the program would spill registers (:func:`stage1_spill_free`): fp32 dots, 64-row
+    query groups, per-key paged gathers), 4 warps (more for 64-row fp32 groups), 2 stages on
+    NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
     ``waves_per_eu=2``.
     """
-    from .perf_model import dtype_bytes  # local: perf_model imports this module
-
     d = shape.head_dim
-    elem = dtype_bytes(dtype)
+    elem, _parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
     group_rows = group_block(shape.query_rows)
     warp = device_spec.warp_size
     num_warps = 4
-    # Until nothing spills: smaller tiles (fp32, whose FMA dots hold their operands in registers,
-    # halves each of the above, and so do 64-row groups at D=256), then more warps (the [rows, D]
-    # accumulator of a 64-row fp32 group alone fills 4 warps' registers).
-    while not spill_free(block_n, num_warps, d, elem, group_rows, warp):
+    # Until nothing spills: smaller tiles, then more warps (the [rows, D] accumulator of a 64-row
+    # fp32 group alone needs 8 warps).
+    while not stage1_spill_free(block_n, num_warps, shape, dtype, warp, q_dtype=q_dtype):
         if block_n > MIN_BLOCK_N:
             block_n //= 2
         elif num_warps < MAX_NUM_WARPS:
@@ -282,10 +318,13 @@ def group_blocks_for(group: int) -> int:
     return max(1, math.ceil(max(group, 1) / group_block(group)))
 
 
-def resolve_config(config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
-    """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no config."""
+def resolve_config(
+    config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None
+) -> DecodeConfig:
+    """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no
+    config (``dtype``: the cache's, ``q_dtype``: the query's, ``None`` = the same)."""
     if config is None:
-        return default_config(shape, dtype, device_spec)
+        return default_config(shape, dtype, device_spec, q_dtype=q_dtype)
     if not isinstance(config, DecodeConfig):
         raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
     if config.num_splits is None:

@@ -23,6 +23,15 @@ elements. That keeps every size correct with one code path and costs BLOCK_N blo
 (from one or a few cache lines) per tile. Block ids are clamped into the pool: a bad id never
 reads outside it (the host checks tables, see ``kernels.paged``).
 
+A query whose dtype differs from the cache's: tensor-core dots take one operand type, and
+rounding q to the cache's dtype would put its rounding error into every score (the softmax turns a
+score error into a relative weight error). When the cache is bf16 (``DOT_PARTS`` 2 or 3), q
+enters the dots as the sum of 2 (fp16 q) or 3 (fp32 q) bf16 parts, and so do the softmax weights:
+bf16 has fp32's exponent range and 8 significant bits, so the parts hold an fp16 value exactly and
+an fp32 value to fp32's precision, and each bf16 x bf16 product is exact in the fp32 accumulator.
+A few more tensor-core dots cost nothing in a kernel bound by reading K and V. (An fp16 cache
+cannot hold a bf16 or fp32 query's range: those mixes compute in fp32, ``UPCAST``.)
+
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
 algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
@@ -37,6 +46,38 @@ import triton.language as tl
 # ln(2): the kernel works in base 2 internally, lse leaves in natural log. Globals read
 # inside @triton.jit must be constexpr. log2(e) is folded into the scale on the host (triton_launch).
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _split_parts(x, DTYPE: tl.constexpr, PARTS: tl.constexpr):
+    """``x`` (fp32) as ``PARTS`` (2 or 3) tensors of ``DTYPE`` whose exact sum is ``x`` up to the
+    last part's rounding: each part is the rounded remainder of the ones before (fp32 holds each
+    remainder exactly)."""
+    hi = x.to(DTYPE)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(DTYPE)
+    if PARTS == 3:
+        lo = (rest - mid.to(tl.float32)).to(DTYPE)
+    else:
+        lo = mid  # unused
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_parts(a0, a1, a2, b, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(a0 + a1 (+ a2)) @ b`` with fp32 accumulation: tensor-core dots of the parts, or under
+    ``UPCAST`` (the CPU interpreter) fp32 dots of the same parts, the same products exactly."""
+    if UPCAST:
+        c = tl.dot(a0.to(tl.float32), b, input_precision=DOT_PRECISION)
+        c = tl.dot(a1.to(tl.float32), b, c, input_precision=DOT_PRECISION)
+        if PARTS == 3:
+            c = tl.dot(a2.to(tl.float32), b, c, input_precision=DOT_PRECISION)
+    else:
+        c = tl.dot(a0, b)
+        c = tl.dot(a1, b, c)
+        if PARTS == 3:
+            c = tl.dot(a2, b, c)
+    return c
 
 
 @triton.jit
@@ -85,7 +126,8 @@ def split_kv_stage1_kernel(
     STRIDE_KD: tl.constexpr,
     STRIDE_VD: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr,
-    UPCAST: tl.constexpr,  # do all math in fp32 (fp32 inputs, mixed dtypes, or the CPU interpreter)
+    UPCAST: tl.constexpr,  # do all math in fp32 (fp32 inputs, an fp16 cache with another q dtype, or the CPU interpreter)
+    DOT_PARTS: tl.constexpr,  # 1, or q and p enter the dots as 2 or 3 parts in the cache's dtype (see above)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (tf32 would lose ~3 decimal digits)
 ):
     pid_bhg = tl.program_id(0)
@@ -118,7 +160,9 @@ def split_kv_stage1_kernel(
 
     q_ptrs = Q + b64 * stride_qb + row_q[:, None] + offs_d[None, :] * STRIDE_QD
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
+    if DOT_PARTS > 1:
+        q0, q1, q2 = _split_parts(q.to(tl.float32), K.dtype.element_ty, DOT_PARTS)
+    elif UPCAST:
         q = q.to(tl.float32)
 
     if HAS_SEQ_LENS:
@@ -180,6 +224,9 @@ def split_kv_stage1_kernel(
         k = tl.load(kt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+        if DOT_PARTS > 1:
+            qk = _dot_parts(q0, q1, q2, tl.trans(k), DOT_PARTS, UPCAST, DOT_PRECISION)
+        elif UPCAST:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
         else:
             qk = tl.dot(q, tl.trans(k))  # fp16/bf16 tensor-core dot, fp32 accumulation
@@ -198,7 +245,12 @@ def split_kv_stage1_kernel(
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
+        if DOT_PARTS > 1:
+            p0, p1, p2 = _split_parts(p, V.dtype.element_ty, DOT_PARTS)
+            if UPCAST:
+                v = v.to(tl.float32)
+            pv = _dot_parts(p0, p1, p2, v, DOT_PARTS, UPCAST, DOT_PRECISION)
+        elif UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         else:
             # Tensor cores want matching operand types: p in V's dtype, fp32 accumulation.
