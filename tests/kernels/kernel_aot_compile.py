@@ -113,6 +113,10 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-fp32-d256": ("h100", Launch("fp32", "fp32", 1, 8, 8, 256, 8192)),
     "h100-fp32-d64-g64": ("h100", Launch("fp32", "fp32", 1, 64, 1, 64, 8192)),
     "rtx4090-fp32-d64-g64": ("rtx4090", Launch("fp32", "fp32", 1, 64, 1, 64, 8192)),
+    "h100-fp32-d128-g32": ("h100", Launch("fp32", "fp32", 1, 32, 1, 128, 8192)),
+    "h100-fp32-d256-g64": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 8192)),
+    "h100-fp32-d256-g64-paged1": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 2048, page=1)),
+    "rtx4090-fp32-d128-g32-paged3": ("rtx4090", Launch("fp32", "fp32", 2, 32, 1, 128, 2049, page=3)),
     # Paged: block sizes that hold whole tiles (one block id per tile) and others (a per-key gather).
     "h100-bf16-paged16": ("h100", Launch("bf16", "bf16", 4, n=8192, page=16, **LLAMA)),
     "h100-bf16-paged256": ("h100", Launch("bf16", "bf16", 4, n=8192, page=256, **LLAMA)),
@@ -134,20 +138,23 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-q-bf16-kv-fp16": ("h100", Launch("bf16", "fp16", 1, n=16384, **LLAMA)),
     "h100-q-fp32-kv-bf16": ("h100", Launch("fp32", "bf16", 1, n=16384, **LLAMA)),
     "h100-q-bf16-kv-fp32": ("h100", Launch("bf16", "fp32", 1, n=16384, **LLAMA)),
+    "rtx4090-q-fp32-kv-fp16-1split": ("rtx4090", Launch("fp32", "fp16", 64, n=4096, **LLAMA)),
+    "h100-q-fp16-kv-bf16-mqa": ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768)),
     # Explicit configs: the tuning space's edges, on both sides of the spill boundary.
     "h100-bf16-bn64-s3": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
     "h100-bf16-bn128-s3-w8": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=8), **LLAMA)),
     "a100-bf16-g1-bn32-s4-w2": ("a100", Launch("bf16", "bf16", 1, 8, 8, 128, 16384, config=cfg(block_n=32, num_stages=4, num_warps=2))),
-    "h100-bf16-bn64-w2": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
+    "h100-bf16-bn64-w2-spills": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
     "h100-bf16-bn128-s3-w2-spills": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=2), **LLAMA)),
     "h100-bf16-mqa-bn128-s3-spills": ("h100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=128, num_stages=3))),
-    "rtx4090-bf16-d256-mqa-bn32-s3-spills": ("rtx4090", Launch("bf16", "bf16", 1, 64, 1, 256, 32768, config=cfg(block_n=32, num_stages=3))),
+    "rtx4090-bf16-d256-mqa-bn32-s3": ("rtx4090", Launch("bf16", "bf16", 1, 64, 1, 256, 32768, config=cfg(block_n=32, num_stages=3))),
     "a100-bf16-mqa-bn64-s3": ("a100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64, num_stages=3))),
     "h100-fp32-d256-bn32-spills": ("h100", Launch("fp32", "fp32", 1, 8, 8, 256, 8192, config=cfg(block_n=32))),
     "h100-fp32-d64-bn64-w2-spills": ("h100", Launch("fp32", "fp32", 1, 16, 4, 64, 8192, config=cfg(block_n=64, num_warps=2))),
     "h100-fp32-d64-g64-bn64-spills": ("h100", Launch("fp32", "fp32", 1, 64, 1, 64, 8192, config=cfg(block_n=64))),
     "h100-fp32-paged16-bn32-spills": ("h100", Launch("fp32", "fp32", 4, n=8192, page=16, config=cfg(block_n=32), **LLAMA)),
-    "h100-q-fp16-kv-bf16-bn64-upcast-spills": ("h100", Launch("fp16", "bf16", 1, n=16384, config=cfg(block_n=64), **LLAMA)),
+    "h100-q-fp32-kv-fp16-mqa-bn64-spills": ("h100", Launch("fp32", "fp16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
+    "h100-q-fp16-kv-bf16-mqa-bn64-spills": ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
     "mi300x-bf16-d96-bn64-s2": ("mi300x", Launch("bf16", "bf16", 1, 8, 8, 96, 8192, config=cfg(block_n=64, num_stages=2, waves_per_eu=0))),
     # The tree merge (stage two on the stacked messages of a node with 1 and 3 children).
     "h100-tree-merge-2": ("h100", Merge(1, 1, 32, 128)),
@@ -248,7 +255,7 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
     if compiled is None:
         raise RuntimeError("JITFunction.run(warmup=True) returned no kernel")
-    facts = {"ok": True, "shared": int(compiled.metadata.shared), "triton": triton.__version__}
+    facts = {"shared": int(compiled.metadata.shared), "hash": compiled.hash, "triton": triton.__version__}
     if target[0] == "cuda":
         ptx = compiled.asm["ptx"]
         facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))

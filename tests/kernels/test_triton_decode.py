@@ -107,8 +107,9 @@ def test_noncontiguous_strides(device):
     check_against_references(q, k2, v, config=DecodeConfig(block_n=32, num_splits=2), what="d-stride 2")
 
 
-# (q dtype, cache dtype): a bf16 cache takes fp16 / fp32 queries as 2 / 3 bf16 parts; the other
-# mixes compute in fp32 (see kernels.config.dot_math).
+# (q dtype, cache dtype): a 16-bit cache takes a query of another dtype in parts of its own dtype
+# (fp16 / fp32 over bf16: 2 / 3 parts; bf16 / fp32 over fp16: 1 / 3, prescaled); an fp32 cache
+# computes in fp32 (see kernels.config.dot_math).
 MIXED = [
     (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
     (torch.float32, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
@@ -136,6 +137,27 @@ def test_mixed_dtypes_keep_the_query_precise(q_dtype, kv_dtype, device):
         r_out, r_lse = decode_attention_float64(rounded, k, v, seq_lens=lens)
         with pytest.raises(AssertionError):
             assert_decode_close(r_out.to(q_dtype), r_lse, o64, l64, tol, what="q rounded to bf16")
+
+
+@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)], ids=["q_past_fp16_max", "q_below_fp16_normals"])
+def test_bf16_query_outside_fp16_range_over_fp16_cache(q_scale, kv_scale, scale, device):
+    """A bf16 query over an fp16 cache: q's values past fp16's largest (65504, they would become
+    inf) or below its normals (2^-14, they would lose bits) are scaled into its range by a power of
+    two first, so the scores (about 10 here) are those of the exact values. The last assert shows
+    that q converted to fp16 as it is would miss the tolerance."""
+    b, hq, hkv, d, n = 1, 4, 1, 64, 40
+    g = torch.Generator().manual_seed(31)
+    q = (torch.randn(b, hq, d, generator=g) * q_scale).to(torch.bfloat16).to(device)
+    k = (torch.randn(b, n, hkv, d, generator=g) * kv_scale).clamp(-6e4, 6e4).to(torch.float16).to(device)
+    v = torch.randn(b, n, hkv, d, generator=g).to(torch.float16).to(device)
+    out, lse = decode_attention_triton(q, k, v, scale=scale, config=DecodeConfig(block_n=16, num_splits=2))
+    o64, l64 = decode_attention_float64(q, k, v, scale=scale)
+    tol = tol_for(torch.bfloat16, device=device)
+    assert_decode_close(out, lse, o64, l64, tol, what=f"q x{q_scale:g} over fp16")
+    as_fp16 = q.to(torch.float16).to(torch.bfloat16)
+    with pytest.raises(AssertionError):
+        r_out, r_lse = decode_attention_float64(as_fp16, k, v, scale=scale)
+        assert_decode_close(r_out.to(torch.bfloat16), r_lse, o64, l64, tol, what="q converted to fp16 unscaled")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -116,11 +116,12 @@ class TritonDecodeLaunch:
         # The Sq tokens' GROUP heads are the rows of one program's tile (see triton_decode).
         g_blocks = group_blocks_for(shape.query_rows)
         self.grid1 = (b * hkv * g_blocks, num_splits)
-        # fp32 math when the dots take fp32 operands (fp32 inputs, dots in IEEE fp32, not tf32; an
-        # fp16 cache with another query dtype) and in the CPU interpreter (its raw bf16 arithmetic
-        # is wrong); a bf16 cache with an fp16/fp32 query keeps bf16 dots, q and p in parts.
+        # fp32 math over an fp32 cache (dots in IEEE fp32, not tf32) and in the CPU interpreter (its
+        # raw bf16 arithmetic is wrong). A 16-bit cache with a query of another dtype keeps its
+        # tensor-core dots, q and the weights entering them in parts (see triton_decode).
         dot_bytes, dot_parts = dot_math(q.dtype, k.dtype)
         upcast = interpret or dot_bytes == 4
+        mixed = q.dtype != k.dtype and dot_bytes == 2
         if num_splits > 1:
             # The split partials: workspace owned by this launch, reused by every call (calls are
             # ordered on one stream; kernels.prepared keys its cache on the stream too).
@@ -161,7 +162,9 @@ class TritonDecodeLaunch:
             STRIDE_VD=v.stride(3),
             HAS_SEQ_LENS=self.has_lens,
             UPCAST=upcast,
+            MIXED=mixed,
             DOT_PARTS=dot_parts,
+            Q_PRESCALE=mixed and k.dtype == torch.float16,
             DOT_PRECISION="ieee",
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -206,9 +209,12 @@ class TritonDecodeLaunch:
                     kernel[grid](*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
             if type(exc).__name__ == "OutOfResources":
+                hint = "use a smaller block_n or fewer num_stages"
+                if q.dtype != k.dtype:
+                    hint += f", or a query in the cache's dtype (q.to({k.dtype}): a {q.dtype} query enters the dots in parts)"
                 raise ConfigError(
                     f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
-                    f"for D={self.shape.head_dim}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
+                    f"for D={self.shape.head_dim}, {self.shape.query_rows} query rows per KV head, {k.dtype}: {hint} ({exc})"
                 ) from exc
             raise
 
