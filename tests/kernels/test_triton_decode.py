@@ -250,6 +250,30 @@ def test_stage_two_is_the_merge_algebra(device):
     assert torch.all(out.cpu()[1, 2] == 0) and lse.cpu()[1, 2] == float("-inf")
 
 
+@pytest.mark.parametrize("children,d", [(1, 128), (3, 80)])
+def test_stage_two_on_the_tree_merges_views(children, d, device):
+    """The tree merge's own call: stage two reading the stacked packed messages [S, B, H, D + 1] in
+    place (strides of D + 1, lse at an offset of D) and writing the packed result, against the
+    merge algebra. With one child the kernel merges two states; an empty state (-inf) included."""
+    from tree_attn.kernels.triton_launch import merge_splits_triton
+    from tree_attn.merge import merge_states
+    from tree_attn.reduce.merges import tree_merge_views
+
+    g = torch.Generator().manual_seed(23 + children)
+    b, h = 2, 4
+    states = torch.randn(1 + children, b, h, d + 1, generator=g)
+    states[..., d] *= 4
+    states[0, 1, 2, d] = float("-inf")
+    states = states.to(device)
+    merged = torch.full((b, h, d + 1), float("nan"), device=device)
+    o_part, lse_part, out, lse = tree_merge_views(states, merged, d)
+    assert not o_part.is_contiguous() and out.stride(1) == d + 1
+    merge_splits_triton(o_part, lse_part, faulty_is_empty=False, out=out, lse=lse)
+    ref_out, ref_lse = merge_states(states[..., :d].cpu(), states[..., d].cpu())
+    assert_decode_close(merged[..., :d], merged[..., d], ref_out, ref_lse, tol_for(torch.float32, device=device),
+                        what=f"tree merge of {1 + children} states")
+
+
 def test_huge_sequence_stride_is_rejected_not_misread(device):
     """A cache whose keys are 2^27 elements apart: 32-key tiles would need offsets past int32."""
     from tree_attn.errors import ConfigError

@@ -181,21 +181,23 @@ def stage1_smem_bytes(
 
 
 # Registers. ptxas -v on the builds of real launches (Triton 3.9, sm_89 and sm_90; the sweep of
-# 1,100 builds is in benchmarks/RESULTS.md) puts the spill boundary of a stage-one program, in
+# 972 builds is in benchmarks/RESULTS.md) puts the spill boundary of a stage-one program, in
 # per-thread counts (threads = warps x warp size) of its accumulator ``acc = rows x D``, its K/V tile
 # ``kv = block_n x D`` and its scores ``s = rows x block_n``, at:
-# - fp16/bf16 (tensor-core dots): ``acc / 2 + kv + s < 160``. The query and weights of a mixed-dtype
-#   launch in 2 or 3 bf16 parts (dot_math) add ``1.5 acc + 2 s``; a per-key paged gather adds nothing.
-#   No build the rule passes spills; it also prunes some that fill all 255 registers without
-#   spilling (D=128, 64 keys, 2 warps: 255 registers on sm_89, 4 B spilled on sm_90).
+# - fp16/bf16 (tensor-core dots): ``acc / 2 + kv + s < 160``. A mixed-dtype launch's query and
+#   weights in 2 or 3 parts (dot_math; fitted over bf16 caches) add ``1.5 acc + 2 s``; one part (a
+#   bf16 query over fp16) and a per-key paged gather add nothing. No build the rule passes spills;
+#   it also prunes some that fill all 255 registers without spilling (D=128, 64 keys, 2 warps: 255
+#   registers on sm_89, 4 B spilled on sm_90).
 # - fp32 (FMA dots, in IEEE fp32): ptxas's register use is not monotonic in these counts (32 rows,
 #   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
-#   adds per thread and tile, ``rows x block_n x D / threads``: every build at <= 512 keeps its
-#   registers, at 1,024 half of them spill (D=128, 16 rows, 64 keys, 2 warps: 15 KB). A per-key paged
-#   gather with 4 warps or fewer halves the bound (16 rows, D=128, 32 keys, 4 warps: 524 B gathered,
-#   107 registers contiguous); with 8 or more it does not (every gathered 8-warp build at 512 fits).
-#   Two 8-warp, 16-key, D=128 builds spill 8-24 B at 48-64 registers (sm_89 with 32 rows; sm_90
-#   gathered, 16 rows): a ptxas quirk no count predicts; no default picks them.
+#   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
+#   their registers (but one, below), at 1,024 more than half spill (D=128, 16 rows, 64 keys, 2
+#   warps: 15 KB). A per-key paged gather with 4 warps or fewer halves the bound (16 rows, D=128, 32
+#   keys, 4 warps: 524 B gathered, 107 registers contiguous); with 8 or more it does not (every
+#   gathered 8-warp build at 512 fits). Two 8-warp, 16-key, D=128 builds spill 8-24 B at 48-64
+#   registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count predicts; no
+#   default picks them.
 MAX_MMA_STATE_PER_THREAD = 160
 MAX_FMA_PER_THREAD = 512
 MAX_FMA_PER_THREAD_GATHERED = 256  # with fewer than GATHER_WIDE_WARPS warps
