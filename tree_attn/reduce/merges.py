@@ -101,14 +101,21 @@ class TreeMerge:
             # place ([S, B, H, D+1] seen as [B, H, S, D]) and writing the packed result.
             from ..kernels.triton_launch import merge_splits_triton
 
-            merge_splits_triton(
-                self.states[..., :d].permute(1, 2, 0, 3), self.states[..., d].permute(1, 2, 0),
-                faulty_is_empty=False, out=self.merged[..., :d], lse=self.merged[..., d],
-            )
+            o_part, lse_part, out, lse = tree_merge_views(self.states, self.merged, d)
+            merge_splits_triton(o_part, lse_part, faulty_is_empty=False, out=out, lse=lse)
             return
         out, lse = merge_states(self.states[..., :d], self.states[..., d])
         self.merged[..., :d].copy_(out)
         self.merged[..., d].copy_(lse)
+
+
+def tree_merge_views(states: torch.Tensor, merged: torch.Tensor, head_dim: int):
+    """The views the tree merge's kernel reads and writes in place: the stacked messages
+    ``states [S, B, H, D + 1]`` seen as ``o_part [B, H, S, D]`` and ``lse_part [B, H, S]``, and
+    ``merged [B, H, D + 1]`` as ``out [B, H, D]`` and ``lse [B, H]`` (strides of D + 1, lse at
+    an offset of D elements)."""
+    d = head_dim
+    return states[..., :d].permute(1, 2, 0, 3), states[..., d].permute(1, 2, 0), merged[..., :d], merged[..., d]
 
 
 class AllReduceMerge:
