@@ -21,29 +21,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..dtypes import itemsize
-from ..kernels.config import (
-    HEURISTIC_MAX_SPLITS,
-    MIN_TILES_PER_SPLIT,
-    DecodeConfig,
-    default_config,
-    default_num_splits,
-    group_block,
-    group_blocks_for,
-    padded_head_dim,
-    split_len,
-    stage1_smem_bytes,
-    stage1_spill_free,
-)
+from ..kernels.config import (HEURISTIC_MAX_SPLITS, MIN_TILES_PER_SPLIT, SMEM_HEADROOM, STAGE2_SPLIT_TILE, DecodeConfig,
+                              default_config, default_num_splits, group_block, group_blocks_for, padded_head_dim,
+                              split_len, stage1_smem_bytes, stage1_spill_free)
 from ..validate import check_int, check_number
 from .devices import DeviceSpec
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (kernels.shapes imports torch)
     from ..kernels.shapes import DecodeShape
 
-# Stage two folds this many splits per loop iteration (must match triton_launch.SPLIT_TILE).
-STAGE2_SPLIT_TILE = 16
-# Fraction of an SM's shared memory a candidate's K/V pipeline may claim (see candidate_configs).
-SMEM_HEADROOM = 0.85
 
 
 def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
@@ -346,14 +332,6 @@ def best_predicted_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpe
 
 
 __all__: Sequence[str] = (
-    "tuning_survivors",
-    "Prediction",
-    "RankedConfig",
-    "candidate_configs",
-    "kv_bytes",
-    "predict",
-    "predict_time_us",
-    "rank_candidates",
-    "resident_programs_per_sm",
-    "best_predicted_config",
+    "Prediction", "RankedConfig", "best_predicted_config", "candidate_configs", "kv_bytes", "predict",
+    "predict_time_us", "rank_candidates", "resident_programs_per_sm", "tuning_survivors",
 )

@@ -43,6 +43,13 @@ TARGET_PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 HEURISTIC_MAX_SPLITS = 128
 
+# Stage two folds this many splits per loop iteration (the launcher's SPLIT_TILE; the cost model
+# prices stage two's passes over the splits with it).
+STAGE2_SPLIT_TILE = 16
+# The fraction of an SM's shared memory a config's pipelined K/V tiles may claim (the default
+# config and the tuning candidates): Triton also stages layout conversions and the P tile there.
+SMEM_HEADROOM = 0.85
+
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
@@ -317,7 +324,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > 0.85 * device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

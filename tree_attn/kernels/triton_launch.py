@@ -11,10 +11,10 @@ import math
 import torch
 
 from ..errors import ConfigError, KernelUnavailableError
-from .config import DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
+from .config import (STAGE2_SPLIT_TILE, DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim,
+                     resolve_config, split_len)
 from .device_info import device_spec_for, is_rocm
 from ..cost.devices import DeviceSpec
-from ..cost.kernel import STAGE2_SPLIT_TILE
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
 from .shapes import check_decode_inputs
