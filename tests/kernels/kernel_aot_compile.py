@@ -229,7 +229,7 @@ def merge_launch(merge: Merge):
     import torch
 
     from tree_attn.kernels.triton_launch import stage2_launch
-    from tree_attn.reduce.merges import tree_merge_views
+    from tree_attn.reduce.exchange import tree_merge_views
 
     states = torch.empty(1 + merge.children, merge.b, merge.hq, merge.d + 1, dtype=torch.float32)
     merged = torch.empty(merge.b, merge.hq, merge.d + 1, dtype=torch.float32)

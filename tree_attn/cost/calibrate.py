@@ -46,7 +46,7 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
 
     from ..dtypes import torch_dtype
     from ..reduce.collectives import TreeDecodeStep
-    from ..merge import merge_states
+    from ..reduce.state import merge_states
 
     dev = torch.device(env.device)
     dt = torch_dtype(dtype_name)

@@ -42,7 +42,7 @@ from .params import ClusterSpec
 
 def decode_message_bytes(batch: int, q_heads: int, head_dim: int) -> int:
     """Bytes of one packed partial state: float32 ``[B, Hq, D + 1]`` (the message a tree edge
-    carries and the all-reduce sums, ``reduce.merges``)."""
+    carries and the all-reduce sums, ``reduce.exchange``)."""
     return 4 * batch * q_heads * (head_dim + 1)
 
 

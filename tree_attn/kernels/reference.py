@@ -5,7 +5,7 @@
   go to :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu` (tuned for one core's read
   bandwidth); other devices to the device-agnostic chunked form below, which processes the KV
   sequence in chunks and merges each chunk's state into a running state with the exact merge of
-  ``tree_attn.merge``, without host synchronisation.
+  ``tree_attn.reduce.state``, without host synchronisation.
 
 Both forms convert only one chunk to float32 at a time, so memory stays bounded however long N is.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..merge import merge_two
+from ..reduce.state import merge_two
 from .cpu_decode import decode_attention_cpu
 from .shapes import check_decode_inputs
 

@@ -337,7 +337,7 @@ def merge_splits_triton(
             strides, e.g. views of a packed message) instead of new tensors.
 
     Returns:
-        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_states``
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.reduce.state.merge_states``
         computes them (empty rows: out 0, lse -inf).
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:

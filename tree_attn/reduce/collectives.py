@@ -13,7 +13,7 @@ token and are read in full. So the merge is the same merge, and the result is ex
 A paged cache: each rank passes its own pools and block table for its shard's pages.
 
 Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and the merge
-(``reduce.merges``) for one signature; the public :func:`tree_decode` reuses cached ones, and
+(``reduce.exchange``) for one signature; the public :func:`tree_decode` reuses cached ones, and
 :class:`TreeDecodeStep` binds one to static tensors and replays it as a CUDA graph on GPUs.
 """
 
@@ -34,7 +34,7 @@ from ..kernels.prepared import PreparedDecode, prepared_decode
 from ..kernels.shapes import DecodeShape, check_decode_inputs
 from . import comm
 from .comm import CommStats
-from .merges import AllReduceMerge, TreeMerge, build_merge
+from .exchange import AllReduceMerge, TreeMerge, build_merge
 from .plan import ReductionPlan, default_plan
 
 

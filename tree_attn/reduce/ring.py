@@ -27,7 +27,7 @@ from ..kernels.layout import FLOAT32
 from ..kernels.prepared import prepared_decode
 from ..kernels.paged import gather_pages
 from ..kernels.shapes import check_decode_inputs
-from ..merge import merge_two
+from .state import merge_two
 from . import comm
 from .collectives import check_new_tokens, exchange_shapes
 from .comm import CommStats

@@ -80,7 +80,7 @@ def time_plans_rank(
 
     from ..graphs import CapturedStep
     from ..ranks.launch import barrier
-    from ..reduce.merges import build_merge
+    from ..reduce.exchange import build_merge
     from ..timing import hold_stream
 
     device = torch.device(env.device)
