@@ -17,7 +17,7 @@ from .device_info import device_spec_for, is_rocm
 from ..cost.devices import DeviceSpec
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
-from .shapes import check_decode_inputs
+from .shapes import check_decode_inputs, resolve_scale
 
 # The kernel works in base 2 (exp2 is the native instruction): the launcher folds log2(e) into the scale.
 LOG2E = math.log2(math.e)
@@ -76,9 +76,7 @@ class TritonDecodeLaunch:
         b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
         if d == 0:
             raise ConfigError("head dim D must be at least 1")
-        scale = d**-0.5 if scale is None else float(scale)
-        if not math.isfinite(scale):
-            raise ConfigError(f"scale must be a finite number; got {scale}")
+        scale = resolve_scale(scale, d)
         spec = device_spec if device_spec is not None else device_spec_for(q.device)
         cfg = resolve_config(config, shape, k.dtype, spec, q_dtype=q.dtype)
         planned_only = backend is not None  # a plan for a build, not necessarily run on q's device
