@@ -27,7 +27,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.decode_run import RunSpec, run_decode  # noqa: E402
+from tree_attn.commands.run.decode import RunSpec, run_decode  # noqa: E402
 
 
 def predicted_bytes(strategy: str, world: int, seq_len: int, spec: RunSpec, fanout: int = 2) -> float:

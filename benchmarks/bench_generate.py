@@ -37,9 +37,9 @@ import torch  # noqa: E402
 
 from tree_attn.dtypes import parse_dtype  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.generate import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
-from tree_attn.runner.generate_setup import default_dtype  # noqa: E402
-from tree_attn.runner.models import PRESETS, ModelSource  # noqa: E402
+from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
+from tree_attn.commands.generate.setup import default_dtype  # noqa: E402
+from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
 

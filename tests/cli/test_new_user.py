@@ -66,10 +66,10 @@ COUNT_OPTIONS = [
 @pytest.fixture
 def planned(monkeypatch, capsys):
     """Stand-ins for each command's planner: they record what the command parsed and stop."""
-    import tree_attn.runner.generate_setup as generate_setup
-    import tree_attn.runner.run_setup as run_setup
-    import tree_attn.runner.sweep as sweep
-    import tree_attn.runner.tune_profile as tune_profile
+    import tree_attn.commands.generate.setup as generate_setup
+    import tree_attn.commands.run.setup as run_setup
+    import tree_attn.commands.run.sweep as sweep
+    import tree_attn.commands.tune.profile as tune_profile
 
     seen: dict = {}
 
@@ -298,7 +298,7 @@ def test_plot_without_sweep_is_refused(tmp_path, capsys):
 
 def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     from tree_attn.cli.run import render_sweep
-    from tree_attn.runner.decode_run import RunResult, StrategyResult
+    from tree_attn.commands.run.decode import RunResult, StrategyResult
 
     def row(name, ms):
         return StrategyResult(name, "tree k=2" if name == "tree" else name, ms, ms, 0, 0.0, 0, 0, 0, 0.0, 0.0, True)

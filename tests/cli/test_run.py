@@ -54,7 +54,7 @@ def test_run_json_small(capsys):
     assert all("cpu tensors" in r["why_eager"] for name, r in rows.items() if name != "ring")
     assert all(r["device_ms_median"] is None for r in rows.values())
     assert "spawning 3 CPU ranks" in captured.err
-    from tree_attn.ranks.launch import usable_cores
+    from tree_attn.launch.spawn import usable_cores
 
     if usable_cores() < 3:  # oversubscribed: said, with a world size that fits
         assert f"share {usable_cores()} core" in captured.err and f"-w {usable_cores()}" in captured.err

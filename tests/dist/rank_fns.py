@@ -306,7 +306,7 @@ def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
 
     import torch.distributed as dist
 
-    from tree_attn.ranks.launch import _init_process_group, close_process_group
+    from tree_attn.launch.spawn import _init_process_group, close_process_group
     from tree_attn.reduce.collectives import TreeDecodeStep
 
     found = {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tree_attn import DistributedError
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import (
     Case,
     dies_on_rank_2,

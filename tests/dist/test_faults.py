@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tree_attn.errors import DistributedError
-from tree_attn.ranks import launch
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch import spawn as launch
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import big_result, own_tcp_addresses, sleeps, stops_itself
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")

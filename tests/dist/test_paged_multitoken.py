@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tree_attn import DistributedError
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.paged_rank_fns import MTCase, run_mt_cases, short_last_shard
 from tests.paged_inputs import float64_over_shards
 from tests.tolerances import assert_decode_close, assert_state_close, tol_for

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import _shard_inputs, gpu_static_loops, prepared_checks
 from tests.tolerances import assert_state_close
 

@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 from tests.generate.checkpoints import transformers_greedy, write_checkpoint  # noqa: E402
 from tree_attn.errors import ConfigError  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.generate import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
-from tree_attn.runner.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
-from tree_attn.runner.kv_store import PagedKVShard  # noqa: E402
-from tree_attn.runner.models import ModelSource, build_model  # noqa: E402
+from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
+from tree_attn.commands.generate.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
+from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
+from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
 HAS_GPU = torch.cuda.is_available()
@@ -119,7 +119,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     """The launching process computes nothing: the prefill, the reference and the one-rank row
     run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
     progress reaches the caller, and the prefill it saves is what the ranks split."""
-    from tree_attn.runner.generate import PREFILL_FILE, _load_prefill, decode_in_one_process
+    from tree_attn.commands.generate.decode import PREFILL_FILE, _load_prefill, decode_in_one_process
 
     prompt = _prompt(41, 4096, seed=4)
     spec = GenerateSpec(SMALL, prompt, new_tokens=6, world_size=2, timeout_s=60.0)
@@ -142,7 +142,7 @@ def test_generate_emits_no_future_warning(tmp_path):
     transformers' cache, one-rank row) runs here with every warning recorded."""
     import warnings
 
-    from tree_attn.runner.generate import one_process_work
+    from tree_attn.commands.generate.decode import one_process_work
 
     spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), new_tokens=3, world_size=2)
     with warnings.catch_warnings(record=True) as caught:
@@ -163,7 +163,7 @@ def test_the_transformers_pin_is_the_range_with_the_cache_api():
     import transformers
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    from tree_attn.runner import models
+    from tree_attn.commands.generate import models
 
     assert "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
     assert models.transformers_version(transformers.__version__) >= models.MIN_TRANSFORMERS
@@ -176,7 +176,7 @@ def test_the_transformers_pin_is_the_range_with_the_cache_api():
 def test_older_transformers_is_refused_naming_the_pin(monkeypatch):
     import transformers
 
-    from tree_attn.runner.models import require_transformers
+    from tree_attn.commands.generate.models import require_transformers
 
     monkeypatch.setattr(transformers, "__version__", "5.23.1")
     with pytest.raises(ConfigError, match=r"needs transformers 5\.24 or newer; found 5\.23\.1.*transformers>=5\.24,<6"):
@@ -187,8 +187,8 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
     and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
     CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
-    from tree_attn.ranks import launch
-    from tree_attn.runner.generate_setup import GenerateOptions, default_dtype, plan_generate
+    from tree_attn.launch import spawn as launch
+    from tree_attn.commands.generate.setup import GenerateOptions, default_dtype, plan_generate
 
     assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")
     for var in ("RANK", "WORLD_SIZE"):
@@ -225,7 +225,7 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
         "code = main(['generate', '--layers', '2', '--prompt-len', '200', '--new-tokens', '8', '-w', '1', '--json'])\n"
         "assert code in (0, 1), code  # 1: a bf16 near-tie flipped a token (the JSON says which row)\n"
         "assert not torch.cuda.is_initialized(), 'generate initialised CUDA in the launching process'\n"
-        "from tree_attn.runner.tune import TuneOptions, tune_kernels_in_child\n"
+        "from tree_attn.commands.tune.timing import TuneOptions, tune_kernels_in_child\n"
         "rep = tune_kernels_in_child(TuneOptions(world_size=1, device_kind='cuda', backend='nccl', q_heads=8, kv_heads=2,"
         " head_dim=64, quick=True, buckets=(1024,)))\n"
         "assert rep.buckets and rep.buckets[0].chosen.median_us > 0\n"
@@ -342,7 +342,7 @@ def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
 def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
     """The check behind exit 1: a result whose tree row lost a token is reported, not passed."""
     from tree_attn.cli.app import main
-    from tree_attn.runner import generate as gen
+    from tree_attn.commands.generate import decode as gen
 
     def fake_run(spec, progress=None, tokenizer=None):
         rows = [gen.GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3),
@@ -386,7 +386,7 @@ GEN_ARGS = ["generate", "--device", "cpu", "--layers", "2", "--seed", "3", "--pr
 
 def _expected_for_cli_prompt() -> list[int]:
     """What the CLI's arguments above decode, from transformers alone."""
-    from tree_attn.runner.generate_setup import parse_prompt
+    from tree_attn.commands.generate.setup import parse_prompt
 
     model = build_model(SMALL, dtype=torch.float32, device="cpu")
     ids, _ = parse_prompt(None, 201, 4096, 3, None)

@@ -12,7 +12,7 @@ from tests.tolerances import assert_decode_close, tol_for
 from tree_attn import decode_attention
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.runner.tune import TuneOptions, tune_kernels
+from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
 
 pytest.importorskip("triton")
 
@@ -87,7 +87,7 @@ def test_kernel_search_runs_in_a_child_process(device):
     as it comes and its results are what tune_kernels returns."""
     import os
 
-    from tree_attn.runner.tune import tune_kernels_in_child
+    from tree_attn.commands.tune.timing import tune_kernels_in_child
 
     options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
                           dtype="float32", quick=True, buckets=(64,))

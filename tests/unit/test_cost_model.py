@@ -172,7 +172,7 @@ def test_awkward_shapes_world_sizes_3_5_6_and_one_rank():
 def test_predicted_bytes_equal_what_the_library_counts(world):
     """Run tree (k=2), allreduce and ring on gloo ranks with an uneven split and compare each
     strategy's bytes and messages per rank with the model's."""
-    from tree_attn.runner.decode_run import RunSpec, run_decode
+    from tree_attn.commands.run.decode import RunSpec, run_decode
 
     spec = RunSpec(world_size=world, seq_len=1001, batch=2, q_heads=4, kv_heads=2, head_dim=16, dtype="float32",
                    steps=1, warmup=1,

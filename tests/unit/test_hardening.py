@@ -14,7 +14,7 @@ import torch
 import tree_attn
 from tree_attn.errors import ConfigError, ShapeError, TreeAttnError
 from tree_attn.files import YAMLAliasError, atomic_write_text, load_yaml
-from tree_attn.ranks import launch
+from tree_attn.launch import spawn as launch
 from tree_attn.topology import host_topology
 
 Q = torch.randn(1, 4, 8)

@@ -50,8 +50,8 @@ def generate_command(
     profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
-    from ..runner.generate import run_generate
-    from ..runner.generate_setup import GenerateOptions, plan_generate
+    from ..commands.generate.decode import run_generate
+    from ..commands.generate.setup import GenerateOptions, plan_generate
 
     setup = plan_generate(GenerateOptions(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
@@ -65,7 +65,7 @@ def generate_command(
         f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.strategies)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
     if setup.env is not None:
-        from ..runner.generate import run_generate_torchrun
+        from ..commands.generate.decode import run_generate_torchrun
 
         result = run_generate_torchrun(spec, setup.env, progress=say, tokenizer=setup.tokenizer)
         if result is None:  # a rank other than 0: rank 0 reports

@@ -48,8 +48,8 @@ def run_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     from ..errors import ConfigError
-    from ..runner.decode_run import run_decode
-    from ..runner.run_setup import RunOptions, plan_run, strategies_beyond_tolerance
+    from ..commands.run.decode import run_decode
+    from ..commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
 
     if sweep is None and seq_len < 1:
         # The library takes an empty shard, but a benchmark of an empty cache times nothing and
@@ -96,8 +96,8 @@ def run_command(
 
 def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> None:
     """``--sweep`` (and ``--plot``): one run per sequence length, one table, one picture."""
-    from ..runner.run_setup import strategies_beyond_tolerance
-    from ..runner.sweep import run_sweep
+    from ..commands.run.setup import strategies_beyond_tolerance
+    from ..commands.run.sweep import run_sweep
 
     results = run_sweep(options, sweep, progress=lambda text: err_console.print(text, markup=False))
     # The measurements first: a picture that cannot be written must not take them with it.

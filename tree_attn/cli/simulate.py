@@ -44,7 +44,7 @@ def simulate_command(
     plot: str = typer.Option(None, "--plot", help="Write latency vs sequence length and speedup vs world size to FILE.png (needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
-    from ..runner.simulate import SimulateOptions, simulate
+    from ..commands.simulate import SimulateOptions, simulate
 
     if plot:
         from ..plots import check_png_path, require_matplotlib

@@ -111,7 +111,7 @@ def _cuda_time(torch: Any, dev: int, op, iters: int) -> float:
 
 
 def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, backend, device_kind, timeout_s):
-    from ..ranks.launch import launch_ranks
+    from ..launch.spawn import launch_ranks
 
     results = launch_ranks(_rank_measure, n, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes),
                            backend=backend, device_kind=device_kind, timeout_s=timeout_s)
@@ -127,7 +127,7 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     import torch
     import torch.distributed as dist
 
-    from ..ranks.launch import barrier
+    from ..launch.spawn import barrier
 
     dev = torch.device(env.device)
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..dtypes import parse_dtype, torch_dtype
-from ..errors import ConfigError
-from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv, barrier, close_process_group
+from ...dtypes import parse_dtype, torch_dtype
+from ...errors import ConfigError
+from ...reduce.plan import ReductionPlan
+from ...launch.spawn import RankEnv, barrier, close_process_group
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .run_setup import ProfileChoice
+    from .setup import ProfileChoice
 
 STRATEGY_NAMES = ("tree", "allreduce", "ring")
 MAX_SEED = 2**40
@@ -158,18 +158,18 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     and the device time of a step is taken from CUDA events: around each timed replay, or for
     eager steps around extra steps queued behind a spin kernel (``device_time`` says which).
     """
-    from ..graphs import wait_for
-    from ..reduce.collectives import TreeDecodeStep, abort_group
-    from ..reduce.comm import CommStats
-    from ..reduce.ring import ring_decode
-    from .memory import MemoryMonitor
+    from ...graphs import wait_for
+    from ...reduce.collectives import TreeDecodeStep, abort_group
+    from ...reduce.comm import CommStats
+    from ...reduce.ring import ring_decode
+    from ...launch.memory import MemoryMonitor
 
     device = torch.device(env.device)
     cuda = device.type == "cuda"
     k, v = (t.to(device) for t in make_shard(spec, env.rank))
     config = None
     if spec.kernel_config:
-        from ..kernels.config import DecodeConfig
+        from ...kernels.config import DecodeConfig
 
         config = DecodeConfig.from_dict(spec.kernel_config)
     reports: dict[str, RankReport] = {}
@@ -294,7 +294,7 @@ def _held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: 
     before the host had finished issuing it, the times are dropped and the reason returned
     instead. Returns ``(seconds per step, how they were taken)``.
     """
-    from ..timing import HOLD_US, hold_stream
+    from ...timing import HOLD_US, hold_stream
 
     device = q_static.device
     hold_us = HOLD_US + 1.5 * issue_s * 1e6
@@ -355,7 +355,7 @@ class RunResult:
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
     compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
-    profile: "ProfileChoice | None" = None  # which profile the run used (runner.run_setup.ProfileChoice)
+    profile: "ProfileChoice | None" = None  # which profile the run used (commands.run.setup.ProfileChoice)
     # CPU ranks: which local attention ran ("C kernel: <library and flags>" or "torch ops: <why>");
     # None on GPUs (the Triton kernel or torch, per --impl).
     local_kernel: str | None = None
@@ -394,7 +394,7 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     chunk of :data:`REFERENCE_CHUNK` tokens of each shard in turn, merged in float64, so the parent
     holds one shard and the float64 copy of one chunk at a time (a rank holds its shard too).
     Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
-    from ..kernels.reference import decode_attention_float64
+    from ...kernels.reference import decode_attention_float64
 
     q = make_query(spec, spec.steps - 1)
     out = torch.zeros(spec.batch, spec.q_heads, spec.head_dim, dtype=torch.float64)
@@ -448,7 +448,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
     if spec.device_kind == "cpu" and spec.impl in ("auto", "torch"):
-        from ..kernels.cpu_native import native_status  # the ranks' environment is this process's
+        from ...kernels.cpu_native import native_status  # the ranks' environment is this process's
 
         result.local_kernel = native_status().describe()
     # Tree vs ring, named: the tree row (else allreduce's), and only where something was sent.
@@ -489,7 +489,7 @@ def _spec_dict(spec: RunSpec) -> dict:
 
 def run_decode(spec: RunSpec) -> RunResult:
     """Run the decode benchmark: spawn ``spec.world_size`` ranks (or join torchrun) and summarise."""
-    from ..ranks.launch import init_torchrun, launch_ranks, torchrun_env
+    from ...launch.spawn import init_torchrun, launch_ranks, torchrun_env
 
     env = torchrun_env(spec.device_kind, spec.backend)
     if env is None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MAX_SWEEP = 16  # lengths in one sweep: each is a whole run
 
 
 def sweep_lengths(text: str | None, default: int) -> list[int]:
     """The sweep's lengths, ascending (``None``: just ``default``)."""
-    from .simulate import parse_tokens
+    from ..simulate import parse_tokens
 
     if text is None:
         return [default]
@@ -28,9 +28,9 @@ def sweep_lengths(text: str | None, default: int) -> list[int]:
 def run_sweep(options, sweep: str | None, progress: Callable[[str], None] = lambda text: None) -> list:
     """One :class:`RunResult` per length of ``sweep`` (spawned ranks only: a torchrun job runs
     one length). Every length is checked before the first run starts."""
-    from ..ranks.launch import torchrun_env
-    from .decode_run import run_decode
-    from .run_setup import plan_run
+    from ...launch.spawn import torchrun_env
+    from .decode import run_decode
+    from .setup import plan_run
 
     if torchrun_env(None if options.device == "auto" else options.device, options.backend) is not None:
         raise ConfigError("--sweep and --plot spawn their own ranks; under torchrun run one --seq-len per job")

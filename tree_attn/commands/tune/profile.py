@@ -4,7 +4,7 @@
 the ranks' device kind and backend; the shapes) and where the profile goes, and refuses an
 existing output file (without ``force``) before anything is timed. :func:`build_profile` then
 measures on this machine's ranks (:func:`measured_profile`, through the timing functions of
-:mod:`tree_attn.runner.tune`) or, for a topology that is not this machine, derives the profile
+:mod:`tree_attn.commands.tune.timing`) or, for a topology that is not this machine, derives the profile
 from the plan cost model alone (:func:`model_profile`). Progress goes to an optional callback
 (the CLI draws it); nothing here prints.
 """
@@ -15,14 +15,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import ConfigError, ProfileError, TopologyError
-from ..ranks.launch import check_cpu_ranks, check_timeout, oversubscription_warning
-from ..topology.host import DEFAULT_CPU_RANKS
+from ...errors import ConfigError, ProfileError, TopologyError
+from ...launch.spawn import check_cpu_ranks, check_timeout, oversubscription_warning
+from ...topology.host import DEFAULT_CPU_RANKS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..profiles import Profile
-    from ..topology import Topology
-    from .tune import TuneOptions
+    from ...profiles import Profile
+    from ...topology import Topology
+    from .timing import TuneOptions
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ ProgressFn = Callable[[TuneEvent], None]
 
 
 def _kind_of(topo: "Topology") -> str:
-    from ..profiles.schema import device_kind_of
+    from ...profiles.schema import device_kind_of
 
     return "cuda" if device_kind_of(topo) in ("cuda", "rocm") else "cpu"
 
 
 def _topology(request: TuneRequest, device_kind: str, notices: list[str]) -> "Topology":
-    from ..topology import host_topology, load_expected, probe_topology
+    from ...topology import host_topology, load_expected, probe_topology
 
     if request.topology_file:
         return load_expected(request.topology_file)
@@ -112,11 +112,11 @@ def check_output_free(path: str, force: bool) -> None:
 def plan_tune(request: TuneRequest) -> TuneSetup:
     """Resolve ``request`` against this machine. Raises ConfigError for bad options, TopologyError
     for an unreadable topology, ProfileError when the output exists (without ``force``)."""
-    from ..dtypes import parse_dtype
-    from ..profiles import profile_path_for
-    from ..ranks.launch import resolve_backend
-    from .run_setup import resolve_device_kind
-    from .tune import TuneOptions
+    from ...dtypes import parse_dtype
+    from ...profiles import profile_path_for
+    from ...launch.spawn import resolve_backend
+    from ..run.setup import resolve_device_kind
+    from .timing import TuneOptions
 
     check_timeout(request.timeout_s)
     for option, value in (("--batch", request.batch), ("--heads", request.heads), ("--kv-heads", request.kv_heads),
@@ -147,7 +147,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         notices.append(f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): nothing can "
                        "be timed here, so the profile is model-derived (origin: model)")
     if reason is None and device_kind == "cpu":  # the plans' messages, before any rank allocates them
-        from .run_setup import check_host_memory
+        from ..run.setup import check_host_memory
 
         check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False,
                           request.heads)
@@ -176,7 +176,7 @@ def build_profile(setup: TuneSetup, progress: ProgressFn | None = None) -> "Prof
 
 def write_profile(setup: TuneSetup, profile: "Profile") -> str:
     """Save ``profile`` (atomically) where ``setup`` says; returns the path as given."""
-    from ..profiles import save_profile
+    from ...profiles import save_profile
 
     save_profile(profile, setup.output, force=setup.force)
     return setup.output
@@ -184,10 +184,10 @@ def write_profile(setup: TuneSetup, profile: "Profile") -> str:
 
 def measured_profile(topo: "Topology", options: "TuneOptions", progress: ProgressFn | None = None) -> "Profile":
     """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
-    from ..profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
-    from ..profiles.plan_model import decode_message_bytes
-    from ..reduce.hier_plan import candidate_plans
-    from .tune import tune_kernels_in_child, tune_plans
+    from ...profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
+    from ...profiles.plan_model import decode_message_bytes
+    from ...reduce.hier_plan import candidate_plans
+    from .timing import tune_kernels_in_child, tune_plans
 
     def emit(stage: str, kind: str, text: str) -> None:
         if progress is not None:
@@ -231,10 +231,10 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
 
 
 def _kernel_bucket(b):
-    """A profile's bucket from a ``runner.tune.BucketResult``. Where every timing of the bucket
+    """A profile's bucket from a ``commands.tune.timing.BucketResult``. Where every timing of the bucket
     measured the host rather than the kernel, tune_kernels keeps the model's choice
     (``chosen_by == "model"``), and the profile records no time for it."""
-    from ..profiles import KernelBucket
+    from ...profiles import KernelBucket
 
     measured = b.chosen_by == "measured"
     t = b.chosen
@@ -248,9 +248,9 @@ def _kernel_bucket(b):
 
 def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
     """A profile derived from the topology and the plan cost model alone (nothing timed)."""
-    from ..profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
-    from ..profiles.plan_model import decode_message_bytes, predict_plan_us
-    from ..reduce.hier_plan import candidate_plans
+    from ...profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
+    from ...profiles.plan_model import decode_message_bytes, predict_plan_us
+    from ...reduce.hier_plan import candidate_plans
 
     msg = decode_message_bytes(options.batch, options.q_heads, options.head_dim)
     cands = candidate_plans(len(topo), topo.hierarchy)

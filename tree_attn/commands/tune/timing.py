@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reduce.plan import ReductionPlan
-from .decode_run import percentile
-from ..ranks.launch import RankEnv
+from ...reduce.plan import ReductionPlan
+from ..run.decode import percentile
+from ...launch.spawn import RankEnv
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def time_plans_rank(
 ) -> PlanTuneResult:
     """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision.
 
-    Each candidate is the prepared merge ``decode_run`` runs (static buffers, peers resolved
+    Each candidate is the prepared merge ``run`` decodes with (static buffers, peers resolved
     once), replayed as a CUDA graph on GPUs, eager on CPU ranks.
 
     Why batches: ranks leave a barrier at different moments (the skew is the barrier's own
@@ -78,10 +78,10 @@ def time_plans_rank(
     """
     import torch.distributed as dist
 
-    from ..graphs import CapturedStep
-    from ..ranks.launch import barrier
-    from ..reduce.merges import build_merge
-    from ..timing import hold_stream
+    from ...graphs import CapturedStep
+    from ...launch.spawn import barrier
+    from ...reduce.merges import build_merge
+    from ...timing import hold_stream
 
     device = torch.device(env.device)
     g = torch.Generator().manual_seed(1234 + env.rank)
@@ -173,16 +173,16 @@ def time_kernel_configs(
     CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
     interpreter, for tests) a host clock.
     """
-    from ..errors import ConfigError
-    from ..kernels.perf_model import kv_bytes
-    from ..kernels.triton_launch import TritonDecodeLaunch
-    from ..timing import rotation_count, time_calls
+    from ...errors import ConfigError
+    from ...kernels.perf_model import kv_bytes
+    from ...kernels.triton_launch import TritonDecodeLaunch
+    from ...timing import rotation_count, time_calls
 
     dev = torch.device(device)
     nbytes = kv_bytes(shape, dtype)
     copies = 1
     if dev.type == "cuda":
-        from ..kernels.device_info import device_spec_for
+        from ...kernels.device_info import device_spec_for
 
         free, _ = torch.cuda.mem_get_info(dev)
         copies = rotation_count(nbytes, device_spec_for(dev).l2_bytes, free)
@@ -263,7 +263,7 @@ class BucketResult:
 
 def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
     """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
-    from ..ranks.launch import launch_ranks
+    from ...launch.spawn import launch_ranks
 
     batches, per_batch, warm = options.plan_batches
     results = launch_ranks(
@@ -275,7 +275,7 @@ def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTun
         timeout_s=options.timeout_s,
     )
     if len({r.chosen for r in results}) != 1:
-        from ..errors import DistributedError
+        from ...errors import DistributedError
 
         raise DistributedError("ranks ended the plan search with different plans; rank 0's broadcast did not arrive")
     return results[0]
@@ -294,10 +294,10 @@ def _tune_kernels_work(options: TuneOptions, device: str | None, say) -> list[Bu
 
 
 def tune_kernels_in_child(options: TuneOptions, progress=None, device: str | None = None) -> KernelTuneReport:
-    """:func:`tune_kernels` in a spawned child process (see :mod:`tree_attn.runner.child`): the
+    """:func:`tune_kernels` in a spawned child process (see :mod:`tree_attn.launch.child`): the
     same timings and choices, while this process makes no CUDA context. ``progress`` receives the
     child's lines as they come."""
-    from .child import run_in_child
+    from ...launch.child import run_in_child
 
     done = run_in_child(_tune_kernels_work, (options, device), what="kernel tuning", timeout_s=options.timeout_s,
                         progress=progress)
@@ -315,17 +315,17 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         if options.device_kind != "cuda":
             return []
         device = "cuda:0"
-    from ..kernels.config import resolve_config
-    from ..kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
+    from ...kernels.config import resolve_config
+    from ...kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
                                       rank_candidates, tuning_survivors)
-    from ..kernels.shapes import DecodeShape
-    from ..dtypes import torch_dtype
+    from ...kernels.shapes import DecodeShape
+    from ...dtypes import torch_dtype
 
     dtype = torch_dtype(options.dtype)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     copy_gbps = None
     if device.startswith("cuda"):
-        from ..timing import measure_copy_bandwidth
+        from ...timing import measure_copy_bandwidth
 
         copy_gbps = measure_copy_bandwidth(device)
         if progress:
@@ -346,7 +346,7 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps)
         failed = [t for t in timings if t.error is not None]
         if len(failed) == len(timings):
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"kernel bucket {n} tokens: none of the {len(timings)} candidate configs could run on "
                               f"{device}; the first said: {failed[0].error}")

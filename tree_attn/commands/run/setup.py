@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ProfileError
+from ...errors import ConfigError, ProfileError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..profiles import Profile
-    from ..topology import Topology
-    from .decode_run import RunResult, RunSpec
+    from ...profiles import Profile
+    from ...topology import Topology
+    from .decode import RunResult, RunSpec
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -100,7 +100,7 @@ def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, 
     float32, then cast), ring's shards in flight (two more), the query and a few float32 states of
     ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
     reference holds one shard (float32) at a time and the same states."""
-    from ..dtypes import torch_dtype
+    from ...dtypes import torch_dtype
 
     elem = torch_dtype(dtype).itemsize
     shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
@@ -114,7 +114,7 @@ def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, 
                       ring: bool, q_heads: int = 0) -> None:
     """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
     before any rank allocates it."""
-    from .memory import available_host_bytes
+    from ...launch.memory import available_host_bytes
 
     need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads)
     have = available_host_bytes()
@@ -133,7 +133,7 @@ def resolve_device_kind(device: str) -> tuple[str, int]:
     ``auto`` is ``cuda`` when torch sees a GPU (CUDA or ROCm), else ``cpu``. ``cuda`` without a
     visible GPU is a :class:`ConfigError`.
     """
-    from ..ranks import launch
+    from ...launch import spawn as launch
 
     if device not in DEVICES:
         raise ConfigError(f"--device must be auto, cpu or cuda; got {device!r}")
@@ -146,7 +146,7 @@ def resolve_device_kind(device: str) -> tuple[str, int]:
 
 def parse_strategies(text: str) -> list[str]:
     """``"tree,ring"`` -> ``["tree", "ring"]``; ``auto`` is the profile's (or default) plan and ring."""
-    from .decode_run import STRATEGY_NAMES
+    from .decode import STRATEGY_NAMES
 
     if text == "auto":
         return ["tree", "ring"]
@@ -162,7 +162,7 @@ def parse_strategies(text: str) -> list[str]:
 def build_plans(names: list[str], fanout: int | None, world_size: int, profile: "Profile | None") -> tuple:
     """``(strategy, ReductionPlan | None)`` pairs for :class:`RunSpec`: ``tree`` without a fan-out
     takes the profile's plan (else the default plan), ``ring`` has no plan."""
-    from ..reduce.plan import ReductionPlan, default_plan
+    from ...reduce.plan import ReductionPlan, default_plan
 
     plans: list[tuple[str, ReductionPlan | None]] = []
     for name in names:
@@ -191,7 +191,7 @@ def kernel_config_for(profile: "Profile | None", dtype: str, heads: int, kv_head
 
 def _run_topology(world_size: int, device_kind: str) -> tuple["Topology | None", str | None]:
     """The topology the run's ranks form, or ``(None, why)`` when no whole-machine profile applies."""
-    from ..topology import host_topology, probe_topology
+    from ...topology import host_topology, probe_topology
 
     if device_kind == "cpu":
         return host_topology(world_size), None
@@ -205,8 +205,8 @@ def _run_topology(world_size: int, device_kind: str) -> tuple["Topology | None",
 
 def _where(ref: str) -> str | None:
     """The file a ``--profile`` reference names (as :func:`profiles.open_profile` resolves it)."""
-    from ..profiles import find_saved_profile, list_builtin_profiles, list_saved_profiles
-    from ..profiles.builtin import builtin_path
+    from ...profiles import find_saved_profile, list_builtin_profiles, list_saved_profiles
+    from ...profiles.builtin import builtin_path
 
     if os.path.exists(ref):
         return ref
@@ -228,7 +228,7 @@ def _where(ref: str) -> str | None:
 def _saved_for_other_sizes(topo: "Topology", device_kind: str) -> str:
     """`` ; the saved profile X is for N ranks ...`` when profiles saved for this kind of device
     exist, but for another number of ranks (a tune for 4 ranks does not serve a run of 2)."""
-    from ..profiles import list_saved_profiles
+    from ...profiles import list_saved_profiles
 
     n = len(topo)
     others = [e for e in list_saved_profiles()
@@ -250,8 +250,8 @@ def select_profile(ref: str | None, world_size: int, device_kind: str) -> tuple[
     ``--profile`` first (a ProfileError when it is for another machine), then the profile saved
     for this machine's fingerprint, then a matching built-in profile, else none (defaults).
     """
-    from ..profiles import builtin_profile_for, check_profile_for, find_saved_profile, load_profile, open_profile
-    from ..profiles.builtin import builtin_path
+    from ...profiles import builtin_profile_for, check_profile_for, find_saved_profile, load_profile, open_profile
+    from ...profiles.builtin import builtin_path
 
     topo, why_none = _run_topology(world_size, device_kind)
     if ref is not None:
@@ -293,9 +293,9 @@ def multinode_plan(layout, device_kind: str, fanout: int | None) -> tuple:
     """``(plan, text)``: the hierarchical tree of a job over ``layout.nodes`` alike nodes: each
     node's own hierarchy (its probed GPUs, or CPU ranks), then the network joining the nodes, the
     slowest link class, so one message per node crosses it each way."""
-    from ..reduce.hier_plan import hierarchical_plan
-    from ..topology import host_topology, probe_topology
-    from ..topology.nodes import multinode_topology
+    from ...reduce.hier_plan import hierarchical_plan
+    from ...topology import host_topology, probe_topology
+    from ...topology.nodes import multinode_topology
 
     g = layout.ranks_per_node
     node = host_topology(g) if device_kind == "cpu" else probe_topology("auto")
@@ -334,13 +334,13 @@ def plan_run(options: RunOptions) -> RunSetup:
     Raises ConfigError for bad options (naming the option), ProfileError for a profile that does
     not apply. Nothing is launched.
     """
-    from ..dtypes import parse_dtype
-    from ..ranks.launch import (
+    from ...dtypes import parse_dtype
+    from ...launch.spawn import (
         check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_layout,
         torchrun_rendezvous,
     )
-    from ..topology.host import default_cpu_ranks
-    from .decode_run import RunSpec
+    from ...topology.host import default_cpu_ranks
+    from .decode import RunSpec
 
     # Sizes first: nothing below may build anything in proportion to a bad number.
     check_timeout(options.timeout_s)
@@ -404,7 +404,7 @@ def plan_run(options: RunOptions) -> RunSetup:
 
 def error_limit(dtype: str) -> float:
     """Max abs error of a run's output against the reference, by the run's dtype."""
-    from ..dtypes import parse_dtype
+    from ...dtypes import parse_dtype
 
     return ERROR_LIMITS[parse_dtype(dtype)]
 

@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtypes import torch_dtype
-from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv, barrier
-from .decode_run import percentile
+from ...dtypes import torch_dtype
+from ...reduce.plan import ReductionPlan
+from ...launch.spawn import RankEnv, barrier
+from ..run.decode import percentile
 from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
 from .kv_store import PAGE_SIZE, PagedKVShard
 from .models import ModelSource, build_model
@@ -152,7 +152,7 @@ class GenerateResult:
     page_size: int
     prefill_s: float
     rows: list[GenerateRow]
-    profile: Any = None  # run_setup.ProfileChoice, set by the caller
+    profile: Any = None  # commands.run.setup.ProfileChoice, set by the caller
     prompt_text: str | None = None
     shard_sizes: list[int] = field(default_factory=list)
 
@@ -291,7 +291,7 @@ def _progress(env: RankEnv, text: str) -> None:
 def _kernel_config(spec: GenerateSpec):
     if not spec.kernel_config:
         return None
-    from ..kernels.config import DecodeConfig
+    from ...kernels.config import DecodeConfig
 
     return DecodeConfig.from_dict(spec.kernel_config)
 
@@ -428,7 +428,7 @@ def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], 
     """:func:`one_process_work` in a child process that exits before any rank starts: the
     launching process makes no CUDA context (about 0.5 GB on GPU 0, which rank 0 uses next, and
     a failure under exclusive-process compute mode). The prefill KV waits in ``folder``."""
-    from .child import run_in_child
+    from ...launch.child import run_in_child
 
     return run_in_child(one_process_work, (spec, folder), what="the one-process rows (prefill, reference, one rank)",
                         timeout_s=spec.timeout_s, progress=say).value
@@ -437,7 +437,7 @@ def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], 
 def decode_on_ranks(spec: GenerateSpec, folder: str, reference: list[int],
                     say: Callable[[str], None]) -> list[GenerateRow]:
     """Split the prefill KV in ``folder`` over ``spec.world_size`` spawned ranks; one row per strategy."""
-    from ..ranks.launch import launch_ranks
+    from ...launch.spawn import launch_ranks
 
     say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
     per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
@@ -449,7 +449,7 @@ def _device_name(device: torch.device) -> str:
     """The name of the device the rows ran on (asked where they ran: never in the launching process)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from .decode_run import _device_name as host_name
+    from ..run.decode import _device_name as host_name
 
     return host_name("cpu")
 
@@ -492,7 +492,7 @@ def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[
     """
     import torch.distributed as dist
 
-    from ..ranks.launch import close_process_group, init_torchrun
+    from ...launch.spawn import close_process_group, init_torchrun
 
     say = progress if (progress is not None and env.rank == 0) else (lambda text: None)
     if env.device.startswith("cuda"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .models import ModelSource, check_source, load_tokenizer, require_transformers
 
 MAX_NEW_TOKENS = 4096
@@ -42,12 +42,12 @@ class GenerateOptions:
 @dataclass(frozen=True)
 class GenerateSetup:
     spec: Any  # GenerateSpec
-    profile: Any  # run_setup.ProfileChoice
+    profile: Any  # commands.run.setup.ProfileChoice
     tokenizer: Any = None
     prompt_text: str | None = None
     notices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
-    env: Any = None  # ranks.launch.RankEnv under torchrun (this process is one rank), else None
+    env: Any = None  # launch.spawn.RankEnv under torchrun (this process is one rank), else None
 
     @property
     def rank(self) -> int:
@@ -113,16 +113,16 @@ def _param_bytes(config: dict, elem: int) -> int:
 
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
-    from ..dtypes import parse_dtype, torch_dtype
-    from ..kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from ..ranks.launch import (
+    from ...dtypes import parse_dtype, torch_dtype
+    from ...kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from ...launch.spawn import (
         check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_layout,
         torchrun_rendezvous,
     )
-    from ..topology.host import default_cpu_ranks
-    from .generate import GenerateSpec, ModelShape
-    from .memory import available_host_bytes
-    from .run_setup import choose_plans, kernel_config_for, parse_strategies, resolve_device_kind
+    from ...topology.host import default_cpu_ranks
+    from .decode import GenerateSpec, ModelShape
+    from ...launch.memory import available_host_bytes
+    from ..run.setup import choose_plans, kernel_config_for, parse_strategies, resolve_device_kind
 
     check_timeout(options.timeout_s)
     if isinstance(options.seed, bool) or not isinstance(options.seed, int) or not 0 <= options.seed < 2**40:
