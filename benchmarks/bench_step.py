@@ -50,7 +50,7 @@ def _time_steps(env, step, steps: int, warmup: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tree_attn.launch.spawn import barrier
+    from tree_attn.launch.group import barrier
 
     for _ in range(warmup):
         step()

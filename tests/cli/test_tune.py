@@ -193,20 +193,21 @@ def test_every_rank_uses_rank_0s_plan():
 
 def test_plan_timing_batches():
     from tree_attn.commands.tune.timing import TuneOptions
+    from tree_attn.launch.setup import LaunchSetup
 
-    quick = TuneOptions(world_size=2, device_kind="cpu", backend="gloo", quick=True).plan_batches
-    full = TuneOptions(world_size=2, device_kind="cpu", backend="gloo").plan_batches
+    quick = TuneOptions(LaunchSetup(world_size=2), quick=True).plan_batches
+    full = TuneOptions(LaunchSetup(world_size=2)).plan_batches
     assert quick == (8, 25, 3) and full == (25, 50, 20)  # skew counts 1/25 and 1/50 of itself
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
     from tree_attn.profiles import load_builtin
-    from tree_attn.commands.run.setup import kernel_config_for
+    from tree_attn.launch.plans import kernel_config_for
 
     profile = load_builtin("h100-8x-nvswitch")
     got = kernel_config_for(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
     cfg, chosen_by = profile.kernel_config_for("bfloat16", 128, 4, 65536)
-    assert got == cfg.to_dict() and chosen_by == "model"
+    assert got == cfg and chosen_by == "model"  # the config itself, as the ranks get it
     assert kernel_config_for(None, "bfloat16", 32, 8, 128, 1024, 8) is None
 
 

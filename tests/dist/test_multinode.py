@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from tree_attn.launch.spawn import NodeLayout, RankEnv, torchrun_layout
+from tree_attn.launch.env import NodeLayout, RankEnv, torchrun_layout
 from tree_attn.reduce.plan import ReductionTree
-from tree_attn.commands.run.setup import multinode_plan
+from tree_attn.launch.plans import multinode_plan
 
 pytestmark = pytest.mark.slow  # CI runs the whole suite, slow tests included (.ci/run)
 

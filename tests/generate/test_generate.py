@@ -25,8 +25,10 @@ from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec
 from tree_attn.commands.generate.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
 from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
 from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
+from tree_attn.launch.setup import LaunchSetup  # noqa: E402
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
+TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -56,7 +58,7 @@ def test_sharded_greedy_tokens_equal_transformers_alone(world, strategies, small
     prompt = _prompt(301, 4096)
     expected = transformers_greedy(small_model, list(prompt), 32)
     assert len(set(expected)) > 8, "the reference must not be a repeated token, or the check proves little"
-    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, strategies=strategies, timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=world, plans=strategies, timeout_s=60.0), new_tokens=32)
     result = run_generate(spec)
     names = [r.name for r in result.rows]
     assert names[:2] == [REFERENCE, ONE_RANK] and len(names) == 2 + len(strategies)
@@ -83,8 +85,8 @@ def test_a_prompt_shorter_than_the_world_leaves_shards_empty(small_model):
     """A 3-token prompt over 4 ranks: prefill slices [1, 1, 0, 0], so two ranks start empty (the
     merge's identity) and only the last one grows; the tokens still equal transformers' alone."""
     prompt = _prompt(3, 4096, seed=9)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=12, world_size=4, strategies=(("tree", ReductionPlan("tree", 2)),),
-                        timeout_s=60.0)
+    launch = LaunchSetup(world_size=4, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=12)
     assert spec.shard_sizes() == [1, 1, 0, 0]
     result = run_generate(spec)
     expected = transformers_greedy(small_model, list(prompt), 12)
@@ -122,7 +124,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     from tree_attn.commands.generate.decode import PREFILL_FILE, _load_prefill, decode_in_one_process
 
     prompt = _prompt(41, 4096, seed=4)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=6, world_size=2, timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=60.0), new_tokens=6)
     said = []
     local = decode_in_one_process(spec, str(tmp_path), said.append)
     assert local.pid != os.getpid()
@@ -144,7 +146,7 @@ def test_generate_emits_no_future_warning(tmp_path):
 
     from tree_attn.commands.generate.decode import one_process_work
 
-    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), new_tokens=3, world_size=2)
+    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), LaunchSetup(world_size=2, plans=TREE_AND_RING), new_tokens=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         local = one_process_work(spec, str(tmp_path), lambda t: None)
@@ -187,8 +189,9 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
     and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
     CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
-    from tree_attn.launch import spawn as launch
-    from tree_attn.commands.generate.setup import GenerateOptions, default_dtype, plan_generate
+    from tree_attn.launch import env as launch
+    from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+    from tree_attn.launch.setup import default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")
     for var in ("RANK", "WORLD_SIZE"):
@@ -226,8 +229,10 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
         "assert code in (0, 1), code  # 1: a bf16 near-tie flipped a token (the JSON says which row)\n"
         "assert not torch.cuda.is_initialized(), 'generate initialised CUDA in the launching process'\n"
         "from tree_attn.commands.tune.timing import TuneOptions, tune_kernels_in_child\n"
-        "rep = tune_kernels_in_child(TuneOptions(world_size=1, device_kind='cuda', backend='nccl', q_heads=8, kv_heads=2,"
-        " head_dim=64, quick=True, buckets=(1024,)))\n"
+        "from tree_attn.launch.setup import LaunchSetup\n"
+        "launch = LaunchSetup(world_size=1, device_kind='cuda', backend='nccl', dtype='bfloat16')\n"
+        "options = TuneOptions(launch, q_heads=8, kv_heads=2, head_dim=64, quick=True, buckets=(1024,))\n"
+        "rep = tune_kernels_in_child(options)\n"
         "assert rep.buckets and rep.buckets[0].chosen.median_us > 0\n"
         "assert not torch.cuda.is_initialized(), 'kernel tuning initialised CUDA in the launching process'\n"
     )
@@ -331,8 +336,8 @@ def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
     source = ModelSource(path=str(folder))
     prompt = _prompt(150, 160, seed=2)
     expected = _reference(source, prompt, 16)
-    spec = GenerateSpec(source, prompt, new_tokens=16, world_size=2, strategies=(("tree", ReductionPlan("tree", 2)),),
-                        page_size=5, timeout_s=60.0)
+    launch = LaunchSetup(world_size=2, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
+    spec = GenerateSpec(source, prompt, launch, new_tokens=16, page_size=5)
     result = run_generate(spec)
     assert [r.tokens for r in result.rows] == [expected] * 3
 
@@ -363,8 +368,8 @@ def test_generate_on_gpus_equals_transformers():
     prompt = _prompt(301, 4096)
     model = build_model(SMALL, dtype=torch.float32, device="cuda")
     expected = transformers_greedy(model, list(prompt), 32)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, device_kind="cuda", backend="nccl",
-                        strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)), timeout_s=120.0)
+    launch = LaunchSetup(world_size=world, device_kind="cuda", backend="nccl", plans=TREE_AND_RING, timeout_s=120.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=32)
     result = run_generate(spec)
     for row in result.rows:
         assert row.tokens == expected, row.name

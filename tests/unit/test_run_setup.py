@@ -1,5 +1,5 @@
 """Resolving `run` and `tune` options into a RunSpec / TuneSetup (commands.run.setup,
-commands.tune.profile): devices, world size, dtype, plans, profile choice, output checks. Nothing is
+commands.tune.setup): devices, world size, dtype, plans, profile choice, output checks. Nothing is
 launched here."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from tree_attn.errors import ConfigError, ProfileError
-from tree_attn.launch import spawn as launch
+from tree_attn.launch import env as launch
 from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.commands.run.setup import ProfileChoice, RunOptions, plan_run, strategies_beyond_tolerance
-from tree_attn.commands.tune.profile import TuneRequest, plan_tune
+from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
+from tree_attn.launch.plans import ProfileChoice
+from tree_attn.commands.tune.setup import TuneRequest, plan_tune
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
@@ -97,7 +98,7 @@ def test_tune_cpu_ranks_is_measurable(tmp_path):
     assert setup.measurable and len(setup.topology) == 3
     assert (setup.options.device_kind, setup.options.backend, setup.options.dtype) == ("cpu", "gloo", "bfloat16")
     assert setup.notices[0] == "--device cpu: tuning for 3 CPU ranks (gloo)"
-    from tree_attn.launch.spawn import usable_cores
+    from tree_attn.launch.env import usable_cores
 
     # more ranks than cores: said, with a world size that fits
     crowded = [n for n in setup.notices[1:] if "CPU ranks share" in n]

@@ -38,7 +38,7 @@ def check_command(
     from ..topology.compare import summarize_differences
 
     if cpu_ranks is not None:  # before a topology of that many ranks is built
-        from ..launch.spawn import check_cpu_ranks
+        from ..launch.env import check_cpu_ranks
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if min_bandwidth_ratio is not None and not 0 < min_bandwidth_ratio <= 10:

@@ -62,16 +62,11 @@ def generate_command(
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
         f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over "
         f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}); strategies: "
-        f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.strategies)}"))
+        f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
-    if setup.env is not None:
-        from ..commands.generate.decode import run_generate_torchrun
-
-        result = run_generate_torchrun(spec, setup.env, progress=say, tokenizer=setup.tokenizer)
-        if result is None:  # a rank other than 0: rank 0 reports
-            return
-    else:
-        result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
+    result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     result.profile = setup.profile
     result.prompt_text = setup.prompt_text
     if json_out:

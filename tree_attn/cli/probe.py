@@ -40,7 +40,7 @@ def probe_command(
     if measure and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
         raise ConfigError(f"--iterations must be an integer >= 1; got {iterations!r}")
     if cpu_ranks is not None:  # before a topology of that many ranks is built
-        from ..launch.spawn import check_cpu_ranks
+        from ..launch.env import check_cpu_ranks
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if output is not None:  # before probing or measuring, not after

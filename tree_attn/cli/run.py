@@ -167,6 +167,9 @@ def render_run(result) -> None:
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
+    # Eager rows' device time comes from extra steps, each queued behind a spin kernel (a graph
+    # row's from its timed replays): the footnote says so where such a row is shown.
+    eager_timed = any(r.device_ms_median is not None and r.execution != "cuda graph" for r in result.results)
     columns = [("strategy", "left"), ("step", "left"), ("median", "right"), ("p95", "right"),
                ("sent/rank", "right"), ("msgs", "right"), ("peak mem", "right"), ("max err", "right")]
     if gpu:
@@ -193,7 +196,8 @@ def render_run(result) -> None:
         "latency from a barrier to the end of the step's device work (slowest rank); bytes and messages each rank "
         "sends (max over ranks); peak memory of a rank (max; on CPU ranks the whole process, interpreter and torch "
         "included); max abs error against a float64 computation of the whole cache"
-        + ("; device = CUDA-event time of the step (slowest rank)" if gpu else ""),
+        + ("; device = CUDA-event time of the step (slowest rank)" if gpu else "")
+        + ("; eager rows: extra steps queued behind a spin kernel (JSON device_time)" if eager_timed else ""),
         style="dim",
     )
     if result.speedup_vs_ring is not None:

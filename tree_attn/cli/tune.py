@@ -1,6 +1,6 @@
 """``tree-attn tune``: measure this machine, choose the reduction plan and kernel configs, write a profile.
 
-Parsing and rendering only: ``commands.tune.profile`` resolves the topology and the ranks, checks the
+Parsing and rendering only: ``commands.tune`` resolves the topology and the ranks, checks the
 output path, times (or models) and builds the profile.
 """
 
@@ -43,7 +43,8 @@ def tune_command(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the profile and where it went)."),
 ) -> None:
-    from ..commands.tune.profile import TuneRequest, build_profile, plan_tune, write_profile
+    from ..commands.tune.profile import build_profile, write_profile
+    from ..commands.tune.setup import TuneRequest, plan_tune
 
     setup = plan_tune(TuneRequest(
         topology_file=topology_file, world_size=world_size, device=device, output=output, force=force, quick=quick,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import DistributedError, TreeAttnError
+from .env import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def _relay(messages, progress: Callable[[str], None], done: threading.Event) -> 
             progress = lambda text: None  # noqa: E731
 
 
-def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout_s: float = 120.0,
+def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Callable[[str], None] | None = None) -> ChildResult:
     """Run ``fn(*args, say)`` in a spawned child process; ``say(text)`` reaches ``progress``.
 

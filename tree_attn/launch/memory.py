@@ -1,6 +1,8 @@
-"""Peak memory of a region of code, per rank.
+"""Memory of a job's ranks: what the host can give before a launch (:func:`available_host_bytes`,
+:func:`check_host_memory`: a job of CPU ranks that cannot fit is refused before any rank
+allocates), and the peak memory of a region of code inside a rank (:class:`MemoryMonitor`).
 
-On GPUs: ``torch.cuda.max_memory_allocated`` (bytes held by tensors), reset at the start.
+Peak memory. On GPUs: ``torch.cuda.max_memory_allocated`` (bytes held by tensors), reset at the start.
 On CPU ranks torch keeps no allocator statistics, so the process's resident set size is used: the
 result is the peak RSS of the whole process (interpreter, torch and the KV shard included) and the
 peak above the RSS at the start of the region. Large tensors are mmap-backed and returned to the OS
@@ -21,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -38,6 +42,41 @@ def available_host_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
     except (AttributeError, ValueError, OSError):
         return None
+
+
+# Per CPU process: the interpreter and torch (the peak-memory caption measures about 240 MiB).
+PROCESS_BYTES = 300 * 2**20
+
+
+def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool, q_heads: int = 0) -> int:
+    """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
+    float32, then cast), ring's shards in flight (two more), the query and a few float32 states of
+    ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
+    reference holds one shard (float32) at a time and the same states."""
+    from ..dtypes import torch_dtype
+
+    elem = torch_dtype(dtype).itemsize
+    shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
+    states = batch * q_heads * (head_dim * elem + 8 * 4 * (head_dim + 1))
+    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + states + PROCESS_BYTES
+    parent = 2 * shard * 4 + states + PROCESS_BYTES
+    return world_size * per_rank + parent
+
+
+def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool, q_heads: int = 0) -> None:
+    """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
+    before any rank allocates it."""
+    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads)
+    have = available_host_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"--seq-len {seq_len:,} (batch {batch}, {q_heads or '?'}/{kv_heads} heads, head dim {head_dim}, {dtype}) "
+            f"over {world_size} CPU ranks needs about {need / 2**30:,.1f} GiB (K and V shards, "
+            f"{'ring shards in flight, ' if ring else ''}query and states, one process each); this machine has "
+            f"{have / 2**30:,.1f} GiB available: use a smaller --seq-len, --batch or --heads"
+        )
 
 
 def _high_water_bytes() -> int | None:

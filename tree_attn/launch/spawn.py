@@ -1,6 +1,6 @@
-"""Launching ranks: spawn one process per rank (CPU/gloo or one GPU each), or join a torchrun job.
+"""Spawned rank processes: one per rank (CPU/gloo, or one GPU each).
 
-``launch_ranks(fn, world_size)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
+``spawn_ranks(fn, world_size, ...)`` runs ``fn(env, *args)`` in ``world_size`` fresh
 processes with torch.distributed initialised (file:// rendezvous in a private temp dir, so no
 ports are needed; gloo bound to the loopback interface, so a single-host job opens no socket on
 the network) and returns each rank's result in rank order. If a rank raises or dies, the others
@@ -32,7 +32,6 @@ Faults, and how each ends:
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import pickle
 import queue
@@ -45,17 +44,16 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ConfigError, DistributedError, TreeAttnError
+from .env import DEFAULT_TIMEOUT_S, RankEnv, check_cpu_ranks, check_timeout, gpu_count, resolve_backend
+from .group import close_process_group, init_process_group
 
 # Spawned ranks import this module before torch (it holds their entry point): without numpy (an
 # optional dependency) torch would warn "Failed to initialize NumPy" once per rank. Ranks never
 # hand torch numpy arrays. (The CLI sets the same filter for its own process.)
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-
-BACKENDS = ("auto", "gloo", "nccl")
 
 HEARTBEAT_S = 0.5  # how often a rank beats (and checks that its parent lives)
 # Silence the parent tolerates beyond the collective timeout before it gives a rank up.
@@ -65,56 +63,6 @@ SILENCE_MARGIN_S = 30.0
 STARTUP_S = 120.0
 # A rank quiet this long when another rank fails is named in the error (likely the cause).
 QUIET_S = 3.0
-
-# CPU ranks: each is a process with its own torch (about 250 MiB) and at least one thread.
-# Beyond a few per core they only queue for the cores; 64 bounds the process count anywhere.
-CPU_RANKS_PER_CORE = 4
-MAX_CPU_RANKS = 64
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def max_cpu_ranks() -> int:
-    """The most CPU ranks tree-attn starts on this machine: 4 per core, at least 8, at most 64."""
-    return min(MAX_CPU_RANKS, max(8, CPU_RANKS_PER_CORE * usable_cores()))
-
-
-def check_cpu_ranks(n: int, what: str = "--world-size") -> None:
-    """Refuse a CPU rank count that is not a positive integer or beyond :func:`max_cpu_ranks`,
-    before anything is built for it (a topology of n ranks has n (n - 1) / 2 links)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{what} must be an integer >= 1; got {n!r}")
-    limit = max_cpu_ranks()
-    if n > limit:
-        cores = usable_cores()
-        raise ConfigError(
-            f"{what} {n}: at most {limit} CPU ranks on this machine ({cores} core{'s' if cores != 1 else ''}; "
-            f"each rank is a process with its own torch, and beyond {CPU_RANKS_PER_CORE} per core, or "
-            f"{MAX_CPU_RANKS} in all, they only wait for the cores); use {what} {min(limit, cores)}"
-        )
-
-
-def oversubscription_warning(n: int) -> str | None:
-    """Plain words when ``n`` CPU ranks outnumber the usable cores (their timings then swing
-    widely between runs: each rank waits for the others' cores), with a world size that fits."""
-    cores = usable_cores()
-    if n <= cores:
-        return None
-    return (f"{n} CPU ranks share {cores} core{'s' if cores != 1 else ''}: ranks wait for each other's cores, so "
-            f"step times swing widely from run to run; -w {cores} gives steadier timings")
-
-
-def check_timeout(timeout_s: float, what: str = "--timeout") -> None:
-    """A collective timeout must be a positive, finite number of seconds (at most ~11 days)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or not 0 < timeout_s <= 1e6:
-        raise ConfigError(f"{what} must be a number of seconds in (0, 1e6]; got {timeout_s!r}")
 
 
 def loopback_interface() -> str | None:
@@ -128,295 +76,6 @@ def loopback_interface() -> str | None:
             return name
     return next((name for name in names if name.startswith("lo")), None)
 
-
-@dataclass(frozen=True)
-class RankEnv:
-    """Where this process sits: rank, world size, backend and the torch device it computes on."""
-
-    rank: int
-    world_size: int
-    backend: str
-    device: str  # "cpu" or "cuda:<local index>"
-    local_rank: int = 0
-
-
-def gpu_count() -> int:
-    """Visible CUDA/ROCm GPUs (0 without torch.cuda)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_backend(backend: str, device_kind: str) -> str:
-    """gloo for CPU ranks, nccl (RCCL on ROCm builds of torch) for GPU ranks."""
-    from ..errors import ConfigError
-
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if backend == "auto":
-        return "nccl" if device_kind == "cuda" else "gloo"
-    if backend == "nccl" and device_kind != "cuda":
-        raise ConfigError("the nccl backend needs GPU ranks; use --backend gloo (or auto) on CPU ranks")
-    if backend == "gloo" and device_kind == "cuda":
-        # gloo has no point-to-point sends of GPU tensors (torch.distributed's backend table),
-        # and the tree and the ring are made of them.
-        raise ConfigError("the gloo backend cannot send GPU tensors point to point; use --backend nccl (or auto) "
-                          "on GPU ranks, or --device cpu for CPU ranks over gloo")
-    return backend
-
-
-def _env_int(name: str, default: str | None = None) -> int:
-    raw = os.environ.get(name, default)
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"{name}={raw!r} is not an integer; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: outside torchrun "
-            "unset them (they make tree-attn join a torchrun job)"
-        ) from None
-
-
-def rank_cuda_device(local_rank: int, visible: int) -> str:
-    """The GPU of a torchrun rank: ``cuda:<local_rank>`` when this process sees the node's GPUs,
-    ``cuda:0`` when it sees exactly one (launchers that give each process its own GPU, such as
-    SLURM's ``--gpus-per-task=1``, renumber it 0 in every process). A LOCAL_RANK beyond several
-    visible GPUs is a ConfigError (CUDA's "invalid device ordinal" otherwise)."""
-    if visible == 1:
-        return "cuda:0"
-    if visible < 1:
-        raise ConfigError("GPU ranks asked for, but no GPU is visible to this process (CUDA_VISIBLE_DEVICES?); "
-                          "use --device cpu for CPU ranks")
-    if local_rank >= visible:
-        raise ConfigError(
-            f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs (cuda:0..cuda:{visible - 1}): start at most "
-            f"{visible} ranks per node (torchrun --nproc-per-node {visible}), or give each process one GPU"
-        )
-    return f"cuda:{local_rank}"
-
-
-def torchrun_env(device_kind: str | None = None, backend: str = "auto") -> RankEnv | None:
-    """The rank environment set by torchrun (RANK, WORLD_SIZE, LOCAL_RANK), or None.
-
-    ``device_kind`` ("cpu" / "cuda"; None = a GPU when one is visible) and ``backend`` are the
-    run's own choices, so ``--device cpu`` under torchrun on a GPU host runs CPU ranks over gloo.
-    A variable that is not an integer or out of range is a ConfigError naming it (stale
-    variables left in a shell are the usual cause).
-    """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local = _env_int("LOCAL_RANK", "0")
-    if world < 1:
-        raise ConfigError(f"WORLD_SIZE={world} must be at least 1 (torchrun sets it; outside torchrun unset it)")
-    if not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} must lie in 0..WORLD_SIZE-1={world - 1} (torchrun sets it; outside torchrun unset it)")
-    if local < 0:
-        raise ConfigError(f"LOCAL_RANK={local} must be >= 0 (torchrun sets it; outside torchrun unset it)")
-    visible = gpu_count()
-    kind = device_kind if device_kind is not None else ("cuda" if visible > 0 else "cpu")
-    device = rank_cuda_device(local, visible) if kind == "cuda" else "cpu"
-    return RankEnv(rank=rank, world_size=world, backend=resolve_backend(backend, kind), device=device, local_rank=local)
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """How a torchrun job's ranks sit on nodes: ``nodes`` x ``ranks_per_node``, node n holding
-    ranks ``n * ranks_per_node .. (n + 1) * ranks_per_node - 1`` (torchrun numbers ranks node by
-    node); ``node`` is this process's node (torchrun's GROUP_RANK)."""
-
-    nodes: int
-    ranks_per_node: int
-    node: int = 0
-
-
-def torchrun_layout(env: RankEnv) -> NodeLayout:
-    """The node layout of a torchrun job from LOCAL_WORLD_SIZE and GROUP_RANK (one node when
-    they are absent). Every rank derives the same layout without talking to the others, so the
-    job's reduction plan agrees across ranks. Nodes with different rank counts, or ranks not
-    numbered node by node, are a ConfigError: the plan could not be agreed on."""
-    if "LOCAL_WORLD_SIZE" not in os.environ:
-        return NodeLayout(1, env.world_size, 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE")
-    group_rank = _env_int("GROUP_RANK", "0")
-    if local_world < 1 or env.world_size % local_world:
-        raise ConfigError(
-            f"LOCAL_WORLD_SIZE={local_world} does not divide WORLD_SIZE={env.world_size}: give every node the same "
-            "--nproc-per-node (tree-attn plans the tree from equal nodes)"
-        )
-    nodes = env.world_size // local_world
-    if env.rank // local_world != group_rank or env.local_rank != env.rank % local_world:
-        raise ConfigError(
-            f"RANK={env.rank} is not rank {env.local_rank} of node GROUP_RANK={group_rank} with {local_world} ranks per "
-            "node: tree-attn expects torchrun's numbering, node by node"
-        )
-    return NodeLayout(nodes, local_world, group_rank)
-
-
-def _init_process_group(backend: str, device: str, **kwargs) -> None:
-    """``init_process_group`` with a GPU rank's device made current and bound (``device_id``).
-
-    Binding the device tells NCCL which GPU this rank drives, so barriers and collectives need
-    not guess it (torch warns "Guessing device ID based on global rank" and "barrier(): using the
-    device under current context" otherwise), and creates the communicator eagerly. The tree's
-    concurrent receives then share that communicator, which is why ``reduce.merges`` posts a
-    node's receives from all its children as one batch (one NCCL group: they progress together).
-    """
-    import torch
-    import torch.distributed as dist
-
-    if device.startswith("cuda"):
-        dev = torch.device(device)
-        torch.cuda.set_device(dev)
-        if backend == "nccl":
-            kwargs["device_id"] = dev
-    dist.init_process_group(backend, **kwargs)
-
-
-def barrier(env: RankEnv) -> None:
-    """``dist.barrier()`` naming this rank's GPU on NCCL (no device guess, no warning)."""
-    import torch.distributed as dist
-
-    if env.backend == "nccl" and env.device.startswith("cuda"):
-        dist.barrier(device_ids=[int(env.device.split(":")[1])])
-    else:
-        dist.barrier()
-
-
-def close_process_group(clean: bool | None = None, timeout_s: float | None = None) -> None:
-    """Tear the default process group down cleanly: drop tree-attn's cached merges (they hold the
-    group), collect what still refers to it, wait for the peers at a barrier, then
-    ``destroy_process_group``.
-
-    Args:
-        clean: this rank's work succeeded, so its peers are expected at the barrier. False (a
-            rank that failed): no barrier, its peers may never come, and an NCCL group is
-            aborted rather than destroyed (destroying flushes work a stuck peer never completes).
-            None: clean unless an exception is propagating (called from a ``finally``).
-        timeout_s: the longest wait at the barrier (default: the group's own timeout). A peer
-            that does not come in time gets the group aborted, not destroyed (NCCL's destroy
-            would wait for it), with a warning.
-
-    Without the cache drop, a gloo group kept alive by a cache is destroyed only at interpreter
-    exit, and tearing down its worker threads there aborted about one torchrun rank in twelve with
-    "terminate called without an active exception" (SIGABRT) on a loaded 2-core machine. Without
-    the barrier, a rank could destroy its communicator while a peer still sends through it.
-    """
-    import gc
-
-    import torch.distributed as dist
-
-    from ..graphs import free_communicating_graphs
-    from ..reduce.collectives import abort_group, clear_merge_cache, group_timeout_s
-
-    clear_merge_cache()
-    gc.collect()
-    if not dist.is_initialized():
-        return
-    if clean is None:
-        clean = sys.exc_info()[1] is None
-    if not clean and dist.get_backend() == "nccl":
-        # A failing rank's peers may be stuck in a collective that never completes: NCCL's
-        # destroy flushes outstanding work (ncclCommFinalize) and would wait for it; abort does not.
-        abort_group()
-        return
-    if clean and dist.get_world_size() > 1:
-        limit = timeout_s if timeout_s is not None else (group_timeout_s() or DEFAULT_TEARDOWN_S)
-        if not _teardown_barrier(limit):
-            rank = dist.get_rank()
-            did = abort_group()
-            warnings.warn(f"rank {rank}: a peer did not reach the end of the job within {limit:g} s; {did} "
-                          "instead of torn down", RuntimeWarning, stacklevel=2)
-            return
-    # Graphs still holding NCCL kernels (a step its owner never closed) would hang the teardown:
-    # after the barrier every rank's work is done, so they are freed here.
-    free_communicating_graphs("its process group was torn down")
-    dist.destroy_process_group()
-
-
-# The barrier before teardown, when the group does not say its timeout.
-DEFAULT_TEARDOWN_S = 120.0
-# The barrier's own timeout and our wait for it differ by this much, so that the intended one
-# ends the wait (see _teardown_barrier).
-TEARDOWN_GRACE_S = 5.0
-
-
-def _teardown_barrier(timeout_s: float) -> bool:
-    """A barrier of the default group, waited for at most about ``timeout_s``; whether every rank
-    came. NCCL: our poll ends first, since NCCL's watchdog would end a barrier past its own
-    timeout by killing the process; gloo: the barrier's own timeout ends it first, since a gloo
-    group cannot be torn down while its worker thread still runs one."""
-    import torch.distributed as dist
-
-    nccl = dist.get_backend() == "nccl"
-    own, poll = (timeout_s + TEARDOWN_GRACE_S, timeout_s) if nccl else (timeout_s, timeout_s + TEARDOWN_GRACE_S)
-    try:
-        work = dist.barrier(async_op=True, timeout=datetime.timedelta(seconds=own))
-        deadline = time.monotonic() + poll
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        work.wait()
-        return True
-    except Exception:  # noqa: BLE001 - a peer gone (connection closed) or a timeout: not clean
-        return False
-
-
-def torchrun_rendezvous(env: RankEnv) -> tuple[str, int]:
-    """``(MASTER_ADDR, MASTER_PORT)`` of a torchrun job; a ConfigError naming the variable when
-    one is missing or not a port (RANK and WORLD_SIZE left in a shell without torchrun)."""
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
-            raise ConfigError(
-                f"{name} is not set, but RANK={env.rank} and WORLD_SIZE={env.world_size} are: torchrun sets all of "
-                "them; outside torchrun unset RANK and WORLD_SIZE"
-            )
-    port = _env_int("MASTER_PORT")
-    if not 0 < port < 65536:
-        raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
-    return os.environ["MASTER_ADDR"], port
-
-
-def _reach_store(addr: str, port: int, timeout_s: float) -> bool:
-    """Whether the job's store at ``addr:port`` accepts a connection within ``timeout_s``.
-    torch's own client retries past its timeout (about 3x) and logs C++ stack traces on the way."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
-            return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-
-
-def init_torchrun(env: RankEnv, timeout_s: float) -> None:
-    """Initialise the default process group from torchrun's environment (env:// rendezvous).
-
-    Missing MASTER_ADDR / MASTER_PORT, or a job whose other ranks never come (within
-    ``timeout_s``), are errors naming the variables, not torch's tracebacks.
-    """
-    addr, port = torchrun_rendezvous(env)
-    where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
-    hint = "are the other ranks running? Outside torchrun unset RANK and WORLD_SIZE"
-    # Rank 0 hosts the store, unless torchrun's agent does (then every rank is a client).
-    client = env.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if client and not _reach_store(addr, port, timeout_s):
-        raise DistributedError(
-            f"no torchrun job answers at {where} (RANK={env.rank} of WORLD_SIZE={env.world_size}) within {timeout_s:g} s; {hint}"
-        )
-    try:
-        _init_process_group(env.backend, env.device, init_method="env://",
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    except TreeAttnError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError, RuntimeError, ValueError...
-        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-        raise DistributedError(
-            f"could not join the torchrun job at {where} as RANK={env.rank} of WORLD_SIZE={env.world_size} within "
-            f"{timeout_s:g} s ({type(exc).__name__}: {first}); {hint}"
-        ) from exc
 
 
 def _remove_rendezvous(rdzv_dir: str) -> None:
@@ -508,7 +167,7 @@ def _child(
         if device_kind != "cuda":
             # Ranks share the host's cores: one intra-op thread each avoids oversubscription.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        _init_process_group(
+        init_process_group(
             backend,
             device,
             init_method=f"file://{init_file}",
@@ -544,9 +203,14 @@ def launch_ranks(
     args: tuple = (),
     backend: str = "gloo",
     device_kind: str = "cpu",
-    timeout_s: float = 120.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
     """Run ``fn(env: RankEnv, *args)`` on ``world_size`` spawned ranks; return results by rank.
+
+    For callers without a resolved launch (tests, benchmarks, calibration): the arguments are
+    checked here, then :func:`spawn_ranks` runs the job. The commands resolve a
+    :class:`~tree_attn.launch.setup.LaunchSetup` once and start their ranks through
+    :func:`tree_attn.launch.job.run_ranks` instead.
 
     Args:
         fn: a module-level (picklable) function.
@@ -559,8 +223,6 @@ def launch_ranks(
     Raises:
         DistributedError: a rank raised, died or fell silent; the message names the rank and the cause.
     """
-    import torch.multiprocessing as mp
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be at least 1; got {world_size}")
     check_timeout(timeout_s, "timeout_s")
@@ -571,6 +233,18 @@ def launch_ranks(
             raise ConfigError(f"world size {world_size} needs {world_size} GPUs; this machine has {n}")
     else:
         check_cpu_ranks(world_size, "world size")
+    return spawn_ranks(fn, world_size, backend=backend, device_kind=device_kind, timeout_s=timeout_s, args=args)
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *, backend: str, device_kind: str, timeout_s: float,
+                args: tuple = ()) -> list[Any]:
+    """Spawn ``world_size`` ranks running ``fn(env, *args)`` and return their results by rank.
+
+    Trusts its arguments (a resolved launch: a backend that is not ``auto``, a world size that
+    fits the machine); :func:`launch_ranks` checks them for callers without one.
+    """
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tree-attn-rdzv-")
     init_file = os.path.join(tmp, "rendezvous")

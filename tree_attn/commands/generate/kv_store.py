@@ -14,8 +14,7 @@ import torch
 
 from ...errors import ConfigError
 from ...kernels.paged import check_block_size
-
-PAGE_SIZE = 16  # vLLM's default block size
+from .setup import PAGE_SIZE
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ..defaults import SEED
 
 # Architectures whose attention is plain multi-head/grouped-query softmax attention with RoPE,
 # computed by the model as q, k, v then the attention interface: what tree-attn decodes exactly.
@@ -59,7 +60,7 @@ class ModelSource:
     path: str | None = None
     preset: str = DEFAULT_PRESET
     layers: int | None = None
-    seed: int = 0
+    seed: int = SEED
 
     @property
     def random_weights(self) -> bool:

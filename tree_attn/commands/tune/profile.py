@@ -1,61 +1,21 @@
-"""Resolve the options of ``tree-attn tune`` and build the profile it writes.
+"""Build the profile ``tree-attn tune`` writes, for a :class:`~.setup.TuneSetup`.
 
-:func:`plan_tune` decides what is tuned (the topology: a file, CPU ranks, or this machine's GPUs;
-the ranks' device kind and backend; the shapes) and where the profile goes, and refuses an
-existing output file (without ``force``) before anything is timed. :func:`build_profile` then
-measures on this machine's ranks (:func:`measured_profile`, through the timing functions of
-:mod:`tree_attn.commands.tune.timing`) or, for a topology that is not this machine, derives the profile
-from the plan cost model alone (:func:`model_profile`). Progress goes to an optional callback
-(the CLI draws it); nothing here prints.
+:func:`build_profile` measures on this machine's ranks (:func:`measured_profile`, through the
+timing functions of :mod:`.timing`) or, for a topology that is not this machine, derives the
+profile from the plan cost model alone (:func:`model_profile`). Progress goes to an optional
+callback (the CLI draws it); nothing here prints.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
-
-from ...errors import ConfigError, ProfileError, TopologyError
-from ...launch.spawn import check_cpu_ranks, check_timeout, oversubscription_warning
-from ...topology.host import DEFAULT_CPU_RANKS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...profiles import Profile
     from ...topology import Topology
+    from .setup import TuneSetup
     from .timing import TuneOptions
-
-
-@dataclass(frozen=True)
-class TuneRequest:
-    """What the user asked ``tune`` for; ``None`` and ``"auto"`` mean "decide from the machine"."""
-
-    topology_file: str | None = None
-    world_size: int | None = None
-    device: str = "auto"
-    output: str | None = None
-    force: bool = False
-    quick: bool = False
-    batch: int = 1
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "bf16"
-    backend: str = "auto"
-    timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class TuneSetup:
-    """A resolved tune: the topology, the timing options, whether this machine can time it, where
-    the profile goes, and notices for the user."""
-
-    topology: "Topology"
-    options: "TuneOptions"
-    measurable: bool
-    output: str
-    force: bool = False
-    notices: tuple[str, ...] = ()
-    model_reason: str | None = None  # why nothing can be timed here (when not measurable)
 
 
 @dataclass(frozen=True)
@@ -71,110 +31,14 @@ class TuneEvent:
 ProgressFn = Callable[[TuneEvent], None]
 
 
-def _kind_of(topo: "Topology") -> str:
-    from ...profiles.schema import device_kind_of
-
-    return "cuda" if device_kind_of(topo) in ("cuda", "rocm") else "cpu"
-
-
-def _topology(request: TuneRequest, device_kind: str, notices: list[str]) -> "Topology":
-    from ...topology import host_topology, load_expected, probe_topology
-
-    if request.topology_file:
-        return load_expected(request.topology_file)
-    if device_kind == "cpu":
-        n = request.world_size if request.world_size is not None else DEFAULT_CPU_RANKS
-        check_cpu_ranks(n)
-        why = "no GPU" if request.device == "auto" else "--device cpu"
-        notices.append(f"{why}: tuning for {n} CPU rank{'s' if n != 1 else ''} (gloo)")
-        crowded = oversubscription_warning(n)
-        if crowded and not request.topology_file:
-            notices.append(crowded.replace("step times", "plan timings"))
-        return host_topology(n)
-    topo = probe_topology("auto")
-    notices.extend(topo.notes)
-    if topo.source == "host":
-        raise TopologyError(
-            "torch sees GPUs but their fabric could not be probed (NVML / AMD SMI unavailable, see the note above); "
-            "install nvidia-ml-py (or amdsmi), give the fabric with --topology FILE, or tune CPU ranks with --device cpu"
-        )
-    return topo
-
-
-def check_output_free(path: str, force: bool) -> None:
-    """Refuse to tune into an existing file without ``force`` (before any timing, not after)."""
-    if os.path.isdir(path):
-        raise ProfileError(f"{path} is a folder; give a file name with --output FILE")
-    if os.path.exists(path) and not force:
-        raise ProfileError(f"{path} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
-
-
-def plan_tune(request: TuneRequest) -> TuneSetup:
-    """Resolve ``request`` against this machine. Raises ConfigError for bad options, TopologyError
-    for an unreadable topology, ProfileError when the output exists (without ``force``)."""
-    from ...dtypes import parse_dtype
-    from ...profiles import profile_path_for
-    from ...launch.spawn import resolve_backend
-    from ..run.setup import resolve_device_kind
-    from .timing import TuneOptions
-
-    check_timeout(request.timeout_s)
-    for option, value in (("--batch", request.batch), ("--heads", request.heads), ("--kv-heads", request.kv_heads),
-                          ("--head-dim", request.head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{option} must be an integer >= 1; got {value!r}")
-    if request.heads % request.kv_heads:
-        raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
-    dtype = parse_dtype(request.dtype)
-    device_kind, n_gpus = resolve_device_kind(request.device)
-    backend = resolve_backend(request.backend, device_kind)
-    notices: list[str] = []
-    topo = _topology(request, device_kind, notices)
-    world = len(topo)
-    if request.world_size is not None and request.world_size != world:
-        raise ConfigError(f"--world-size {request.world_size} does not match the topology's {world} devices")
-    output = request.output or str(profile_path_for(topo.fingerprint))
-    check_output_free(output, request.force)
-
-    local_kind = _kind_of(topo)
-    reason = None
-    if local_kind != device_kind:
-        reason = f"its devices are {'GPUs' if local_kind == 'cuda' else 'CPU ranks'}, the ranks here would be " \
-                 f"{'GPUs' if device_kind == 'cuda' else 'CPU ranks'}"
-    elif device_kind == "cuda" and world > n_gpus:
-        reason = f"it has {world} GPUs, torch sees {n_gpus} here"
-    if reason is not None:
-        notices.append(f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): nothing can "
-                       "be timed here, so the profile is model-derived (origin: model)")
-    if reason is None and device_kind == "cpu":  # the plans' messages, before any rank allocates them
-        from ..run.setup import check_host_memory
-
-        check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False,
-                          request.heads)
-    options = TuneOptions(
-        world_size=world,
-        device_kind=device_kind,
-        backend=backend,
-        batch=request.batch,
-        q_heads=request.heads,
-        kv_heads=request.kv_heads,
-        head_dim=request.head_dim,
-        dtype=dtype,
-        quick=request.quick,
-        timeout_s=request.timeout_s,
-    )
-    return TuneSetup(topology=topo, options=options, measurable=reason is None, output=output,
-                     force=request.force, notices=tuple(notices), model_reason=reason)
-
-
-def build_profile(setup: TuneSetup, progress: ProgressFn | None = None) -> "Profile":
+def build_profile(setup: "TuneSetup", progress: ProgressFn | None = None) -> "Profile":
     """The profile of ``setup``: measured when this machine can time it, else model-derived."""
     if setup.measurable:
         return measured_profile(setup.topology, setup.options, progress)
     return model_profile(setup.topology, setup.options)
 
 
-def write_profile(setup: TuneSetup, profile: "Profile") -> str:
+def write_profile(setup: "TuneSetup", profile: "Profile") -> str:
     """Save ``profile`` (atomically) where ``setup`` says; returns the path as given."""
     from ...profiles import save_profile
 
@@ -277,7 +141,4 @@ def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
     )
 
 
-__all__ = [
-    "TuneRequest", "TuneSetup", "TuneEvent", "plan_tune", "build_profile", "write_profile", "check_output_free",
-    "measured_profile", "model_profile",
-]
+__all__ = ["TuneEvent", "build_profile", "write_profile", "measured_profile", "model_profile"]

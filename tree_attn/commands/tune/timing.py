@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...launch.env import DEFAULT_TIMEOUT_S, RankEnv
+from ...launch.job import percentile
+from ...launch.setup import LaunchSetup, OnLaunch
 from ...reduce.plan import ReductionPlan
-from ..run.decode import percentile
-from ...launch.spawn import RankEnv
+from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ def time_plans_rank(
     batches: int,
     per_batch: int,
     warmup: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> PlanTuneResult:
     """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision.
 
@@ -74,12 +77,14 @@ def time_plans_rank(
     iterations overlap only where one's last messages are still arriving at some ranks while
     others begin the next (per-iteration latency as nccl-tests reports it, not pipelined
     throughput). The batch lasts as long as its slowest rank; ``batches`` such samples give the
-    median and p95.
+    median and p95. On GPUs each batch's wait is bounded by ``timeout_s`` (a replayed NCCL receive
+    whose peer stalls has no other bound: see ``graphs.wait_for``).
     """
     import torch.distributed as dist
 
     from ...graphs import CapturedStep
-    from ...launch.spawn import barrier
+    from ...launch.group import barrier
+    from ...reduce.collectives import abort_group
     from ...reduce.merges import build_merge
     from ...timing import hold_stream
 
@@ -96,11 +101,12 @@ def time_plans_rank(
         # Collective: every rank builds it here. One rank has nothing to merge: an empty graph
         # (torch warns of one) would time nothing, so that merge runs eagerly.
         alone = env.world_size == 1
-        step = CapturedStep(merge, device, enabled=not alone, warmup=max(1, warmup), communicates=not alone)
+        step = CapturedStep(merge, device, enabled=not alone, warmup=max(1, warmup), communicates=not alone,
+                            timeout_s=timeout_s, abort=abort_group, rank=env.rank, name=f"{plan.label} merge")
         for _ in range(warmup):
             step()
         mine = []
-        for _ in range(batches):
+        for b in range(batches):
             barrier(env)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,7 +116,7 @@ def time_plans_rank(
                 for _ in range(per_batch):
                     step()
                 end.record()
-                end.synchronize()
+                step.wait(f"{plan.label} timing batch {b + 1} of {batches}", done=end)
                 mine.append(start.elapsed_time(end) * 1e-3 / per_batch)
             else:
                 t0 = time.perf_counter()
@@ -213,19 +219,16 @@ def time_kernel_configs(
 
 
 @dataclass(frozen=True)
-class TuneOptions:
-    """What ``tune`` searches. Shapes default to Llama-3.1-8B attention."""
+class TuneOptions(OnLaunch):
+    """What ``tune`` searches, on the ranks of ``launch`` (its dtype is the kernel's). Shapes
+    default to Llama-3.1-8B attention."""
 
-    world_size: int
-    device_kind: str  # "cpu" | "cuda"
-    backend: str
-    batch: int = 1
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "bfloat16"
+    launch: LaunchSetup
+    batch: int = BATCH
+    q_heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
     quick: bool = False
-    timeout_s: float = 120.0
     buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
 
     @property
@@ -262,18 +265,15 @@ class BucketResult:
 
 
 def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
-    """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
-    from ...launch.spawn import launch_ranks
+    """Time every candidate plan on the launch's spawned ranks; rank 0's choice wins."""
+    from ...launch.job import run_ranks
 
     batches, per_batch, warm = options.plan_batches
-    results = launch_ranks(
-        time_plans_rank,
-        options.world_size,
-        args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm),
-        backend=options.backend,
-        device_kind=options.device_kind,
-        timeout_s=options.timeout_s,
-    )
+    results = run_ranks(
+        time_plans_rank, options.launch,
+        args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm,
+              options.timeout_s),
+    ).values
     if len({r.chosen for r in results}) != 1:
         from ...errors import DistributedError
 
