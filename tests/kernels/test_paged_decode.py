@@ -86,6 +86,30 @@ def test_paged_bf16_and_fp16(device):
             assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(dtype, device=dev), what=f"{impl} {dtype}")
 
 
+@pytest.mark.parametrize("block_size,block_n", [(1, 16), (16, 16), (17, 16), (32, 32)])
+def test_paged_fp32_with_the_h100_default_config(block_size, block_n, device):
+    """fp32 pools run with the config an H100 launch of this shape picks (kernels.config): 16-key
+    tiles in 16-token pages read one block id per tile (32-key tiles gathered key by key spilled
+    registers), per-key gathers at 1 and 17 tokens, 32-key tiles in 32-token pages; against float64."""
+    from tree_attn.kernels.config import default_config
+    from tree_attn.kernels.perf_model import KNOWN_DEVICES
+    from tree_attn.kernels.shapes import DecodeShape
+
+    b, hq, hkv, d, n = 2, 8, 2, 128, 90
+    lens = [90, 41]
+    q, k, v = _inputs(b, 1, hq, hkv, d, n, seed=40 + block_size)
+    k, v, kp, vp, table = to_paged(k, v, lens, block_size, seed=block_size)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    shape = DecodeShape(b, hq, hkv, d, table.shape[1] * block_size, block_size=block_size, num_blocks=kp.shape[0])
+    config = default_config(shape, torch.float32, KNOWN_DEVICES["h100-sxm"])
+    assert config.block_n == block_n, config
+    ref_out, ref_lse = _truth(q, k, v, sl, False)
+    out, lse = decode_attention(q[:, 0].to(device), kp.to(device), vp.to(device), seq_lens=sl.to(device),
+                                block_table=table.to(device), impl="triton", config=config)
+    assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(torch.float32, device=device),
+                        what=f"fp32 paged bs={block_size} {config.describe()}")
+
+
 # (Sq, causal, paged block size or None): Sq 1, 2, 5, 16, with and without causal, contiguous and paged.
 MULTI_CASES = [
     (1, False, None), (1, True, 3), (2, True, None), (2, False, 17), (5, True, 16), (5, False, None),

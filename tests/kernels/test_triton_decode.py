@@ -107,10 +107,57 @@ def test_noncontiguous_strides(device):
     check_against_references(q, k2, v, config=DecodeConfig(block_n=32, num_splits=2), what="d-stride 2")
 
 
-def test_mixed_dtypes_q_fp32_kv_bf16(device):
-    q, _, _ = make_inputs(1, 4, 1, 64, 33, torch.float32, device, seed=5)
-    _, k, v = make_inputs(1, 4, 1, 64, 33, torch.bfloat16, device, seed=6)
-    check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=2), what="mixed")
+# (q dtype, cache dtype): a 16-bit cache takes a query of another dtype in parts of its own dtype
+# (fp16 / fp32 over bf16: 2 / 3 parts; bf16 / fp32 over fp16: 1 / 3, prescaled); an fp32 cache
+# computes in fp32 (see kernels.config.dot_math).
+MIXED = [
+    (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+    (torch.float32, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", MIXED, ids=[f"q_{str(a)[6:]}-kv_{str(b)[6:]}" for a, b in MIXED])
+def test_mixed_dtypes_keep_the_query_precise(q_dtype, kv_dtype, device):
+    """A query in one dtype over a cache in another, against float64 with the tolerance of the
+    query's dtype, not the coarser cache's: the query (and the softmax weights) must not be
+    rounded to the cache's dtype. Scores of ~10 make such a rounding visible: the last assert
+    shows that q rounded to bf16 would miss that tolerance."""
+    b, hq, hkv, d, n = 2, 8, 2, 64, 45
+    q, _, _ = make_inputs(b, hq, hkv, d, n, q_dtype, device, seed=5, q_scale=4.0)
+    _, k, v = make_inputs(b, hq, hkv, d, n, kv_dtype, device, seed=6)
+    lens = torch.tensor([45, 29], dtype=torch.int32, device=device)
+    tol = tol_for(q_dtype, device=device)
+    for config in (DecodeConfig(block_n=16, num_splits=3), DecodeConfig(block_n=32, num_splits=1)):
+        out, lse = decode_attention_triton(q, k, v, seq_lens=lens, config=config)
+        assert out.dtype == q_dtype
+        o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
+        assert_decode_close(out, lse, o64, l64, tol, what=f"q {q_dtype} over {kv_dtype}, {config.describe()}")
+    rounded = q.to(torch.bfloat16).to(q_dtype)
+    if not torch.equal(rounded, q):
+        r_out, r_lse = decode_attention_float64(rounded, k, v, seq_lens=lens)
+        with pytest.raises(AssertionError):
+            assert_decode_close(r_out.to(q_dtype), r_lse, o64, l64, tol, what="q rounded to bf16")
+
+
+@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)], ids=["q_past_fp16_max", "q_below_fp16_normals"])
+def test_bf16_query_outside_fp16_range_over_fp16_cache(q_scale, kv_scale, scale, device):
+    """A bf16 query over an fp16 cache: q's values past fp16's largest (65504, they would become
+    inf) or below its normals (2^-14, they would lose bits) are scaled into its range by a power of
+    two first, so the scores (about 10 here) are those of the exact values. The last assert shows
+    that q converted to fp16 as it is would miss the tolerance."""
+    b, hq, hkv, d, n = 1, 4, 1, 64, 40
+    g = torch.Generator().manual_seed(31)
+    q = (torch.randn(b, hq, d, generator=g) * q_scale).to(torch.bfloat16).to(device)
+    k = (torch.randn(b, n, hkv, d, generator=g) * kv_scale).clamp(-6e4, 6e4).to(torch.float16).to(device)
+    v = torch.randn(b, n, hkv, d, generator=g).to(torch.float16).to(device)
+    out, lse = decode_attention_triton(q, k, v, scale=scale, config=DecodeConfig(block_n=16, num_splits=2))
+    o64, l64 = decode_attention_float64(q, k, v, scale=scale)
+    tol = tol_for(torch.bfloat16, device=device)
+    assert_decode_close(out, lse, o64, l64, tol, what=f"q x{q_scale:g} over fp16")
+    as_fp16 = q.to(torch.float16).to(torch.bfloat16)
+    with pytest.raises(AssertionError):
+        r_out, r_lse = decode_attention_float64(as_fp16, k, v, scale=scale)
+        assert_decode_close(r_out.to(torch.bfloat16), r_lse, o64, l64, tol, what="q converted to fp16 unscaled")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -201,6 +248,30 @@ def test_stage_two_is_the_merge_algebra(device):
     ref_out, ref_lse = merge_partials(o_part.permute(2, 0, 1, 3), lse_part.permute(2, 0, 1))
     assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="stage two")
     assert torch.all(out.cpu()[1, 2] == 0) and lse.cpu()[1, 2] == float("-inf")
+
+
+@pytest.mark.parametrize("children,d", [(1, 128), (3, 80)])
+def test_stage_two_on_the_tree_merges_views(children, d, device):
+    """The tree merge's own call: stage two reading the stacked packed messages [S, B, H, D + 1] in
+    place (strides of D + 1, lse at an offset of D) and writing the packed result, against the
+    merge algebra. With one child the kernel merges two states; an empty state (-inf) included."""
+    from tree_attn.kernels.triton_launch import merge_splits_triton
+    from tree_attn.merge import merge_states
+    from tree_attn.reduce.merges import tree_merge_views
+
+    g = torch.Generator().manual_seed(23 + children)
+    b, h = 2, 4
+    states = torch.randn(1 + children, b, h, d + 1, generator=g)
+    states[..., d] *= 4
+    states[0, 1, 2, d] = float("-inf")
+    states = states.to(device)
+    merged = torch.full((b, h, d + 1), float("nan"), device=device)
+    o_part, lse_part, out, lse = tree_merge_views(states, merged, d)
+    assert not o_part.is_contiguous() and out.stride(1) == d + 1
+    merge_splits_triton(o_part, lse_part, faulty_is_empty=False, out=out, lse=lse)
+    ref_out, ref_lse = merge_states(states[..., :d].cpu(), states[..., d].cpu())
+    assert_decode_close(merged[..., :d], merged[..., d], ref_out, ref_lse, tol_for(torch.float32, device=device),
+                        what=f"tree merge of {1 + children} states")
 
 
 def test_huge_sequence_stride_is_rejected_not_misread(device):

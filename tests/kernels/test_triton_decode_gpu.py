@@ -70,6 +70,27 @@ def test_float64_ground_truth_moderate_size(dtype, d):
         assert_decode_close(out, lse, o64, l64, tol_for(dtype, device="cuda"), what=f"{dtype} d{d} {cfg}")
 
 
+MIXED = [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", MIXED, ids=[f"q_{str(a)[6:]}-kv_{str(b)[6:]}" for a, b in MIXED])
+@pytest.mark.parametrize("group", [4, 64])
+def test_mixed_dtypes_default_config_at_llama_size(q_dtype, kv_dtype, group):
+    """A query in another dtype than the 16-bit cache, with the default config (tensor-core dots,
+    q and the weights in parts of the cache's dtype; 64 query rows too): against float64 with the
+    query dtype's tolerance. Scores of ~5 (q scaled by 2)."""
+    b, n, hkv = 2, 16384 + 37, 8 if group == 4 else 1
+    g = torch.Generator(device="cuda").manual_seed(group)
+    q = (torch.randn(b, hkv * group, D, device="cuda", generator=g) * 2).to(q_dtype)
+    k = torch.randn(b, n, hkv, D, device="cuda", generator=g).to(kv_dtype)
+    v = torch.randn(b, n, hkv, D, device="cuda", generator=g).to(kv_dtype)
+    lens = torch.tensor([n, 5000], device="cuda")
+    out, lse = decode_attention(q, k, v, seq_lens=lens)
+    o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
+    assert out.dtype == q_dtype
+    assert_decode_close(out, lse, o64, l64, tol_for(q_dtype, device="cuda"), what=f"q {q_dtype} over {kv_dtype}, group {group}")
+
+
 def test_config_too_big_for_the_device_is_a_config_error():
     q, k, v = _llama_inputs(1, 4096)
     with pytest.raises(ConfigError, match="shared memory"):

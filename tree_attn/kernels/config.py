@@ -122,22 +122,48 @@ class DecodeConfig:
         return s
 
 
+def dot_math(q_dtype: Any, kv_dtype: Any) -> tuple[int, int]:
+    """How stage one's dots compute for a query of ``q_dtype`` over a cache of ``kv_dtype`` (torch
+    dtypes or names): ``(operand bytes, parts)``.
+
+    - one dtype: ``(2, 1)`` fp16/bf16 tensor-core dots, ``(4, 1)`` fp32 dots;
+    - a 16-bit cache with another query dtype: ``(2, parts)``: tensor-core dots in the cache's
+      dtype, q and the softmax weights entering them as the sum of ``parts`` values of that dtype
+      (see ``triton_decode``): over bf16, 2 for an fp16 query (exact) and 3 for fp32 (fp32's
+      precision); over fp16, 1 for a bf16 query (exact, after a power-of-two prescale into fp16's
+      range) and 3 for fp32;
+    - an fp32 cache: ``(4, 1)``, the query is converted to fp32.
+    """
+    from .. import dtypes as _dtypes  # local: keeps this module free of imports at load time
+
+    q, kv = _dtypes.parse_dtype(q_dtype), _dtypes.parse_dtype(kv_dtype)
+    if q == kv or kv == "float32":
+        return _dtypes.ITEMSIZE[kv], 1
+    if q == "float32":
+        return 2, 3
+    return 2, 2 if kv == "bfloat16" else 1
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The kernel's ``BLOCK_D``: the head dim rounded up to a power of two, at least 16 (tl.dot)."""
     return 1 << max(4, (max(1, head_dim) - 1).bit_length())
 
 
-def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16) -> int:
+def stage1_smem_bytes(
+    block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16, dot_parts: int = 1
+) -> int:
     """Shared memory (LDS) one stage-one program needs: an upper bound over the two ways Triton
     3.9 lowers the kernel's dots, fitted exactly to what it allocates for sm_80/89/90.
 
     - ``mma`` (every GPU; Hopper below 64 query rows): the software pipeline keeps
       ``num_stages - 1`` K and V tile pairs in flight (cp.async), an unpipelined loop stages one
       tile at a time; the ``[group_rows, D]`` query and ``[group_rows, block_n]`` weight tiles are
-      staged too. (sm_90 bf16 D=128, 16 rows, block_n 64, 1 / 2 / 3 stages: 22 / 38 / 70 KiB.)
+      staged too, once per part of a mixed-dtype launch (:func:`dot_math`). (sm_90 bf16 D=128,
+      16 rows, block_n 64, 1 / 2 / 3 stages: 22 / 38 / 70 KiB; with an fp16 / fp32 query over
+      bf16, 2 stages: 44 / 50 KiB.)
     - ``wgmma`` (Hopper, 16-bit, >= 64 rows, i.e. MQA-like groups): every stage holds a K/V pair
-      and the query tile; the weights stay in registers. (64 rows, D=128, block_n 128, 3 stages:
-      208 KiB.)
+      and the query tile (each of its parts); the weights stay in registers, unless they come in
+      parts. (64 rows, D=128, block_n 128, 3 stages: 208 KiB; 16 keys, 2 stages, 2 parts: 52 KiB.)
 
     ``group_rows`` is the padded query-head rows per program (:func:`group_block`). Plus 1 KiB for
     reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
@@ -145,30 +171,83 @@ def stage1_smem_bytes(block_n: int, num_stages: int, head_dim: int, elem_bytes: 
     d = padded_head_dim(head_dim)
     kv_tile = block_n * d * elem_bytes
     q_tile = group_rows * d * elem_bytes
+    p_tile = group_rows * block_n * elem_bytes
     kv = (num_stages - 1) * 2 * kv_tile if num_stages > 1 else kv_tile
-    mma = kv + q_tile + group_rows * block_n * elem_bytes
-    wgmma = num_stages * 2 * kv_tile + q_tile if group_rows >= 64 and elem_bytes == 2 else 0
+    mma = kv + dot_parts * (q_tile + p_tile)
+    wgmma = 0
+    if group_rows >= 64 and elem_bytes == 2:
+        wgmma = num_stages * 2 * kv_tile + dot_parts * q_tile + (dot_parts * p_tile if dot_parts > 1 else 0)
     return max(mma, wgmma) + 1024
 
 
-# Registers: a stage-one program holds one [block_n, D] K/V tile and the [rows, D] fp32 accumulator
-# per pipeline step, spread over its threads. ptxas -v on Triton 3.9 builds (sm_80/89/90) puts the
-# spill boundary, in those elements per thread, at:
-# - bf16/fp16 (tensor-core dots): 160 fits (D=128, 64 keys, 2 warps: 255 registers, no spill);
-#   192 spills on sm_89 (D=256, 32 keys, 64 rows, 4 warps) and 288 on sm_90 (D=128, 128 keys, 2 warps).
-# - fp32 (FMA dots, operands in registers): 64 fits (D=256, 16 keys, 4 warps: 140 registers); 72
-#   spills (D=64, 128 keys, 4 warps: 76 B) and 96 spills 9 KB per thread (D=256, 32 keys, 4 warps).
-MAX_STATE_ELEMS_PER_THREAD = {2: 160, 4: 64}
+# Registers. ptxas -v on the builds of real launches (Triton 3.9, sm_89 and sm_90; the sweep of
+# 972 builds is in benchmarks/RESULTS.md) puts the spill boundary of a stage-one program, in
+# per-thread counts (threads = warps x warp size) of its accumulator ``acc = rows x D``, its K/V tile
+# ``kv = block_n x D`` and its scores ``s = rows x block_n``, at:
+# - fp16/bf16 (tensor-core dots): ``acc / 2 + kv + s < 160``. A mixed-dtype launch's query and
+#   weights in 2 or 3 parts (dot_math; fitted over bf16 caches) add ``1.5 acc + 2 s``; one part (a
+#   bf16 query over fp16) and a per-key paged gather add nothing. No build the rule passes spills;
+#   it also prunes some that fill all 255 registers without spilling (D=128, 64 keys, 2 warps: 255
+#   registers on sm_89, 4 B spilled on sm_90).
+# - fp32 (FMA dots, in IEEE fp32): ptxas's register use is not monotonic in these counts (32 rows,
+#   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
+#   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
+#   their registers (but one, below), at 1,024 more than half spill (D=128, 16 rows, 64 keys, 2
+#   warps: 15 KB). A per-key paged gather with 4 warps or fewer halves the bound (16 rows, D=128, 32
+#   keys, 4 warps: 524 B gathered, 107 registers contiguous); with 8 or more it does not (every
+#   gathered 8-warp build at 512 fits). Two 8-warp, 16-key, D=128 builds spill 8-24 B at 48-64
+#   registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count predicts; no
+#   default picks them.
+MAX_MMA_STATE_PER_THREAD = 160
+MAX_FMA_PER_THREAD = 512
+MAX_FMA_PER_THREAD_GATHERED = 256  # with fewer than GATHER_WIDE_WARPS warps
+GATHER_WIDE_WARPS = 8
 
 
 def spill_free(
-    block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32
+    block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32,
+    *, gather: bool = False, dot_parts: int = 1,
 ) -> bool:
-    """Whether a stage-one program with this tile, group block and warp count keeps its state in
-    registers (see ``MAX_STATE_ELEMS_PER_THREAD``)."""
+    """Whether a stage-one program keeps its state in registers (see ``MAX_MMA_STATE_PER_THREAD``).
+
+    Args:
+        block_n, num_warps: the config's tile and warps.
+        head_dim: D (padded to a power of two here, as the kernel's ``BLOCK_D``).
+        elem_bytes: bytes of the dots' operands (:func:`dot_math`): 2 = tensor cores, 4 = fp32 FMA.
+        group_rows: the padded query rows per program (:func:`group_block`).
+        warp_size: threads per warp (32 NVIDIA, 64 AMD CDNA).
+        gather: the tiles are gathered key by key from a paged cache (:func:`paged_gather`).
+        dot_parts: q and p enter the dots in this many parts (:func:`dot_math`).
+    """
     d = padded_head_dim(head_dim)
-    per_thread = (block_n * d + group_rows * d) / (num_warps * warp_size)
-    return per_thread <= MAX_STATE_ELEMS_PER_THREAD.get(elem_bytes, 160)
+    threads = num_warps * warp_size
+    if elem_bytes == 4:
+        limit = MAX_FMA_PER_THREAD_GATHERED if gather and num_warps < GATHER_WIDE_WARPS else MAX_FMA_PER_THREAD
+        return group_rows * block_n * d <= limit * threads
+    acc, kv, scores = group_rows * d, block_n * d, group_rows * block_n
+    state = acc / 2 + kv + scores
+    if dot_parts > 1:
+        state += 1.5 * acc + 2 * scores
+    return state < MAX_MMA_STATE_PER_THREAD * threads
+
+
+def paged_gather(block_size: int, block_n: int) -> bool:
+    """Whether a paged launch gathers its tiles key by key: pages that do not hold whole tiles
+    (``block_size % block_n != 0``; see ``triton_decode``). False for a contiguous cache (0)."""
+    return block_size > 0 and block_size % block_n != 0
+
+
+def stage1_spill_free(
+    block_n: int, num_warps: int, shape: "DecodeShape", dtype: Any, warp_size: int = 32, *, q_dtype: Any = None
+) -> bool:
+    """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
+    query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
+    query rows and whether the tiles are gathered key by key (:func:`paged_gather`)."""
+    elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
+    return spill_free(
+        block_n, num_warps, shape.head_dim, elem, group_block(shape.query_rows), warp_size,
+        gather=paged_gather(shape.block_size, block_n), dot_parts=parts,
+    )
 
 
 def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
@@ -212,28 +291,28 @@ def default_num_splits(
     return best
 
 
-def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
+def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None) -> DecodeConfig:
     """The config used when none is given, with ``num_splits`` resolved.
+
+    ``dtype`` is the KV cache's, ``q_dtype`` the query's (``None``: the same); together they say
+    how the dots compute (:func:`dot_math`).
 
     Tile and warp choices follow common Flash-Decoding practice for bandwidth-bound decode: 64 keys
     per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small;
-    smaller where the program would spill registers: fp32, whose dots hold their operands in
-    registers, and 64-row query groups at D=256), 4 warps (more for 64-row fp32 groups), 2 stages
-    on NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
+    smaller where the program would spill registers (:func:`stage1_spill_free`): fp32 dots, 64-row
+    query groups, per-key paged gathers), 4 warps (more for 64-row fp32 groups), 2 stages on
+    NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
     ``waves_per_eu=2``.
     """
-    from .perf_model import dtype_bytes  # local: perf_model imports this module
-
     d = shape.head_dim
-    elem = dtype_bytes(dtype)
+    elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
     group_rows = group_block(shape.query_rows)
     warp = device_spec.warp_size
     num_warps = 4
-    # Until nothing spills: smaller tiles (fp32, whose FMA dots hold their operands in registers,
-    # halves each of the above, and so do 64-row groups at D=256), then more warps (the [rows, D]
-    # accumulator of a 64-row fp32 group alone fills 4 warps' registers).
-    while not spill_free(block_n, num_warps, d, elem, group_rows, warp):
+    # Until nothing spills: smaller tiles, then more warps (the [rows, D] accumulator of a 64-row
+    # fp32 group alone needs 8 warps).
+    while not stage1_spill_free(block_n, num_warps, shape, dtype, warp, q_dtype=q_dtype):
         if block_n > MIN_BLOCK_N:
             block_n //= 2
         elif num_warps < MAX_NUM_WARPS:
@@ -244,7 +323,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows) > 0.85 * device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > 0.85 * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:
@@ -282,10 +361,13 @@ def group_blocks_for(group: int) -> int:
     return max(1, math.ceil(max(group, 1) / group_block(group)))
 
 
-def resolve_config(config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec") -> DecodeConfig:
-    """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no config."""
+def resolve_config(
+    config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None
+) -> DecodeConfig:
+    """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no
+    config (``dtype``: the cache's, ``q_dtype``: the query's, ``None`` = the same)."""
     if config is None:
-        return default_config(shape, dtype, device_spec)
+        return default_config(shape, dtype, device_spec, q_dtype=q_dtype)
     if not isinstance(config, DecodeConfig):
         raise ConfigError(f"config must be a DecodeConfig or None; got {type(config).__name__}: {config!r}")
     if config.num_splits is None:

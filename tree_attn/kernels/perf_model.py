@@ -31,9 +31,9 @@ from .config import (
     group_block,
     group_blocks_for,
     padded_head_dim,
-    spill_free,
     split_len,
     stage1_smem_bytes,
+    stage1_spill_free,
 )
 from .shapes import DecodeShape
 
@@ -451,14 +451,13 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
     {32, 64, 128} ({16, 32, 64} for fp32) whose pipelined K/V tiles fit in 85% of the SM's shared
-    memory, 2/4/8 warps (those that do not spill registers, :func:`spill_free`), 1-4 pipeline
+    memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
     stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
     elem = dtype_bytes(dtype)
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
-    rows = group_block(shape.query_rows)
     out: list[DecodeConfig] = []
     for block_n in (16, 32, 64) if elem == 4 else (32, 64, 128):
         split_opts = _split_options(shape, block_n, device_spec)
@@ -468,7 +467,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
             if tile_smem_bytes(probe, shape, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
                 continue
             for num_warps in (2, 4, 8):
-                if not spill_free(block_n, num_warps, shape.head_dim, elem, rows, device_spec.warp_size):
+                if not stage1_spill_free(block_n, num_warps, shape, dtype, device_spec.warp_size):
                     continue
                 for wpe in wpe_opts:
                     for splits in split_opts:

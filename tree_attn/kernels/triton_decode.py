@@ -23,6 +23,18 @@ elements. That keeps every size correct with one code path and costs BLOCK_N blo
 (from one or a few cache lines) per tile. Block ids are clamped into the pool: a bad id never
 reads outside it (the host checks tables, see ``kernels.paged``).
 
+A query whose dtype differs from a 16-bit cache's (``MIXED``): tensor-core dots take one operand
+type, and rounding q to the cache's dtype would put its rounding error into every score (the
+softmax turns a score error into a relative weight error), while converting the K/V tiles to fp32
+costs registers the program does not have (the tiles then spill by kilobytes). So the tiles stay
+as they are and q enters the dots as the sum of ``DOT_PARTS`` parts in the cache's dtype, and so do
+the softmax weights: each part is the rounded remainder of the ones before, and every 16-bit x
+16-bit product is exact in the fp32 accumulator. bf16 (8 significant bits, fp32's exponent range)
+holds an fp16 value in 2 parts and an fp32 value in 3. fp16 (11 bits) holds a bf16 value in 1 part
+and an fp32 value in 3, but not their range: with ``Q_PRESCALE`` q is first multiplied by a power
+of two that puts its largest element in [2^14, 2^15) (exact, as is undoing it on the scores).
+A few more tensor-core dots cost nothing in a kernel bound by reading K and V.
+
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
 algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
@@ -37,6 +49,41 @@ import triton.language as tl
 # ln(2): the kernel works in base 2 internally, lse leaves in natural log. Globals read
 # inside @triton.jit must be constexpr. log2(e) is folded into the scale on the host (triton_launch).
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _split_parts(x, DTYPE: tl.constexpr, PARTS: tl.constexpr):
+    """``x`` (fp32) as ``PARTS`` (1 to 3) tensors of ``DTYPE`` whose sum is ``x`` up to the last
+    part's rounding: each part is the rounded remainder of the ones before (fp32 holds each
+    remainder exactly). Unused parts repeat the first."""
+    hi = x.to(DTYPE)
+    mid = hi
+    lo = hi
+    if PARTS > 1:
+        rest = x - hi.to(tl.float32)
+        mid = rest.to(DTYPE)
+        if PARTS > 2:
+            lo = (rest - mid.to(tl.float32)).to(DTYPE)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_parts(a0, a1, a2, b, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(a0 (+ a1 (+ a2))) @ b`` with fp32 accumulation: tensor-core dots of the parts, or under
+    ``UPCAST`` (the CPU interpreter) fp32 dots of the same parts, the same products exactly."""
+    if UPCAST:
+        c = tl.dot(a0.to(tl.float32), b, input_precision=DOT_PRECISION)
+        if PARTS > 1:
+            c = tl.dot(a1.to(tl.float32), b, c, input_precision=DOT_PRECISION)
+        if PARTS > 2:
+            c = tl.dot(a2.to(tl.float32), b, c, input_precision=DOT_PRECISION)
+    else:
+        c = tl.dot(a0, b)
+        if PARTS > 1:
+            c = tl.dot(a1, b, c)
+        if PARTS > 2:
+            c = tl.dot(a2, b, c)
+    return c
 
 
 @triton.jit
@@ -85,7 +132,10 @@ def split_kv_stage1_kernel(
     STRIDE_KD: tl.constexpr,
     STRIDE_VD: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr,
-    UPCAST: tl.constexpr,  # do all math in fp32 (fp32 inputs, mixed dtypes, or the CPU interpreter)
+    UPCAST: tl.constexpr,  # do all math in fp32 (an fp32 cache, or the CPU interpreter)
+    MIXED: tl.constexpr,  # q's dtype differs from the (16-bit) cache's: the parts path (see above)
+    DOT_PARTS: tl.constexpr,  # MIXED: q and p enter the dots as this many parts (1 to 3) in the cache's dtype
+    Q_PRESCALE: tl.constexpr,  # MIXED over an fp16 cache: scale q into fp16's range first
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (tf32 would lose ~3 decimal digits)
 ):
     pid_bhg = tl.program_id(0)
@@ -118,7 +168,19 @@ def split_kv_stage1_kernel(
 
     q_ptrs = Q + b64 * stride_qb + row_q[:, None] + offs_d[None, :] * STRIDE_QD
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
+    qk_scale = qk_scale_log2
+    if MIXED:
+        qf = q.to(tl.float32)
+        if Q_PRESCALE:
+            # 2^-e with e = floor(log2 max|q|) - 14 from the exponent bits: the largest element lands
+            # in [2^14, 2^15), far from fp16's overflow (65504) and its subnormals (< 2^-14).
+            q_max = tl.max(tl.max(tl.abs(qf), 1), 0)
+            e = (q_max.to(tl.int32, bitcast=True) >> 23) - 127 - 14
+            e = tl.minimum(tl.maximum(e, -100), 113)  # 2^-e and 2^e stay normal fp32 numbers
+            qf = qf * ((127 - e) << 23).to(tl.float32, bitcast=True)
+            qk_scale = qk_scale_log2 * ((127 + e) << 23).to(tl.float32, bitcast=True)
+        q0, q1, q2 = _split_parts(qf, K.dtype.element_ty, DOT_PARTS)
+    elif UPCAST:
         q = q.to(tl.float32)
 
     if HAS_SEQ_LENS:
@@ -180,25 +242,33 @@ def split_kv_stage1_kernel(
         k = tl.load(kt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+        if MIXED:
+            qk = _dot_parts(q0, q1, q2, tl.trans(k), DOT_PARTS, UPCAST, DOT_PRECISION)
+        elif UPCAST:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] fp32
         else:
             qk = tl.dot(q, tl.trans(k))  # fp16/bf16 tensor-core dot, fp32 accumulation
         if CAUSAL:
             seen = mask_n[None, :] & (offs_n[None, :] < row_lim[:, None])
-            s = tl.where(seen, qk * qk_scale_log2, float("-inf"))
+            s = tl.where(seen, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet (m_new -inf) shifts by 0: its weights are exp2(-inf)
             # = 0, not NaN, and it stays the empty state. NaN data keeps m_new NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            s = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+            s = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_shift = m_new
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
+        if MIXED:
+            p0, p1, p2 = _split_parts(p, V.dtype.element_ty, DOT_PARTS)
+            if UPCAST:
+                v = v.to(tl.float32)
+            pv = _dot_parts(p0, p1, p2, v, DOT_PARTS, UPCAST, DOT_PRECISION)
+        elif UPCAST:
             pv = tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         else:
             # Tensor cores want matching operand types: p in V's dtype, fp32 accumulation.

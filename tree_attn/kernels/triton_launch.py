@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..errors import ConfigError, KernelUnavailableError
-from .config import DecodeConfig, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
+from .config import DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
 from .device_info import device_spec_for, is_rocm
 from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
 from .impl import triton_interpreter_enabled
@@ -20,6 +20,9 @@ from .shapes import check_decode_inputs
 
 # The kernel works in base 2 (exp2 is the native instruction): the launcher folds log2(e) into the scale.
 LOG2E = math.log2(math.e)
+
+# What a launch can be built for (see TritonDecodeLaunch's ``backend``).
+BACKENDS = ("cuda", "hip", "interpreter")
 
 # Stage two is a small reduction ([S, D] fp32 per program); 4 warps cover D=256 in one pass.
 STAGE2_NUM_WARPS = 4
@@ -46,6 +49,10 @@ class TritonDecodeLaunch:
         out_layout: where ``out``/``lse`` live (default: ``out [B, Hq, D]`` contiguous in q's
             dtype, ``lse [B, Hq]`` contiguous); e.g. the views of a packed ``[B, Hq, D + 1]``
             float32 message, so the kernel writes the state the reduction sends.
+        backend: what the kernel is built for: ``None`` (default) derives it from q's device and
+            ``TRITON_INTERPRET``; ``"cuda"`` or ``"hip"`` plan a GPU launch from tensors on any
+            device (ahead-of-time compiles: the arguments, hence Triton's specialisations, are
+            the ones a launch on that GPU derives), ``"interpreter"`` Triton's CPU interpreter.
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class TritonDecodeLaunch:
         out_layout: OutLayout | None = None,
         block_table: torch.Tensor | None = None,
         causal: bool = False,
+        backend: str | None = None,
     ) -> None:
         shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
         self.shape = shape
@@ -71,9 +79,14 @@ class TritonDecodeLaunch:
         if not math.isfinite(scale):
             raise ConfigError(f"scale must be a finite number; got {scale}")
         spec = device_spec if device_spec is not None else device_spec_for(q.device)
-        cfg = resolve_config(config, shape, k.dtype, spec)
-        rocm = q.device.type == "cuda" and is_rocm()
-        interpret = triton_interpreter_enabled()
+        cfg = resolve_config(config, shape, k.dtype, spec, q_dtype=q.dtype)
+        planned_only = backend is not None  # a plan for a build, not necessarily run on q's device
+        if backend is None:
+            backend = "interpreter" if triton_interpreter_enabled() else ("hip" if is_rocm() else "cuda")
+        elif backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or None; got {backend!r}")
+        rocm = backend == "hip"
+        interpret = backend == "interpreter"
         if cfg.waves_per_eu is not None and not rocm and not interpret:
             raise ConfigError(
                 f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; set it to None on this device ({q.device})"
@@ -88,7 +101,7 @@ class TritonDecodeLaunch:
         self.trivial = b * hq == 0 or n == 0 or (shape.paged and shape.num_blocks == 0)
         if self.trivial:
             return
-        if q.device.type != "cuda" and not interpret:
+        if q.device.type != "cuda" and not planned_only and not interpret:
             raise KernelUnavailableError(
                 f"the Triton decode kernel needs CUDA or ROCm tensors; these are on {q.device}. "
                 "Use tree_attn.decode_attention(..., impl='torch'), or set TRITON_INTERPRET=1 before importing triton."
@@ -103,10 +116,12 @@ class TritonDecodeLaunch:
         # The Sq tokens' GROUP heads are the rows of one program's tile (see triton_decode).
         g_blocks = group_blocks_for(shape.query_rows)
         self.grid1 = (b * hkv * g_blocks, num_splits)
-        # fp32 math when the inputs are fp32 (dots in IEEE fp32, not tf32), when q and K differ in
-        # dtype (tl.dot wants one operand type), and in the CPU interpreter (its raw bf16 arithmetic
-        # is wrong).
-        upcast = interpret or k.dtype == torch.float32 or q.dtype != k.dtype
+        # fp32 math over an fp32 cache (dots in IEEE fp32, not tf32) and in the CPU interpreter (its
+        # raw bf16 arithmetic is wrong). A 16-bit cache with a query of another dtype keeps its
+        # tensor-core dots, q and the weights entering them in parts (see triton_decode).
+        dot_bytes, dot_parts = dot_math(q.dtype, k.dtype)
+        upcast = interpret or dot_bytes == 4
+        mixed = q.dtype != k.dtype and dot_bytes == 2
         if num_splits > 1:
             # The split partials: workspace owned by this launch, reused by every call (calls are
             # ordered on one stream; kernels.prepared keys its cache on the stream too).
@@ -147,6 +162,9 @@ class TritonDecodeLaunch:
             STRIDE_VD=v.stride(3),
             HAS_SEQ_LENS=self.has_lens,
             UPCAST=upcast,
+            MIXED=mixed,
+            DOT_PARTS=dot_parts,
+            Q_PRESCALE=mixed and k.dtype == torch.float16,
             DOT_PRECISION="ieee",
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -185,32 +203,44 @@ class TritonDecodeLaunch:
             out.zero_()
             lse.fill_(float("-inf"))
             return
-        kernels = _kernels()  # lazy: triton is imported only when the kernel runs
+        try:
+            with self._guard:
+                for kernel, grid, args, kwargs in self.launches(q, k, v, seq_lens, out, lse, block_table):
+                    kernel[grid](*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
+            if type(exc).__name__ == "OutOfResources":
+                hint = "use a smaller block_n or fewer num_stages"
+                if q.dtype != k.dtype:
+                    hint += f", or a query in the cache's dtype (q.to({k.dtype}): a {q.dtype} query enters the dots in parts)"
+                raise ConfigError(
+                    f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
+                    f"for D={self.shape.head_dim}, {self.shape.query_rows} query rows per KV head, {k.dtype}: {hint} ({exc})"
+                ) from exc
+            raise
 
+    def launches(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+        out: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None,
+    ) -> list[tuple]:
+        """The kernel launches of one call, in order: ``(jit function, grid, args, keyword args)``
+        (stage one; stage two when there are several splits). :meth:`__call__` runs them; an
+        ahead-of-time compile passes them to ``JITFunction.run(..., warmup=True)``, so it builds
+        exactly what a launch with these tensors would. Empty for a trivial launch."""
+        if self.trivial:
+            return []
+        kernels = _kernels()  # lazy: triton is imported only when the kernel runs
         # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it.
         lens = seq_lens if self.has_lens else lse
         table = block_table if self.paged else lse
-        split = self.num_splits > 1
-        try:
-            with self._guard:
-                kernels.split_kv_stage1_kernel[self.grid1](
-                    q, k, v, lens, table,
-                    self.o_part if split else out,
-                    self.lse_part if split else lse,
-                    *self._stage1_scalars,
-                    **self._stage1_constexprs,
-                )
-                if split:
-                    kernels.split_kv_stage2_kernel[self._grid2](
-                        self.o_part, self.lse_part, out, lse, *self._stage2_args, **self._stage2_constexprs,
-                    )
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
-            if type(exc).__name__ == "OutOfResources":
-                raise ConfigError(
-                    f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
-                    f"for D={self.shape.head_dim}, {k.dtype}: use a smaller block_n or fewer num_stages ({exc})"
-                ) from exc
-            raise
+        if self.num_splits == 1:
+            return [(kernels.split_kv_stage1_kernel, self.grid1,
+                     (q, k, v, lens, table, out, lse, *self._stage1_scalars), self._stage1_constexprs)]
+        return [
+            (kernels.split_kv_stage1_kernel, self.grid1,
+             (q, k, v, lens, table, self.o_part, self.lse_part, *self._stage1_scalars), self._stage1_constexprs),
+            (kernels.split_kv_stage2_kernel, self._grid2,
+             (self.o_part, self.lse_part, out, lse, *self._stage2_args), self._stage2_constexprs),
+        ]
 
 
 def _kernels():
@@ -347,18 +377,26 @@ def _launch_stage2(
 ) -> None:
     """Merge the splits ``o_part [B, H, S, D]``, ``lse_part [B, H, S]`` into ``out [B, H, D]``,
     ``lse [B, H]``: one program per (row, head). D strides must be 1."""
-    from . import triton_decode
+    kernel, grid, args, kwargs = stage2_launch(o_part, lse_part, out, lse, faulty_is_empty=faulty_is_empty)
+    kernel[grid](*args, **kwargs)
 
+
+def stage2_launch(
+    o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, faulty_is_empty: bool
+) -> tuple:
+    """Stage two's launch on these tensors as ``(jit function, grid, args, keyword args)`` (see
+    :meth:`TritonDecodeLaunch.launches`): what :func:`merge_splits_triton` launches."""
     b, h, s, d = o_part.shape
-    triton_decode.split_kv_stage2_kernel[(b * h,)](
-        o_part, lse_part, out, lse,
-        *_stage2_args(o_part, lse_part, (out.stride(0), out.stride(1)), (lse.stride(0), lse.stride(1))),
+    args = (o_part, lse_part, out, lse,
+            *_stage2_args(o_part, lse_part, (out.stride(0), out.stride(1)), (lse.stride(0), lse.stride(1))))
+    kwargs = dict(
         HEAD_DIM=d,
         BLOCK_D=padded_head_dim(d),
         SPLIT_TILE=STAGE2_SPLIT_TILE,
         FAULTY_IS_EMPTY=faulty_is_empty,
         num_warps=STAGE2_NUM_WARPS,
     )
+    return _kernels().split_kv_stage2_kernel, (b * h,), args, kwargs
 
 
 class _DeviceGuard:

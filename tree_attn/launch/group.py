@@ -37,13 +37,20 @@ def init_process_group(backend: str, device: str, **kwargs) -> None:
 
 
 def barrier(env: RankEnv) -> None:
-    """``dist.barrier()`` naming this rank's GPU on NCCL (no device guess, no warning)."""
+    """``dist.barrier()`` naming this rank's GPU on NCCL (no device guess, no warning); a failure
+    (a peer dead or unreachable past the timeout) is a DistributedError, one line."""
     import torch.distributed as dist
 
-    if env.backend == "nccl" and env.device.startswith("cuda"):
-        dist.barrier(device_ids=[int(env.device.split(":")[1])])
-    else:
-        dist.barrier()
+    from ..reduce.comm import PEER_HINT, transport_text
+
+    try:
+        if env.backend == "nccl" and env.device.startswith("cuda"):
+            dist.barrier(device_ids=[int(env.device.split(":")[1])])
+        else:
+            dist.barrier()
+    except RuntimeError as exc:  # a collective of all ranks: the backend does not say which one failed
+        raise DistributedError(f"barrier of the {env.world_size} ranks failed: {transport_text(exc)} "
+                               f"({PEER_HINT})") from exc
 
 
 def close_process_group(clean: bool | None = None, timeout_s: float | None = None) -> None:

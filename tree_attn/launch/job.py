@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import DistributedError
 from .env import RankEnv
 from .setup import LaunchSetup
 
@@ -88,6 +89,9 @@ def run_ranks(fn: Callable[..., Any], launch: LaunchSetup, args: tuple = ()) -> 
         gathered: list | None = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         ok = True
+    except DistributedError as exc:
+        # Every rank of a node prints its error on the node's one stderr: say whose line it is.
+        raise DistributedError(f"rank {env.rank} of {env.world_size}: {exc}") from exc
     finally:
         # After success, a barrier first (at most the timeout): no rank tears its group down
         # while a peer still moves the gathered values (a gloo pair destroyed under a peer's

@@ -11,6 +11,8 @@ These are the bytes on the wire for the algorithm named, not measured NIC counte
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +108,25 @@ def start_batch(ops: list, what: str) -> list:
         raise DistributedError(f"{what} failed: {exc}") from exc
 
 
-def wait_all(requests, what: str) -> None:
-    try:
-        for r in requests:
+# The C++ source location gloo puts before its messages ("[/__w/pytorch/pytorch/third_party/gloo/
+# gloo/transport/tcp/unbound_buffer.cc:78] Timed out ..."): noise in a one-line error.
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
+
+PEER_HINT = "a peer rank may have died, hung or become unreachable"
+
+
+def transport_text(exc: BaseException) -> str:
+    """A backend's error as one line, without gloo's C++ source locations."""
+    return " ".join(_SOURCE_LOCATION.sub("", str(exc)).split())
+
+
+def wait_all(requests, what: str, peers: Sequence[str] | None = None) -> None:
+    """Wait for ``requests`` in order. ``peers`` describes each request's message ("from rank 2",
+    "to rank 0"); when there is one request per operation (gloo; NCCL returns one for the whole
+    batch) a failure names the message that did not complete: the peer it waited on."""
+    for i, r in enumerate(requests):
+        try:
             r.wait()
-    except RuntimeError as exc:
-        raise DistributedError(f"{what} failed (a peer rank may have died or timed out): {exc}") from exc
+        except RuntimeError as exc:
+            on = f" on the message {peers[i]}" if peers is not None and len(peers) == len(requests) else ""
+            raise DistributedError(f"{what} failed{on}: {transport_text(exc)} ({PEER_HINT})") from exc

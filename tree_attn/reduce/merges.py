@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 from ..merge import merge_states
-from .comm import global_rank, start_batch, wait_all
+from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
 
 
@@ -73,6 +73,9 @@ class TreeMerge:
             dist.P2POp(dist.irecv, self.down, global_rank(group, self.parent), **g),
         ]
         self._send_children = [dist.P2POp(dist.isend, self.final, global_rank(group, c), **g) for c in self.children]
+        # Each operation's peer, for an error that names the one that did not complete.
+        self._peers = ([f"from rank {c}" for c in self.children],
+                       [f"to rank {self.parent}", f"from rank {self.parent}"], [f"to rank {c}" for c in self.children])
         sends = (1 if self.parent >= 0 else 0) + n
         self.traffic = Traffic(messages=sends, bytes_sent=sends * self.local.numel() * 4)
         self._use_triton = torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -80,12 +83,15 @@ class TreeMerge:
     def __call__(self) -> torch.Tensor:
         """Merge :attr:`local` across the group; returns :attr:`final`."""
         if self._recv_children:
-            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}")
+            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}",
+                     self._peers[0])
             self._merge_states()
         if self._up_and_down:
-            wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}")
+            wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}",
+                     self._peers[1])
         if self._send_children:
-            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}")
+            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}",
+                     self._peers[2])
         return self.final
 
     def _merge_states(self) -> None:
@@ -95,14 +101,21 @@ class TreeMerge:
             # place ([S, B, H, D+1] seen as [B, H, S, D]) and writing the packed result.
             from ..kernels.triton_launch import merge_splits_triton
 
-            merge_splits_triton(
-                self.states[..., :d].permute(1, 2, 0, 3), self.states[..., d].permute(1, 2, 0),
-                faulty_is_empty=False, out=self.merged[..., :d], lse=self.merged[..., d],
-            )
+            o_part, lse_part, out, lse = tree_merge_views(self.states, self.merged, d)
+            merge_splits_triton(o_part, lse_part, faulty_is_empty=False, out=out, lse=lse)
             return
         out, lse = merge_states(self.states[..., :d], self.states[..., d])
         self.merged[..., :d].copy_(out)
         self.merged[..., d].copy_(lse)
+
+
+def tree_merge_views(states: torch.Tensor, merged: torch.Tensor, head_dim: int):
+    """The views the tree merge's kernel reads and writes in place: the stacked messages
+    ``states [S, B, H, D + 1]`` seen as ``o_part [B, H, S, D]`` and ``lse_part [B, H, S]``, and
+    ``merged [B, H, D + 1]`` as ``out [B, H, D]`` and ``lse [B, H]`` (strides of D + 1, lse at
+    an offset of D elements)."""
+    d = head_dim
+    return states[..., :d].permute(1, 2, 0, 3), states[..., d].permute(1, 2, 0), merged[..., :d], merged[..., d]
 
 
 class AllReduceMerge:
@@ -154,7 +167,7 @@ class AllReduceMerge:
         try:
             dist.all_reduce(t, op=op, group=self.group)
         except RuntimeError as exc:
-            raise DistributedError(f"all_reduce failed (a peer rank may have died or timed out): {exc}") from exc
+            raise DistributedError(f"all_reduce failed: {transport_text(exc)} ({PEER_HINT})") from exc
 
 
 def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int, device) -> TreeMerge | AllReduceMerge:

@@ -124,6 +124,7 @@ def ring_decode(
         else:
             out, lse = merge_two(out, lse, o_blk, lse_blk)
         if reqs:
-            comm.wait_all(reqs, f"ring step {step}: exchange with ranks {pred} and {succ}")
+            comm.wait_all(reqs, f"ring step {step}: exchange with ranks {pred} and {succ}",
+                          [f"to rank {succ}"] * len(sends) + [f"from rank {pred}"] * len(recvs))
             cur_k, cur_v, cur_len = nxt_k, nxt_v, nxt_len
     return out.to(q.dtype).contiguous(), lse.contiguous()
