@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import err_console, line, notice, out_console, print_json, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, print_json, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -48,11 +48,7 @@ def probe_command(
             raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
-    if plot:
-        from ..plots import check_png_path, require_matplotlib
-
-        check_png_path(plot)
-        require_matplotlib()
+    check_plot(plot)
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
