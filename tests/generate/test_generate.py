@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ from tree_attn.commands.generate.hf_attention import DecodeContext, attention_bl
 from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
 from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
 from tree_attn.launch.setup import LaunchSetup  # noqa: E402
+from tests.torchrun import clean_env, run_nodes  # noqa: E402
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
 TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
@@ -379,9 +379,7 @@ def test_generate_on_gpus_equals_transformers():
 # -- under torchrun: one node, and two "nodes" on loopback ------------------------------------------
 
 def _clean_env(tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-    env["TREE_ATTN_PROFILE_DIR"] = str(tmp_path / "profiles")
+    env = clean_env(TREE_ATTN_PROFILE_DIR=str(tmp_path / "profiles"))
     return env
 
 
@@ -415,27 +413,12 @@ def test_generate_under_torchrun_joins_the_job(tmp_path):
 def test_generate_across_two_nodes_on_loopback(tmp_path):
     """2 torchrun "nodes" x 1 CPU rank (c10d rendezvous, gloo on loopback): the tree's one edge is
     the network level; every row gives transformers' tokens."""
-    port = _free_port()
     env = {**_clean_env(tmp_path), "GLOO_SOCKET_IFNAME": "lo"}
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "tree-attn-generate-test", "-m", "tree_attn", *GEN_ARGS]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=tmp_path, start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    reports = [out for out, _ in outs if out.strip()]
+    outs = run_nodes(GEN_ARGS, nodes=2, per_node=1, env=env, cwd=tmp_path, timeout=180,
+                     rdzv_id="tree-attn-generate-test")
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+    reports = [out for _, out, _ in outs if out.strip()]
     assert len(reports) == 1, outs  # the node that holds rank 0 reports
     result = json.loads(reports[0])
     assert result["world_size"] == 2 and result["all_match_reference"] is True
@@ -443,11 +426,3 @@ def test_generate_across_two_nodes_on_loopback(tmp_path):
     assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "hier net k=2", "ring"]
     expected = _expected_for_cli_prompt()
     assert all(r["tokens"] == expected for r in result["rows"])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

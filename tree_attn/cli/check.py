@@ -16,8 +16,7 @@ DEFAULT_MIN_RATIO = 0.5
 _MARK = {"passed": "[green]ok  [/green]", "failed": "[bold red]FAIL[/bold red]", "skipped": "[dim]skip[/dim]"}
 
 
-def register(app: typer.Typer) -> None:
-    app.command("check", help="Compare the GPU fabric with an expected topology, device model first; exit 1 on any difference.")(check_command)
+HELP = "Compare the GPU fabric with an expected topology, device model first; exit 1 on any difference."
 
 
 def check_command(

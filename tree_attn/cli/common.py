@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -105,6 +105,20 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def report(result: Any, render: Callable[[Any], None], json_out: bool, plot: str | None = None,
+           draw: Callable[[Any, str], None] | None = None) -> None:
+    """A command's result on stdout: one JSON object (``--json``) or the table ``render`` draws;
+    then, with ``--plot``, ``draw(result, plot)``. The measurements first: a picture that cannot be
+    written must not take them with it."""
+    if json_out:
+        print_json(result)
+    else:
+        render(result)
+    if plot:
+        draw(result, plot)
+        notice(f"wrote {plot}")
 
 
 def check_plot(path: str | None) -> None:

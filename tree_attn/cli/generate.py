@@ -7,8 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..commands.generate.setup import GenerateOptions
-from .common import (announce_setup, err_console, error, fmt_bytes, line, out_console, plan_name, print_json, ranks,
-                     styled)
+from .common import announce_setup, err_console, error, fmt_bytes, line, out_console, plan_name, ranks, report, styled
 from .options import Backend, Device, Fanout, Json, Profile, Strategy, Timeout, WorldSize, count_option
 
 DEFAULTS = GenerateOptions()
@@ -30,10 +29,6 @@ HELP = (
     "and prefills the prompt itself, keeps its slice, and rank 0 reports; across nodes the tree is planned "
     "from the node layout, as in run."
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("generate", help=HELP)(generate_command)
 
 
 def generate_command(
@@ -87,10 +82,7 @@ def generate_command(
         return
     result.profile = setup.profile
     result.prompt_text = setup.prompt_text
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render_generate(result)
+    report(result, render_generate, json_out)
     if not result.all_match:
         bad = [r.name for r in result.rows if not (r.matches_reference and r.ranks_agree)]
         error(f"{', '.join(bad)}: generated tokens differ from the reference's (or between ranks)")

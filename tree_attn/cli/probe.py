@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, print_json, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, report, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -17,8 +17,7 @@ KIND_STYLE = {
 }
 
 
-def register(app: typer.Typer) -> None:
-    app.command("probe", help="Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hierarchy.")(probe_command)
+HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hierarchy."
 
 
 def probe_command(
@@ -67,15 +66,9 @@ def probe_command(
     if output is not None:
         save_topology(topo, output, force=force)
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
-    if json_out:
-        print_json(topo.to_dict())
-    else:
-        render_topology(topo)
-    if plot:
-        from ..plots import plot_topology
+    from ..plots import plot_topology
 
-        plot_topology(topo, plot)
-        notice(f"wrote {plot}")
+    report(topo, render_topology, json_out, plot, plot_topology)
 
 
 def kind_style(kind: str) -> str:

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..commands.run.setup import RunOptions
-from .common import (announce_setup, check_plot, err_console, error, fmt_bytes, line, out_console, plan_name,
-                     print_json, ranks, styled)
+from .common import (announce_setup, check_plot, err_console, error, fmt_bytes, line, notice, out_console, plan_name,
+                     print_json, ranks, report, styled)
 from .options import (Backend, Batch, Device, Fanout, HeadDim, Heads, Json, KvHeads, Profile, Strategy, Timeout,
                       WorldSize, count_list_option, count_option)
 
@@ -26,10 +26,6 @@ HELP = (
     "cache that fits in memory. --timeout bounds how long a rank may wait for a peer (or stay silent), not "
     "how long the run takes."
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("run", help=HELP)(run_command)
 
 
 def run_command(
@@ -99,10 +95,7 @@ def run_command(
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return
     result.profile = setup.profile
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render_run(result)
+    report(result, render_run, json_out)
     if strategies_beyond_tolerance(result, spec.dtype):
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
@@ -125,7 +118,7 @@ def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> 
         first = results[0]
         plot_sweep([r.to_dict() for r in results], plot,
                    f"tree-attn run: {ranks(first.spec['world_size'])}, {first.device} ({first.backend}); measured")
-        err_console.print(f"wrote {plot}", markup=False)
+        notice(f"wrote {plot}")
     bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
     if bad:
         error("a strategy's result differs from the reference beyond tolerance")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..commands.simulate import SimulateOptions
-from .common import check_plot, err_console, fmt_bytes, out_console, print_json, styled
+from .common import check_plot, fmt_bytes, out_console, report, styled
 from .options import Batch, HeadDim, Heads, Json, KvHeads, count_list_option, int_list_option
 
 DEFAULTS = SimulateOptions()
@@ -26,10 +26,6 @@ HELP = (
     "Counts take K = 1,024 and M = 1,000,000 (the paper's 5.12M tokens), as in every command. The numbers are "
     "predictions, checked against measured runs in benchmarks/RESULTS.md, not measurements."
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("simulate", help=HELP)(simulate_command)
 
 
 def simulate_command(
@@ -75,15 +71,9 @@ def simulate_command(
         gpus_per_node=gpus_per_node, seq_lens=seq_lens, batch=batch, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, dtype=dtype, fanout=fanout, step_overhead_us=step_overhead_us,
     ))
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render(result)
-    if plot:
-        from ..plots import plot_simulation
+    from ..plots import plot_simulation
 
-        plot_simulation(result, plot)
-        err_console.print(f"wrote {plot}", markup=False)
+    report(result, render, json_out, plot, plot_simulation)
 
 
 def _ms(us: float) -> str:

@@ -29,10 +29,6 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("tune", help=HELP)(tune_command)
-
-
 def tune_command(
     topology_file: Annotated[Optional[str], typer.Option(
         "--topology", help="A topology YAML or a recorded dump (nvidia-smi topo -m, amd-smi topology...) instead of "

@@ -16,7 +16,7 @@ module level (``tree-attn --help`` imports the commands' option defaults).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
@@ -64,25 +64,47 @@ class KernelShape:
 
 
 @dataclass(frozen=True)
-class LaunchRequest:
-    """What a command asks of its launch; None and ``"auto"`` mean "decide from the machine".
+class LaunchOptions:
+    """The launch options a command takes: ``--world-size``, ``--device``, ``--backend``,
+    ``--dtype``, ``--timeout``; None and ``"auto"`` mean "decide from the machine". Commands'
+    options dataclasses extend it, so each of these is declared (and defaulted) once."""
 
-    ``join_torchrun``: under torchrun's variables this process joins the job as one rank (``run``,
-    ``generate``); off, the command always spawns its own ranks (``tune``, ``probe --measure``).
-    ``strategy`` None: the job runs no decode plans (nor profile, nor kernel config). ``shape``: the
-    shape the kernel config is looked up for (None: none). ``activity`` and ``timed`` word the
+    world_size: int | None = None
+    device: str = AUTO
+    backend: str = AUTO
+    dtype: str = AUTO
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def launch_request(self, **more) -> "LaunchRequest":
+        """A :class:`LaunchRequest` of these options (the plans' too, where the command has them),
+        with ``more`` (the job's shape, ...)."""
+        own = {f.name: getattr(self, f.name) for f in fields(PlanOptions) if hasattr(self, f.name)}
+        return LaunchRequest(**{**own, **more})
+
+
+@dataclass(frozen=True)
+class PlanOptions(LaunchOptions):
+    """The launch options of a command that decodes (``run``, ``generate``), and its plans':
+    ``--strategy``, ``--fanout``, ``--profile``."""
+
+    strategy: str = AUTO
+    fanout: int | None = None
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest(PlanOptions):
+    """What a command asks of its launch (see :class:`LaunchOptions`, :class:`PlanOptions`).
+
+    ``strategy`` None: the job runs no decode plans (nor profile, nor kernel config: ``tune``,
+    ``probe --measure``). ``join_torchrun``: under torchrun's variables this process joins the job
+    as one rank (``run``, ``generate``); off, the command always spawns its own ranks. ``shape``:
+    the shape the kernel config is looked up for (None: none). ``activity`` and ``timed`` word the
     notice and the warning about CPU ranks ("spawning 4 CPU ranks"; "step times swing").
     """
 
-    device: str = AUTO
-    world_size: int | None = None
-    backend: str = AUTO
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    dtype: str = AUTO
-    join_torchrun: bool = True
     strategy: str | None = None
-    fanout: int | None = None
-    profile: str | None = None
+    join_torchrun: bool = True
     shape: KernelShape | None = None
     activity: str = "spawning"
     timed: str = "step times"
@@ -168,39 +190,53 @@ class LaunchSetup:
         return [base + (1 if r < extra else 0) for r in range(self.world_size)]
 
 
+def _from_launch(name: str) -> property:
+    return property(lambda self: getattr(self.launch, name), doc=f"The launch's ``{name}``.")
+
+
 class OnLaunch:
     """The launch's facts read through a spec that embeds a :class:`LaunchSetup` as ``launch``
     (the specs of run and generate, tune's options): one source for each, no copies to drift."""
 
     launch: LaunchSetup
+    world_size = _from_launch("world_size")
+    device_kind = _from_launch("device_kind")
+    backend = _from_launch("backend")
+    dtype = _from_launch("dtype")
+    timeout_s = _from_launch("timeout_s")
+    plans = _from_launch("plans")
+    kernel_config = _from_launch("kernel_config")
+
+
+class AnnouncesLaunch:
+    """A command's resolved setup whose ``spec`` embeds a launch: what the CLI announces before
+    the job (the profile, the notices and warnings, once: on rank 0 under torchrun) is the
+    launch's, then the command's own (``own_notices``, ``own_warnings``)."""
+
+    spec: OnLaunch
+    own_notices: tuple[str, ...] = ()
+    own_warnings: tuple[str, ...] = ()
 
     @property
-    def world_size(self) -> int:
-        return self.launch.world_size
+    def profile(self) -> "ProfileChoice":
+        return self.spec.launch.profile
 
     @property
-    def device_kind(self) -> str:
-        return self.launch.device_kind
+    def notices(self) -> tuple[str, ...]:
+        return self.spec.launch.notices + self.own_notices
 
     @property
-    def backend(self) -> str:
-        return self.launch.backend
+    def warnings(self) -> tuple[str, ...]:
+        return self.spec.launch.warnings + self.own_warnings
 
     @property
-    def dtype(self) -> str:
-        return self.launch.dtype
+    def under_torchrun(self) -> bool:
+        return self.spec.launch.under_torchrun
 
     @property
-    def timeout_s(self) -> float:
-        return self.launch.timeout_s
-
-    @property
-    def plans(self) -> "tuple[tuple[str, ReductionPlan | None], ...]":
-        return self.launch.plans
-
-    @property
-    def kernel_config(self) -> "DecodeConfig | None":
-        return self.launch.kernel_config
+    def rank(self) -> int:
+        """This process's rank under torchrun (only rank 0 speaks), else 0."""
+        return self.spec.launch.rank
 
 
 def resolve_launch(request: LaunchRequest) -> LaunchSetup:

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigError
-from ...launch.setup import AUTO, DEFAULT_TIMEOUT_S, default_dtype
+from ...launch.setup import AnnouncesLaunch, PlanOptions
 from ..defaults import SEED
 from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...launch.env import RankEnv
-    from ...launch.plans import ProfileChoice
     from .decode import GenerateSpec
 
 MAX_NEW_TOKENS = 4096
@@ -24,13 +23,14 @@ PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size
 PREFILL_CHUNK = 4096  # prompt tokens per prefill forward (bounds the MLP's activations)
 PROCESS_BYTES = 400 * 2**20  # interpreter, torch and transformers per process
 
-__all__ = ["GenerateOptions", "GenerateSetup", "default_dtype", "parse_prompt", "plan_generate"]
+__all__ = ["GenerateOptions", "GenerateSetup", "parse_prompt", "plan_generate"]
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
-    """What the user asked ``generate`` for; None / "auto" mean "decide from the machine". These
-    are the defaults of ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`."""
+class GenerateOptions(PlanOptions):
+    """What the user asked ``generate`` for: the launch and its plans (:class:`PlanOptions`; the
+    dtype is the weights' and the KV cache's), the model, the prompt. These are the defaults of
+    ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`."""
 
     model: str | None = None
     preset: str = DEFAULT_PRESET
@@ -40,19 +40,11 @@ class GenerateOptions:
     prompt_len: int = 512
     new_tokens: int = 32
     max_len: int | None = None
-    world_size: int | None = None
-    strategy: str = AUTO
-    fanout: int | None = None
-    device: str = AUTO
-    backend: str = AUTO
-    dtype: str = AUTO  # see tree_attn.launch.setup.default_dtype
     page_size: int = PAGE_SIZE
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    profile: str | None = None
 
 
 @dataclass(frozen=True)
-class GenerateSetup:
+class GenerateSetup(AnnouncesLaunch):
     """A resolved generate: the spec (its launch holds the profile, notices and warnings of the
     launch), the tokenizer, the prompt's text, and what the command itself tells the user."""
 
@@ -63,25 +55,9 @@ class GenerateSetup:
     own_warnings: tuple[str, ...] = ()
 
     @property
-    def profile(self) -> "ProfileChoice":
-        return self.spec.launch.profile
-
-    @property
-    def notices(self) -> tuple[str, ...]:
-        return self.spec.launch.notices + self.own_notices
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return self.spec.launch.warnings + self.own_warnings
-
-    @property
     def env(self) -> "RankEnv | None":
         """This process's place in a torchrun job (it is one rank), else None."""
         return self.spec.launch.torchrun
-
-    @property
-    def rank(self) -> int:
-        return self.spec.launch.rank
 
 
 def parse_prompt(text: str | None, prompt_len: int, vocab: int, seed: int, tokenizer) -> tuple[list[int], str | None]:
@@ -137,8 +113,8 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
     from ...dtypes import torch_dtype
     from ...kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from ...launch.memory import available_host_bytes
-    from ...launch.setup import KernelShape, LaunchRequest, resolve_launch
+    from ...launch.memory import check_host_fits
+    from ...launch.setup import KernelShape, resolve_launch
     from ..defaults import check_seed
     from .decode import GenerateSpec, ModelShape
 
@@ -169,11 +145,8 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     _check_window(config, len(ids) + n_new)
 
     total = len(ids) + n_new
-    launch = resolve_launch(LaunchRequest(
-        device=options.device, world_size=options.world_size, backend=options.backend, timeout_s=options.timeout_s,
-        dtype=options.dtype, strategy=options.strategy, fanout=options.fanout, profile=options.profile,
-        shape=KernelShape(shape.q_heads, shape.kv_heads, shape.head_dim, total),
-    ))
+    launch = resolve_launch(options.launch_request(shape=KernelShape(shape.q_heads, shape.kv_heads, shape.head_dim,
+                                                                     total)))
     world, dtype = launch.world_size, launch.dtype
     notices: list[str] = []
     warnings: list[str] = []
@@ -182,13 +155,10 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
         # The launching process holds no weights: the one-process child (which has exited before
         # the ranks start) holds a copy, then each rank does.
         need = world * (weights + PROCESS_BYTES) + PROCESS_BYTES + 3 * shape.kv_bytes(total, dtype)
-        have = available_host_bytes()
-        if have is not None and need > have:
-            raise ConfigError(
-                f"this generate needs about {need / 2**30:,.1f} GiB of host memory (a copy of the model's "
-                f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
-                f"{total:,} tokens); {have / 2**30:,.1f} GiB are available: use fewer ranks, layers or tokens"
-            )
+        check_host_fits(need, lambda need_gib, have_gib: (
+            f"this generate needs about {need_gib:,.1f} GiB of host memory (a copy of the model's "
+            f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
+            f"{total:,} tokens); {have_gib:,.1f} GiB are available: use fewer ranks, layers or tokens"))
     if dtype != "float32":
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
     if source.random_weights:

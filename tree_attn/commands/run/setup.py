@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...launch.setup import AUTO, DEFAULT_TIMEOUT_S
+from ...launch.setup import AnnouncesLaunch, PlanOptions
 from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS, SEED
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...launch.plans import ProfileChoice
     from .decode import RunResult, RunSpec
 
 # Max abs error of a run's output against the single-process fp32 reference. Inputs are
@@ -27,55 +26,26 @@ ERROR_LIMITS = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """What the user asked ``run`` for; ``None`` and ``"auto"`` mean "decide from the machine".
-    These are the defaults of ``tree-attn run`` and of :class:`RunSpec`."""
+class RunOptions(PlanOptions):
+    """What the user asked ``run`` for: the launch and its plans (:class:`PlanOptions`), the
+    shape and the steps. These are the defaults of ``tree-attn run`` and of :class:`RunSpec`."""
 
-    world_size: int | None = None
     seq_len: int = 65536
     batch: int = BATCH
     heads: int = HEADS
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
-    dtype: str = AUTO
     steps: int = 8
     warmup: int = 2
-    strategy: str = AUTO
-    fanout: int | None = None
-    backend: str = AUTO
-    device: str = AUTO
     seed: int = SEED
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    profile: str | None = None
     cuda_graph: bool = True
 
 
 @dataclass(frozen=True)
-class RunSetup:
-    """A resolved run: the spec to decode; the profile, notices and warnings are its launch's."""
+class RunSetup(AnnouncesLaunch):
+    """A resolved run: the spec to decode (the profile, notices and warnings are its launch's)."""
 
     spec: "RunSpec"
-
-    @property
-    def profile(self) -> "ProfileChoice":
-        return self.spec.launch.profile
-
-    @property
-    def under_torchrun(self) -> bool:
-        return self.spec.launch.under_torchrun
-
-    @property
-    def notices(self) -> tuple[str, ...]:
-        return self.spec.launch.notices
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return self.spec.launch.warnings
-
-    @property
-    def rank(self) -> int:
-        """This process's rank under torchrun (only rank 0 prints), else 0."""
-        return self.spec.launch.rank
 
 
 def plan_run(options: RunOptions) -> RunSetup:
@@ -85,15 +55,12 @@ def plan_run(options: RunOptions) -> RunSetup:
     not apply. Nothing is launched.
     """
     from ...launch.memory import check_host_memory
-    from ...launch.setup import KernelShape, LaunchRequest, resolve_launch
+    from ...launch.setup import KernelShape, resolve_launch
     from .decode import RunSpec
 
     # The shape first: nothing below may build anything in proportion to a bad number.
     shape = KernelShape(options.heads, options.kv_heads, options.head_dim, options.seq_len)
-    launch = resolve_launch(LaunchRequest(
-        device=options.device, world_size=options.world_size, backend=options.backend, timeout_s=options.timeout_s,
-        dtype=options.dtype, strategy=options.strategy, fanout=options.fanout, profile=options.profile, shape=shape,
-    ))
+    launch = resolve_launch(options.launch_request(shape=shape))
     spec = RunSpec(
         launch=launch, seq_len=options.seq_len, batch=options.batch, q_heads=options.heads,
         kv_heads=options.kv_heads, head_dim=options.head_dim, steps=options.steps, warmup=options.warmup,

@@ -48,7 +48,7 @@ def write_profile(setup: "TuneSetup", profile: "Profile") -> str:
 
 def measured_profile(topo: "Topology", options: "TuneOptions", progress: ProgressFn | None = None) -> "Profile":
     """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
-    from ...profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
+    from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...profiles.plan_model import decode_message_bytes
     from ...reduce.hier_plan import candidate_plans
     from .timing import tune_kernels_in_child, tune_plans
@@ -80,22 +80,23 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
     kernel = KernelSection(device_spec=topo.devices[0].name if buckets else None,
                            buckets=[_kernel_bucket(b) for b in buckets])
     notes = [] if buckets else ["CPU ranks: no Triton kernel configs to tune (the CPU path has none)"]
-    return Profile(
-        name=f"tuned-{topo.fingerprint}",
-        created=utc_now(),
-        origin="measured",
-        machine=Machine.from_topology(topo),
-        reduction=reduction,
-        kernel=kernel,
-        versions=current_versions(),
-        description=f"tuned on {options.world_size} x {topo.devices[0].name}" + (" (--quick)" if options.quick else ""),
-        notes=notes,
-        topology=topo,
-    )
+    quick = " (--quick)" if options.quick else ""
+    return _profile(topo, "tuned", "measured", reduction, kernel, current_versions(),
+                    f"tuned on {options.world_size} x {topo.devices[0].name}{quick}", notes)
+
+
+def _profile(topo: "Topology", prefix: str, origin: str, reduction, kernel, versions, description: str,
+             notes: list[str]) -> "Profile":
+    """The profile of ``topo`` (its machine and topology inside), named ``<prefix>-<fingerprint>``."""
+    from ...profiles import Machine, Profile, utc_now
+
+    return Profile(name=f"{prefix}-{topo.fingerprint}", created=utc_now(), origin=origin,
+                   machine=Machine.from_topology(topo), reduction=reduction, kernel=kernel, versions=versions,
+                   description=description, notes=notes, topology=topo)
 
 
 def _kernel_bucket(b):
-    """A profile's bucket from a ``commands.tune.timing.BucketResult``. Where every timing of the bucket
+    """A profile's bucket from a :class:`~.timing.BucketResult`. Where every timing of the bucket
     measured the host rather than the kernel, tune_kernels keeps the model's choice
     (``chosen_by == "model"``), and the profile records no time for it."""
     from ...profiles import KernelBucket
@@ -112,7 +113,7 @@ def _kernel_bucket(b):
 
 def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
     """A profile derived from the topology and the plan cost model alone (nothing timed)."""
-    from ...profiles import KernelSection, Machine, PlanCandidate, Profile, Reduction, current_versions, utc_now
+    from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...profiles.plan_model import decode_message_bytes, predict_plan_us
     from ...reduce.hier_plan import candidate_plans
 
@@ -127,18 +128,10 @@ def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
         candidates=[PlanCandidate(label=p.label, plan=p, chosen_by="model", predicted_us=us, selected=i == best)
                     for i, (p, us) in enumerate(zip(cands, predicted))],
     )
-    return Profile(
-        name=f"model-{topo.fingerprint}",
-        created=utc_now(),
-        origin="model",
-        machine=Machine.from_topology(topo),
-        reduction=reduction,
-        kernel=KernelSection(),
-        versions=current_versions(driver=None),
-        description=f"model-derived for {len(topo)} x {topo.devices[0].name} from {topo.source}",
-        notes=["not measured: derived from the topology and the plan cost model; tune on the machine itself to measure"],
-        topology=topo,
-    )
+    return _profile(topo, "model", "model", reduction, KernelSection(), current_versions(driver=None),
+                    f"model-derived for {len(topo)} x {topo.devices[0].name} from {topo.source}",
+                    ["not measured: derived from the topology and the plan cost model; tune on the machine itself "
+                     "to measure"])
 
 
 __all__ = ["TuneEvent", "build_profile", "write_profile", "measured_profile", "model_profile"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ProfileError, TopologyError
-from ...launch.setup import AUTO, DEFAULT_TIMEOUT_S
+from ...launch.setup import LaunchOptions
 from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,13 +25,13 @@ __all__ = ["TuneRequest", "TuneSetup", "plan_tune", "check_output_free"]
 
 
 @dataclass(frozen=True)
-class TuneRequest:
-    """What the user asked ``tune`` for; ``None`` and ``"auto"`` mean "decide from the machine".
-    These are the defaults of ``tree-attn tune``."""
+class TuneRequest(LaunchOptions):
+    """What the user asked ``tune`` for: the launch (:class:`LaunchOptions`; the dtype is the
+    kernel's), the topology, the shapes, where the profile goes. These are the defaults of
+    ``tree-attn tune``."""
 
+    dtype: str = "bf16"  # what checkpoints ship in; the kernel is tuned per dtype
     topology_file: str | None = None
-    world_size: int | None = None
-    device: str = AUTO
     output: str | None = None
     force: bool = False
     quick: bool = False
@@ -39,9 +39,6 @@ class TuneRequest:
     heads: int = HEADS
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
-    dtype: str = "bf16"  # what checkpoints ship in; the kernel is tuned per dtype
-    backend: str = AUTO
-    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     from ...dtypes import parse_dtype
     from ...launch.env import check_timeout, resolve_backend, resolve_device_kind
     from ...launch.memory import check_host_memory
-    from ...launch.setup import LaunchRequest, LaunchSetup, resolve_launch
+    from ...launch.setup import LaunchSetup, resolve_launch
     from ...profiles import profile_path_for
     from .timing import TuneOptions
 
@@ -132,10 +129,8 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         reason = f"it has {world} GPUs, torch sees {n_gpus} here"
     probed = topo.notes if device_kind == "cuda" and not request.topology_file else ()
     if reason is None:
-        launch = resolve_launch(LaunchRequest(
-            device=request.device, world_size=world, backend=request.backend, timeout_s=request.timeout_s,
-            dtype=dtype, join_torchrun=False, activity="tuning for", timed="plan timings",
-        ))
+        launch = resolve_launch(request.launch_request(world_size=world, dtype=dtype, join_torchrun=False,
+                                                       activity="tuning for", timed="plan timings"))
         notices = [*probed, *launch.notices, *launch.warnings]
         if device_kind == "cpu":  # the plans' messages, before any rank allocates them
             check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False, request.heads)
