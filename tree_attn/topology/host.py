@@ -32,7 +32,7 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
     if n is None:
         n = default_cpu_ranks()
     check_int(n, "cpu ranks", minimum=1, error=TopologyError)
-    from ..ranks.launch import check_cpu_ranks
+    from ..launch.env import check_cpu_ranks
 
     check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built
     devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]
