@@ -8,16 +8,9 @@ from .impl import IMPLS, resolve_impl, triton_interpreter_enabled  # noqa: F401 
 from .prepared import DecodeOptions, prepared_decode
 
 def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    impl: str = "auto",
-    config=None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, impl: str = "auto", config=None,
+    block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one or several query tokens per row against a KV cache, with its log-sum-exp.
 

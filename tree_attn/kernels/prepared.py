@@ -97,15 +97,8 @@ class PreparedDecode:
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        block_table: torch.Tensor | None = None,
-        options: DecodeOptions | None = None,
-        **fields: Any,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
     ) -> None:
         opts = self.options = DecodeOptions.of(options, fields)
         config, causal = opts.config, opts.causal
@@ -243,14 +236,8 @@ _CACHE: OrderedDict[tuple, PreparedDecode] = OrderedDict()
 
 
 def prepared_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_lens: torch.Tensor | None = None,
-    *,
-    block_table: torch.Tensor | None = None,
-    options: DecodeOptions | None = None,
-    **fields: Any,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+    *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
 ) -> PreparedDecode:
     """The cached :class:`PreparedDecode` for this call's signature (built on first use), with
     :class:`PreparedDecode`'s arguments.
@@ -298,18 +285,9 @@ class DecodeStep(StaticStep):
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        scale: float | None = None,
-        impl: str = "auto",
-        config: DecodeConfig | None = None,
-        cuda_graph: bool = True,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, scale: float | None = None, impl: str = "auto", config: DecodeConfig | None = None,
+        cuda_graph: bool = True, block_table: torch.Tensor | None = None, causal: bool = False,
     ) -> None:
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table

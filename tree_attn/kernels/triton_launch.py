@@ -57,18 +57,9 @@ class TritonDecodeLaunch:
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None,
-        *,
-        scale: float | None = None,
-        config: DecodeConfig | None = None,
-        device_spec: DeviceSpec | None = None,
-        out_layout: OutLayout | None = None,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+        *, scale: float | None = None, config: DecodeConfig | None = None, device_spec: DeviceSpec | None = None,
+        out_layout: OutLayout | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
         backend: str | None = None,
     ) -> None:
         shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
@@ -256,16 +247,9 @@ _KERNELS = None
 
 
 def decode_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    config: DecodeConfig | None = None,
-    device_spec: DeviceSpec | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, config: DecodeConfig | None = None,
+    device_spec: DeviceSpec | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention with the Triton kernel, resolved afresh on every call (tests,
     tuning of one config). Decode loops use ``kernels.prepared``, which resolves once.

@@ -190,20 +190,10 @@ def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: b
 
 
 def tree_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    group=None,
-    plan: ReductionPlan | None = None,
-    impl: str = "auto",
-    config=None,
-    check_shapes: bool = True,
-    stats: CommStats | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None,
+    plan: ReductionPlan | None = None, impl: str = "auto", config=None, check_shapes: bool = True,
+    stats: CommStats | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-attention decoding: a collective over ``group`` (default: the world).
 
@@ -278,22 +268,10 @@ class TreeDecodeStep(StaticStep):
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        scale: float | None = None,
-        group=None,
-        plan: ReductionPlan | None = None,
-        impl: str = "auto",
-        config=None,
-        check_shapes: bool = True,
-        cuda_graph: bool = True,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
-        timeout_s: float | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, scale: float | None = None, group=None, plan: ReductionPlan | None = None, impl: str = "auto",
+        config=None, check_shapes: bool = True, cuda_graph: bool = True, block_table: torch.Tensor | None = None,
+        causal: bool = False, timeout_s: float | None = None,
     ) -> None:
         group, plan = _group_and_plan(group, plan)
         self.tensors = (q, k, v, seq_lens)

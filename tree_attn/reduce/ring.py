@@ -34,19 +34,10 @@ from .comm import CommStats
 
 
 def ring_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    group=None,
-    impl: str = "auto",
-    config=None,
-    lengths: Sequence[int] | None = None,
-    stats: CommStats | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None, impl: str = "auto",
+    config=None, lengths: Sequence[int] | None = None, stats: CommStats | None = None,
+    block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring Attention decoding; same contract as :func:`tree_decode`.
 
