@@ -300,7 +300,7 @@ def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
 
 
 def test_calibration_line_through_two_points():
-    from tree_attn.cost.calibrate import _line
+    from tree_attn.cost.calibrate import line_through as _line
 
     # 10 us fixed + 2 GB/s: 1,000 tokens of 1,000 B = 1 MB -> 510 us; 4,000 tokens -> 2,010 us.
     fixed, gbps = _line({1000: 510e-6, 4000: 2010e-6}, 1000)

@@ -24,7 +24,9 @@ from .shapes import check_decode_inputs
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunk_tokens(batch: int, kv_heads: int, head_dim: int) -> int:
+def chunk_tokens_for(batch: int, kv_heads: int, head_dim: int) -> int:
+    """KV positions per chunk of :func:`decode_attention_chunked` by default: a float32 K chunk of
+    at most :data:`CHUNK_ELEMENTS` elements, and at least 64 positions."""
     per_token = max(1, batch * kv_heads * head_dim)
     return max(64, CHUNK_ELEMENTS // per_token)
 
@@ -117,7 +119,7 @@ def decode_attention_chunked(
     g = shape.group
     if scale is None:
         scale = d**-0.5
-    step = chunk_tokens or _chunk_tokens(b, hkv, d)
+    step = chunk_tokens or chunk_tokens_for(b, hkv, d)
     qf = (_as_tokens(q).float() * scale).view(b, sq, hkv, g, d)
     out = torch.zeros(b, sq, hkv, g, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, sq, hkv, g), float("-inf"), dtype=torch.float32, device=q.device)
