@@ -422,4 +422,5 @@ def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
     assert len(plans) >= 4
     for plan in plans:
         step = predict_step(cluster, w, plan.strategy, plan if plan.strategy == "tree" else None)
-        assert predict_plan_us(plan, topo, msg, lse) == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label
+        priced = predict_plan_us(plan, topo, msg, lse)
+        assert priced == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label

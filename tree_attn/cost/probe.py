@@ -55,7 +55,8 @@ def probe_device_spec(device: Any = None) -> DeviceSpec:
         mem_bandwidth_gbps=gbps,
         bandwidth_source=source,
         l2_bytes=l2,
-        smem_per_sm_bytes=int(getattr(props, "shared_memory_per_multiprocessor", 0) or (64 * 1024 if amd else 100 * 1024)),
+        smem_per_sm_bytes=int(getattr(props, "shared_memory_per_multiprocessor", 0)
+                              or (64 * 1024 if amd else 100 * 1024)),
         max_warps_per_sm=max(1, max_threads // warp),
         warp_size=warp,
         regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 0) or 65536),
