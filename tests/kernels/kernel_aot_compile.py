@@ -209,7 +209,7 @@ def plan(target_name: str, launch: Launch):
     """The launcher's plan of this call on the target: ``(TritonDecodeLaunch, launches)``."""
     from tree_attn.kernels.config import DecodeConfig
     from tree_attn.kernels.layout import PACKED, OutLayout
-    from tree_attn.kernels.perf_model import KNOWN_DEVICES
+    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.triton_launch import TritonDecodeLaunch
 
     target, spec_name = TARGETS[target_name]
@@ -229,7 +229,7 @@ def merge_launch(merge: Merge):
     import torch
 
     from tree_attn.kernels.triton_launch import stage2_launch
-    from tree_attn.reduce.merges import tree_merge_views
+    from tree_attn.reduce.exchange import tree_merge_views
 
     states = torch.empty(1 + merge.children, merge.b, merge.hq, merge.d + 1, dtype=torch.float32)
     merged = torch.empty(merge.b, merge.hq, merge.d + 1, dtype=torch.float32)

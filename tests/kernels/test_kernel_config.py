@@ -25,7 +25,7 @@ from tree_attn.kernels.config import (
     stage1_smem_bytes,
     stage1_spill_free,
 )
-from tree_attn.kernels.perf_model import KNOWN_DEVICES
+from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]

@@ -8,19 +8,16 @@ import torch
 
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig, default_config
-from tree_attn.kernels.perf_model import (
-    CPU_INTERPRETER,
-    KNOWN_DEVICES,
-    DeviceSpec,
+from tree_attn.cost.devices import CPU_INTERPRETER, KNOWN_DEVICES, DeviceSpec, lookup_known_device
+from tree_attn.cost.kernel import (
     best_predicted_config,
     candidate_configs,
-    dtype_bytes,
     kv_bytes,
-    lookup_known_device,
     predict,
     predict_time_us,
     rank_candidates,
 )
+from tree_attn.dtypes import itemsize as dtype_bytes
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]

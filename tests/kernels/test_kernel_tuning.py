@@ -105,8 +105,9 @@ def test_the_timed_configs_span_split_counts_and_include_the_default():
     """The model's time saturates (dozens of configs tie, one split count): the survivors must
     still cover several split counts, and the default config (what runs without a profile)."""
     from tree_attn.kernels.config import default_config
-    from tree_attn.kernels.perf_model import (KNOWN_DEVICES, RankedConfig, candidate_configs, predict_time_us,
-                                              rank_candidates, tuning_survivors)
+    from tree_attn.cost.devices import KNOWN_DEVICES
+    from tree_attn.cost.kernel import (RankedConfig, candidate_configs, predict_time_us, rank_candidates,
+                                       tuning_survivors)
     from tree_attn.kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES["h100-sxm"]

@@ -3,7 +3,7 @@
 Configs are plain data, chosen before launch: there is no ``@triton.autotune`` anywhere, because in
 a multi-GPU decode every rank must run the same config (ranks that each benchmark at run time can
 pick different winners, and timing noise then turns into run-to-run differences in rounding).
-``tune`` searches :func:`tree_attn.kernels.perf_model.candidate_configs` once and writes the winner
+``tune`` searches :func:`tree_attn.cost.kernel.candidate_configs` once and writes the winner
 into a profile; without one, :func:`default_config` picks a config from the shape and the device.
 """
 
@@ -13,10 +13,11 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .. import validate
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .perf_model import DeviceSpec
+    from ..cost.devices import DeviceSpec
     from .shapes import DecodeShape
 
 # tl.dot needs every block dimension >= 16; above 512 keys per tile the K and V tiles of one
@@ -42,21 +43,21 @@ TARGET_PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 HEURISTIC_MAX_SPLITS = 128
 
+# Stage two folds this many splits per loop iteration (the launcher's SPLIT_TILE; the cost model
+# prices stage two's passes over the splits with it).
+STAGE2_SPLIT_TILE = 16
+# The fraction of an SM's shared memory a config's pipelined K/V tiles may claim (the default
+# config and the tuning candidates): Triton also stages layout conversions and the P tile there.
+SMEM_HEADROOM = 0.85
+
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, pow2: bool = False, optional: bool = False) -> None:
-    if value is None:
-        if optional:
-            return
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got None")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got {value!r} ({type(value).__name__})")
-    if not lo <= value <= hi:
-        raise ConfigError(f"DecodeConfig.{name} must lie in {lo}..{hi}; got {value}")
-    if pow2 and not _is_pow2(value):
+    validate.check_int(value, f"DecodeConfig.{name}", minimum=lo, maximum=hi, optional=optional, must=True)
+    if pow2 and value is not None and not _is_pow2(value):
         raise ConfigError(f"DecodeConfig.{name} must be a power of two; got {value}")
 
 
@@ -323,7 +324,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > 0.85 * device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

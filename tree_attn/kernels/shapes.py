@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,15 @@ class DecodeShape:
     @property
     def paged(self) -> bool:
         return self.block_size > 0
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale of a call: ``scale`` as a float, default ``D ** -0.5``; a ConfigError
+    unless it is finite."""
+    value = head_dim**-0.5 if scale is None else float(scale)
+    if not math.isfinite(value):
+        raise ConfigError(f"scale must be a finite number; got {value}")
+    return value
 
 
 def check_arg_types(q, k, v, seq_lens, block_table=None, causal=False) -> None:

@@ -36,7 +36,7 @@ of two that puts its largest element in [2^14, 2^15) (exact, as is undoing it on
 A few more tensor-core dots cost nothing in a kernel bound by reading K and V.
 
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
-algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
+algebra as ``tree_attn.reduce.state.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
 makes the row NaN, or with ``FAULTY_IS_EMPTY`` counts as empty, as the public ``merge_partials``).
 """
@@ -326,7 +326,7 @@ def split_kv_stage2_kernel(
     o_base = O_PART + b64 * stride_pb + h64 * stride_ph
 
     # Pass 1: the largest lse. With FAULTY_IS_EMPTY (states handed in by callers, whose kernels
-    # may mark an empty state with +inf or NaN) those are treated as empty, as in merge.py;
+    # may mark an empty state with +inf or NaN) those are treated as empty, as in reduce/state.py;
     # otherwise (our own splits and ranks, where NaN can only come from NaN data) any NaN or +inf
     # makes the row NaN, as torch SDPA does.
     m_vec = tl.full([SPLIT_TILE], float("-inf"), tl.float32)

@@ -11,12 +11,13 @@ import math
 import torch
 
 from ..errors import ConfigError, KernelUnavailableError
-from .config import DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
+from .config import (STAGE2_SPLIT_TILE, DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim,
+                     resolve_config, split_len)
 from .device_info import device_spec_for, is_rocm
-from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
+from ..cost.devices import DeviceSpec
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
-from .shapes import check_decode_inputs
+from .shapes import check_decode_inputs, resolve_scale
 
 # The kernel works in base 2 (exp2 is the native instruction): the launcher folds log2(e) into the scale.
 LOG2E = math.log2(math.e)
@@ -56,18 +57,9 @@ class TritonDecodeLaunch:
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None,
-        *,
-        scale: float | None = None,
-        config: DecodeConfig | None = None,
-        device_spec: DeviceSpec | None = None,
-        out_layout: OutLayout | None = None,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+        *, scale: float | None = None, config: DecodeConfig | None = None, device_spec: DeviceSpec | None = None,
+        out_layout: OutLayout | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
         backend: str | None = None,
     ) -> None:
         shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
@@ -75,9 +67,7 @@ class TritonDecodeLaunch:
         b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
         if d == 0:
             raise ConfigError("head dim D must be at least 1")
-        scale = d**-0.5 if scale is None else float(scale)
-        if not math.isfinite(scale):
-            raise ConfigError(f"scale must be a finite number; got {scale}")
+        scale = resolve_scale(scale, d)
         spec = device_spec if device_spec is not None else device_spec_for(q.device)
         cfg = resolve_config(config, shape, k.dtype, spec, q_dtype=q.dtype)
         planned_only = backend is not None  # a plan for a build, not necessarily run on q's device
@@ -257,16 +247,9 @@ _KERNELS = None
 
 
 def decode_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    config: DecodeConfig | None = None,
-    device_spec: DeviceSpec | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, config: DecodeConfig | None = None,
+    device_spec: DeviceSpec | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention with the Triton kernel, resolved afresh on every call (tests,
     tuning of one config). Decode loops use ``kernels.prepared``, which resolves once.
@@ -336,7 +319,7 @@ def merge_splits_triton(
             strides, e.g. views of a packed message) instead of new tensors.
 
     Returns:
-        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_states``
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.reduce.state.merge_states``
         computes them (empty rows: out 0, lse -inf).
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:

@@ -27,7 +27,7 @@ import torch
 
 from ...errors import ConfigError
 from ...kernels.dispatch import decode_attention
-from ...merge import merge_partials
+from ...reduce.state import merge_partials
 from ...reduce.collectives import tree_decode
 from ...reduce.ring import ring_decode
 from ...reduce.comm import CommStats

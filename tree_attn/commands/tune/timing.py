@@ -85,7 +85,7 @@ def time_plans_rank(
     from ...graphs import CapturedStep
     from ...launch.group import barrier
     from ...reduce.collectives import abort_group
-    from ...reduce.merges import build_merge
+    from ...reduce.exchange import build_merge
     from ...timing import hold_stream
 
     device = torch.device(env.device)
@@ -180,7 +180,7 @@ def time_kernel_configs(
     interpreter, for tests) a host clock.
     """
     from ...errors import ConfigError
-    from ...kernels.perf_model import kv_bytes
+    from ...cost.kernel import kv_bytes
     from ...kernels.triton_launch import TritonDecodeLaunch
     from ...timing import rotation_count, time_calls
 
@@ -316,8 +316,8 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
             return []
         device = "cuda:0"
     from ...kernels.config import resolve_config
-    from ...kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
-                                      rank_candidates, tuning_survivors)
+    from ...cost.devices import CPU_INTERPRETER, DeviceSpec
+    from ...cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
     from ...kernels.shapes import DecodeShape
     from ...dtypes import torch_dtype
 

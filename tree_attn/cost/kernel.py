@@ -1,4 +1,5 @@
-"""The config space of the split-KV decode kernel and a napkin model of its time.
+"""The kernel's napkin model: the config space of the split-KV decode kernel, a model of its time,
+and the ranking of candidate configs that ``tune`` times.
 
 Decode attention reads the whole KV cache once per step and does little arithmetic per byte, so
 its time is, to first order, ``KV bytes / memory bandwidth``. What keeps a config from reaching
@@ -9,266 +10,26 @@ prices exactly those effects, so that ``tune`` can rank a few hundred candidates
 few that might win. Its absolute numbers are estimates; only its ordering is relied on, and the
 timed survivors decide.
 
-Device constants come from vendor datasheets (bandwidth, SM counts, cache sizes, tensor peak) and
-from published microbenchmarks (DRAM latency, launch gaps); each field says which.
+Device constants come from the catalogue (:mod:`tree_attn.cost.devices`: vendor datasheets and
+published microbenchmarks, each field says which). Pure Python: no torch at import time.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .. import dtypes as _dtypes
-from ..errors import ConfigError
-from .config import (
-    HEURISTIC_MAX_SPLITS,
-    MIN_TILES_PER_SPLIT,
-    DecodeConfig,
-    default_config,
-    default_num_splits,
-    group_block,
-    group_blocks_for,
-    padded_head_dim,
-    split_len,
-    stage1_smem_bytes,
-    stage1_spill_free,
-)
-from .shapes import DecodeShape
+from ..dtypes import itemsize
+from ..kernels.config import (HEURISTIC_MAX_SPLITS, MIN_TILES_PER_SPLIT, SMEM_HEADROOM, STAGE2_SPLIT_TILE, DecodeConfig,
+                              default_config, default_num_splits, group_block, group_blocks_for, padded_head_dim,
+                              split_len, stage1_smem_bytes, stage1_spill_free)
+from ..validate import check_int, check_number
+from .devices import DeviceSpec
 
-VENDORS = ("nvidia", "amd", "cpu")
-BANDWIDTH_SOURCES = ("datasheet", "measured", "assumed")
+if TYPE_CHECKING:  # pragma: no cover - typing only (kernels.shapes imports torch)
+    from ..kernels.shapes import DecodeShape
 
-# Stage two folds this many splits per loop iteration (must match triton_launch.SPLIT_TILE).
-STAGE2_SPLIT_TILE = 16
-# Fraction of an SM's shared memory a candidate's K/V pipeline may claim (see candidate_configs).
-SMEM_HEADROOM = 0.85
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """What the napkin model needs to know about one accelerator.
-
-    Attributes:
-        name: marketing name (as the driver reports it when read from a device).
-        vendor: "nvidia", "amd" or "cpu" (the Triton interpreter).
-        sm_count: streaming multiprocessors (NVIDIA) or compute units (AMD).
-        mem_bandwidth_gbps: DRAM bandwidth in GB/s (1e9 bytes/s).
-        bandwidth_source: "datasheet" (peak, not reachable: copies reach ~90%), "measured" (a
-            device-to-device copy on this card) or "assumed" (unknown device: a guess, measure it).
-        l2_bytes: last-level on-chip cache (L2; on MI300X the L2 of all XCDs, Infinity Cache not counted).
-        smem_per_sm_bytes: shared memory (NVIDIA) or LDS (AMD) per SM/CU.
-        max_warps_per_sm: resident warps (wavefronts on AMD) per SM/CU.
-        warp_size: 32 on NVIDIA, 64 on AMD CDNA.
-        regs_per_sm: 32-bit registers per SM (VGPR file per CU on AMD, in 32-bit lanes).
-        mem_latency_ns: loaded DRAM latency, from microbenchmarks (rough).
-        tensor_tflops: dense bf16 tensor-core peak with fp32 accumulation (datasheet).
-        launch_gap_us: GPU time between back-to-back kernels plus a small kernel's fixed cost.
-        per_sm_bandwidth_gbps: DRAM bandwidth one SM/CU can pull on its own (rough; ``None`` =
-            twice its fair share, i.e. half the SMs saturate DRAM). This is why a batch-1 decode
-            with one program per KV head (8 SMs busy) reaches a small fraction of the card's bandwidth.
-    """
-
-    name: str
-    vendor: str
-    sm_count: int
-    mem_bandwidth_gbps: float
-    bandwidth_source: str = "datasheet"
-    l2_bytes: int = 0
-    smem_per_sm_bytes: int = 228 * 1024
-    max_warps_per_sm: int = 64
-    warp_size: int = 32
-    regs_per_sm: int = 65536
-    mem_latency_ns: float = 650.0
-    tensor_tflops: float = 300.0
-    launch_gap_us: float = 2.5
-    per_sm_bandwidth_gbps: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"DeviceSpec.name must be a non-empty string; got {self.name!r}")
-        if self.vendor not in VENDORS:
-            raise ConfigError(f"DeviceSpec.vendor must be one of {', '.join(VENDORS)}; got {self.vendor!r}")
-        if self.bandwidth_source not in BANDWIDTH_SOURCES:
-            raise ConfigError(
-                f"DeviceSpec.bandwidth_source must be one of {', '.join(BANDWIDTH_SOURCES)}; got {self.bandwidth_source!r}"
-            )
-        for fname in ("sm_count", "max_warps_per_sm", "warp_size", "regs_per_sm", "smem_per_sm_bytes"):
-            v = getattr(self, fname)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"DeviceSpec.{fname} must be a positive integer; got {v!r}")
-        if isinstance(self.l2_bytes, bool) or not isinstance(self.l2_bytes, int) or self.l2_bytes < 0:
-            raise ConfigError(f"DeviceSpec.l2_bytes must be a non-negative integer; got {self.l2_bytes!r}")
-        for fname in ("mem_bandwidth_gbps", "mem_latency_ns", "tensor_tflops"):
-            v = getattr(self, fname)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0) or math.isinf(v):
-                raise ConfigError(f"DeviceSpec.{fname} must be a positive number; got {v!r}")
-        if isinstance(self.launch_gap_us, bool) or not isinstance(self.launch_gap_us, (int, float)) or not (
-            self.launch_gap_us >= 0
-        ):
-            raise ConfigError(f"DeviceSpec.launch_gap_us must be >= 0; got {self.launch_gap_us!r}")
-        v = self.per_sm_bandwidth_gbps
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0) or math.isinf(v)):
-            raise ConfigError(f"DeviceSpec.per_sm_bandwidth_gbps must be a positive number or None; got {v!r}")
-
-    @property
-    def sm_bandwidth_gbps(self) -> float:
-        """What one SM/CU can stream from DRAM by itself (see ``per_sm_bandwidth_gbps``)."""
-        if self.per_sm_bandwidth_gbps is not None:
-            return float(self.per_sm_bandwidth_gbps)
-        return 2.0 * self.mem_bandwidth_gbps / self.sm_count
-
-    @property
-    def achievable_bandwidth_gbps(self) -> float:
-        """Bandwidth a perfect streaming kernel reaches: the measured copy rate, or ~90% of a datasheet peak."""
-        return self.mem_bandwidth_gbps * (1.0 if self.bandwidth_source == "measured" else 0.9)
-
-    def with_measured_bandwidth(self, gbps: float) -> "DeviceSpec":
-        """A copy whose bandwidth is ``gbps`` measured on this card (e.g. by a device-to-device copy)."""
-        return replace(self, mem_bandwidth_gbps=float(gbps), bandwidth_source="measured")
-
-    @classmethod
-    def from_torch_device(cls, device: Any = None) -> "DeviceSpec":
-        """Spec of a torch device: a known card's datasheet numbers, with the SM count and L2 size
-        the driver reports; for an unknown card, what the driver reports and assumed latencies.
-
-        ``device``: a ``torch.device``, an index, a string such as ``"cuda:1"``, or ``None`` for the
-        current CUDA/ROCm device. A CPU device gives :data:`CPU_INTERPRETER`.
-        """
-        import torch
-
-        dev = torch.device(device) if device is not None and not isinstance(device, int) else None
-        if dev is not None and dev.type != "cuda":
-            return CPU_INTERPRETER
-        if not torch.cuda.is_available():
-            return CPU_INTERPRETER
-        index = device if isinstance(device, int) else (dev.index if dev is not None and dev.index is not None else torch.cuda.current_device())
-        props = torch.cuda.get_device_properties(index)
-        name = str(props.name)
-        amd = getattr(torch.version, "hip", None) is not None
-        sm = int(props.multi_processor_count)
-        l2 = int(getattr(props, "L2_cache_size", 0) or 0)
-        known = lookup_known_device(name, getattr(props, "gcnArchName", ""))
-        if known is not None:
-            spec = replace(known, name=name, sm_count=sm)
-            if l2 > 0 and not amd:
-                # On ROCm the reported L2 is one XCD's; keep the datasheet total there.
-                spec = replace(spec, l2_bytes=l2)
-            return spec
-        # Unknown card: DRAM bandwidth from clock x bus width if torch exposes them, else a guess.
-        clock_khz = getattr(props, "memory_clock_rate", 0) or 0
-        bus_bits = getattr(props, "memory_bus_width", 0) or 0
-        if clock_khz and bus_bits:
-            gbps = 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
-            source = "datasheet"
-        else:
-            gbps = 1000.0
-            source = "assumed"
-        warp = int(getattr(props, "warp_size", 64 if amd else 32) or (64 if amd else 32))
-        max_threads = int(getattr(props, "max_threads_per_multi_processor", 2048) or 2048)
-        return cls(
-            name=name,
-            vendor="amd" if amd else "nvidia",
-            sm_count=sm,
-            mem_bandwidth_gbps=gbps,
-            bandwidth_source=source,
-            l2_bytes=l2,
-            smem_per_sm_bytes=int(getattr(props, "shared_memory_per_multiprocessor", 0) or (64 * 1024 if amd else 100 * 1024)),
-            max_warps_per_sm=max(1, max_threads // warp),
-            warp_size=warp,
-            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 0) or 65536),
-            mem_latency_ns=800.0 if amd else 650.0,
-            tensor_tflops=300.0,
-            launch_gap_us=4.0 if amd else 2.5,
-        )
-
-
-MiB = 1024 * 1024
-KiB = 1024
-
-# Datasheet numbers (bandwidth, SMs, L2, shared memory, dense bf16 tensor peak). DRAM latencies are
-# rounded figures from microbenchmark papers (Hopper/Ampere ~500-700 ns loaded, GDDR6X similar,
-# MI300X ~800+ ns); launch gaps are typical back-to-back gaps seen in profiles; per-SM bandwidths
-# are order-of-magnitude figures (one SM's load path and outstanding-miss limits let it stream a
-# few tens of GB/s, so roughly half the SMs must be busy to saturate HBM). All "rough".
-KNOWN_DEVICES: dict[str, DeviceSpec] = {
-    "h100-sxm": DeviceSpec(
-        name="NVIDIA H100 SXM5 80GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3350.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=55.0,
-    ),
-    "h100-pcie": DeviceSpec(
-        name="NVIDIA H100 PCIe 80GB", vendor="nvidia", sm_count=114, mem_bandwidth_gbps=2000.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=756.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
-    ),
-    "h100-nvl": DeviceSpec(
-        name="NVIDIA H100 NVL 94GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3900.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=835.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0,
-    ),
-    "h200": DeviceSpec(
-        name="NVIDIA H200 SXM 141GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=4800.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0,
-    ),
-    "rtx4090": DeviceSpec(
-        name="NVIDIA GeForce RTX 4090", vendor="nvidia", sm_count=128, mem_bandwidth_gbps=1008.0,
-        l2_bytes=72 * MiB, smem_per_sm_bytes=100 * KiB, max_warps_per_sm=48, tensor_tflops=165.0,
-        mem_latency_ns=550.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
-    ),
-    "a100-sxm-80gb": DeviceSpec(
-        name="NVIDIA A100-SXM4-80GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=2039.0,
-        l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0,
-    ),
-    "a100-40gb": DeviceSpec(
-        name="NVIDIA A100-SXM4-40GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=1555.0,
-        l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=35.0,
-    ),
-    "mi300x": DeviceSpec(
-        name="AMD Instinct MI300X", vendor="amd", sm_count=304, mem_bandwidth_gbps=5300.0,
-        l2_bytes=32 * MiB, smem_per_sm_bytes=64 * KiB, max_warps_per_sm=32, warp_size=64,
-        regs_per_sm=4 * 512 * 64, tensor_tflops=1307.0, mem_latency_ns=850.0, launch_gap_us=4.0, per_sm_bandwidth_gbps=35.0,
-    ),
-}
-
-# The Triton interpreter on CPU: only so that heuristics produce small, valid grids in tests.
-CPU_INTERPRETER = DeviceSpec(
-    name="cpu (Triton interpreter)", vendor="cpu", sm_count=max(1, os.cpu_count() or 1),
-    mem_bandwidth_gbps=20.0, bandwidth_source="assumed", l2_bytes=0, smem_per_sm_bytes=1 << 20,
-    max_warps_per_sm=64, mem_latency_ns=100.0, tensor_tflops=0.1, launch_gap_us=50.0,
-)
-
-
-def lookup_known_device(name: str, arch: str = "") -> DeviceSpec | None:
-    """The datasheet spec whose card the driver's ``name`` (and AMD ``gcnArchName``) denotes, or None."""
-    n = name.lower()
-    if "h200" in n:
-        return KNOWN_DEVICES["h200"]
-    if "h100" in n:
-        if "pcie" in n:
-            return KNOWN_DEVICES["h100-pcie"]
-        if "nvl" in n:
-            return KNOWN_DEVICES["h100-nvl"]
-        return KNOWN_DEVICES["h100-sxm"]
-    if "4090" in n:
-        return KNOWN_DEVICES["rtx4090"]
-    if "a100" in n:
-        return KNOWN_DEVICES["a100-40gb"] if "40gb" in n else KNOWN_DEVICES["a100-sxm-80gb"]
-    if "mi300x" in n or ("gfx942" in (arch or "").lower() and "mi300a" not in n and "mi325" not in n):
-        return KNOWN_DEVICES["mi300x"]
-    return None
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of a torch dtype or a name ("bf16", "float16", "fp32", ...)."""
-    name = _dtypes.canonical(dtype)
-    if name is None:
-        raise ConfigError(f"unsupported dtype {dtype!r}; use float16, bfloat16 or float32")
-    return _dtypes.ITEMSIZE[name]
 
 
 def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
@@ -314,7 +75,7 @@ class Prediction:
 
 def kv_bytes(shape: DecodeShape, dtype: Any) -> int:
     """Bytes of K and V one decode step reads (all N positions of every row: the padded worst case)."""
-    return 2 * shape.batch * shape.kv_len * shape.kv_heads * shape.head_dim * dtype_bytes(dtype)
+    return 2 * shape.batch * shape.kv_len * shape.kv_heads * shape.head_dim * itemsize(dtype)
 
 
 def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSpec) -> Prediction:
@@ -326,7 +87,7 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
                 group_blocks=group_blocks_for(shape.query_rows),
             )
         )
-    elem = dtype_bytes(dtype)
+    elem = itemsize(dtype)
     b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
     splits = config.num_splits
     gb = group_blocks_for(shape.query_rows)
@@ -454,7 +215,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
     memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
     stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
-    elem = dtype_bytes(dtype)
+    elem = itemsize(dtype)
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
@@ -503,10 +264,8 @@ def rank_candidates(
         top_k: keep at most this many.
         max_slowdown: drop those predicted slower than ``max_slowdown`` x the best (e.g. 1.5).
     """
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ConfigError(f"top_k must be a positive integer or None; got {top_k!r}")
-    if max_slowdown is not None and not (max_slowdown >= 1.0):
-        raise ConfigError(f"max_slowdown must be >= 1.0 or None; got {max_slowdown!r}")
+    check_int(top_k, "top_k", positive=True, optional=True, must=True)
+    check_number(max_slowdown, "max_slowdown", minimum=1.0, optional=True, must=True)
     ranked = [RankedConfig(c, predict_time_us(c, shape, dtype, device_spec)) for c in configs]
     ranked.sort(
         key=lambda r: (
@@ -573,19 +332,6 @@ def best_predicted_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpe
 
 
 __all__: Sequence[str] = (
-    "DeviceSpec",
-    "KNOWN_DEVICES",
-    "tuning_survivors",
-    "CPU_INTERPRETER",
-    "Prediction",
-    "RankedConfig",
-    "candidate_configs",
-    "dtype_bytes",
-    "kv_bytes",
-    "lookup_known_device",
-    "predict",
-    "predict_time_us",
-    "rank_candidates",
-    "resident_programs_per_sm",
-    "best_predicted_config",
+    "Prediction", "RankedConfig", "best_predicted_config", "candidate_configs", "kv_bytes", "predict",
+    "predict_time_us", "rank_candidates", "resident_programs_per_sm", "tuning_survivors",
 )
