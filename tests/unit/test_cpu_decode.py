@@ -16,6 +16,7 @@ from tree_attn import decode_attention
 from tree_attn.kernels.cpu_decode import CHUNK_BYTES, SCORE_ELEMENTS, cpu_chunk_tokens, decode_attention_cpu
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64, decode_attention_torch
 from tree_attn.kernels import cpu_decode
+from tree_attn.kernels.prepared import clear_cache
 from tests.tolerances import assert_state_close, random_decode_inputs
 
 
@@ -24,7 +25,11 @@ def kernel_path(request, monkeypatch):
     """"default": the C kernel where it applies; "torch-only": the torch path for every call."""
     if request.param == "torch-only":
         monkeypatch.setattr(cpu_decode, "_native_kernel_for", lambda *args, **kwargs: None)
-    return request.param
+    # The public functions choose the path once per call signature (kernels.prepared caches it):
+    # start each test from an empty cache, and leave one, so neither path leaks into the other.
+    clear_cache()
+    yield request.param
+    clear_cache()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -59,6 +59,11 @@ def generate_command(
         "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or "
         "bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks.")] = DEFAULTS.dtype,
     page_size: Annotated[int, count_option("--page-size", help="Tokens per KV page (1..256).")] = DEFAULTS.page_size,
+    cuda_graph: Annotated[bool, typer.Option(
+        "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each generated token (the model's forward, every "
+        "layer's attention kernel, merge and NCCL traffic, the KV write and the argmax) as one CUDA graph and replay "
+        "it; if it cannot be captured, eager with the reason in the output. --no-cuda-graph runs every token "
+        "eagerly.")] = DEFAULTS.cuda_graph,
     timeout: Timeout = DEFAULTS.timeout_s,
     profile_ref: Profile = DEFAULTS.profile,
     json_out: Json = False,
@@ -70,6 +75,7 @@ def generate_command(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
         new_tokens=new_tokens, max_len=max_len, world_size=world_size, strategy=strategy, fanout=fanout,
         device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout, profile=profile_ref,
+        cuda_graph=cuda_graph,
     ))
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
@@ -98,16 +104,24 @@ def render_generate(result) -> None:
                      f"{ranks(result.world_size)}, {result.device} ({result.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
-    for col, just in (("decode", "left"), ("ranks", "right"), ("median", "right"), ("p95", "right"),
-                      ("tokens/s", "right"), ("sent/rank", "right"), ("msgs", "right"), ("tokens", "left")):
+    for col, just in (("decode", "left"), ("ranks", "right"), ("step", "left"), ("median", "right"),
+                      ("p95", "right"), ("tokens/s", "right"), ("sent/rank", "right"), ("msgs", "right"),
+                      ("tokens", "left")):
         table.add_column(col, justify=just, no_wrap=True)
     for r in result.rows:
         same = "reference" if r.name == "reference" else ("same" if r.matches_reference and r.ranks_agree else "DIFFER")
-        table.add_row(styled(r.name), str(r.ranks), f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
+        table.add_row(styled(r.name), str(r.ranks), "graph" if r.execution == "cuda graph" else "eager",
+                      f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
                       styled(same, None if same != "DIFFER" else "bold red"))
     out_console.print(table)
+    if result.backend == "nccl":  # GPU ranks: say why a row that could have been a graph was not
+        for r in result.rows[1:]:
+            if r.execution != "cuda graph" and r.why_eager:
+                out_console.print(f"{r.name}: eager: {r.why_eager}", style="dim")
     out_console.print(
+        "step: graph = each token one CUDA graph replay (the model, every layer's attention, merge and NCCL "
+        "traffic), eager = issued op by op; "
         f"per generated token (one decode step through all layers): latency on rank 0, bytes and messages each rank "
         f"sends (max over ranks); reference = transformers' sdpa attention and cache in one process, one rank = "
         f"tree-attn's paged kernel in one process; prefill {result.prefill_s:.1f} s in one process, its KV then split "

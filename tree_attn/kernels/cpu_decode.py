@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_native import NativeKernel, decode_native, native_kernel, native_status
+from .cpu_native import NativeDecodePlan, NativeKernel, decode_native, native_kernel, native_status
 from .shapes import check_decode_inputs
 
 # Bytes of one K (or V) chunk as stored: the unit that is read sequentially and then worked on per
@@ -188,6 +188,24 @@ def decode_attention_cpu(
             out_rows[row].masked_fill_(l == 0, 0.0)
         lse_rows[row] = (m + torch.log(l)).squeeze(-1)
     return _finish(q, out, lse)
+
+
+def native_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None, scale: float,
+                causal: bool) -> NativeDecodePlan | None:
+    """The C kernel's call resolved once for this signature (:class:`~.cpu_native.NativeDecodePlan`),
+    or None where :func:`decode_attention_cpu` would take the torch ops (or the kernel is off).
+    The inputs' shapes must have been checked (``check_decode_inputs``)."""
+    b, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
+    sq = q.shape[1] if q.dim() == 4 else 1
+    hkv = k.shape[2]
+    kernel = _native_kernel_for(None, q, k, v, sq * (hq // hkv), block_table, None, None)
+    if kernel is None:
+        return None
+    return NativeDecodePlan(
+        kernel, batch=b, q_len=sq, q_heads=hq, kv_heads=hkv, head_dim=d, kv_dtype=k.dtype, scale=scale,
+        causal=causal, tokens=q.dim() == 4, table_cols=0 if block_table is None else block_table.shape[1],
+        block_size=k.shape[1] if block_table is not None else 0,
+    )
 
 
 def _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens) -> NativeKernel | None:

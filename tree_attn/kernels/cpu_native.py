@@ -318,3 +318,98 @@ def decode_native(
     out = out.view(b, hkv, sq, g, d).transpose(1, 2).reshape(q.shape)
     lse = lse.view(b, hkv, sq, g).transpose(1, 2).reshape(q.shape[:-1])
     return out, lse
+
+
+class NativeDecodePlan:
+    """:func:`decode_native` for one call signature, resolved once (a prepared step's CPU path).
+
+    Built from the signature's sizes (``q [B, (Sq,) Hq, D]``, KV ``[.., Hkv, D]`` of ``kv_dtype``,
+    paged or not), it owns the scaled query, the lengths, the int64 block table and the threads'
+    partial states, so a call allocates nothing, checks nothing and only reads the tensors' data
+    pointers: it copies q (scaled) and the lengths in, runs the kernel on one or more threads, and
+    writes ``out``/``lse`` in place (any layout with q's shape: a packed message's views too). The
+    caller guarantees what :func:`decode_native` leaves to its caller: lengths 0..N and block-table
+    entries inside the pool (checked once by the prepared object that builds this plan). Two
+    threads' states are merged by :func:`merge_two_into`, a handful of small ops instead of the
+    general merge.
+    """
+
+    def __init__(self, kernel: NativeKernel, *, batch: int, q_len: int, q_heads: int, kv_heads: int,
+                 head_dim: int, kv_dtype: torch.dtype, scale: float, causal: bool, tokens: bool,
+                 table_cols: int = 0, block_size: int = 0) -> None:
+        b, sq, hq, hkv, d = batch, q_len, q_heads, kv_heads, head_dim
+        g = hq // hkv
+        self.kernel, self.scale, self.tokens = kernel, float(scale), tokens
+        self.b, self.sq, self.hq, self.hkv, self.g, self.d = b, sq, hq, hkv, g, d
+        self.rows = hkv * sq * g
+        self.qs = torch.empty(b, self.rows, d, dtype=torch.float32)
+        self.lens = torch.empty(b, dtype=torch.int64)
+        self.table = torch.empty(b, table_cols, dtype=torch.int64) if table_cols else None
+        self._outs = self._lses = None  # the threads' partial states, sized on first use
+        self._head = (_DTYPE_CODES[kv_dtype], self.qs.data_ptr())
+        self._mid = (self.lens.data_ptr(), None if self.table is None else self.table.data_ptr(), table_cols,
+                     block_size if table_cols else 0, sq, int(causal and sq > 1), b, hkv, sq * g, d)
+
+    def _buffers(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._outs is None or self._outs.shape[0] < parts:
+            self._outs = torch.empty(parts, self.b, self.rows, self.d, dtype=torch.float32)
+            self._lses = torch.empty(parts, self.b, self.rows, dtype=torch.float32)
+        return self._outs, self._lses
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+                 block_table: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+        b, sq, hkv, g, d = self.b, self.sq, self.hkv, self.g, self.d
+        # Widened to float32 first, then scaled (as decode_native does: q.float() * scale).
+        if sq == 1:  # rows are the heads in order: q [B, (1,) Hq, D] is already [B, Hkv * G, D]
+            self.qs.copy_(q.reshape(b, self.rows, d))
+        else:  # [B, Sq, Hkv, G, D] -> [B, Hkv, Sq, G, D]
+            self.qs.view(b, hkv, sq, g, d).copy_(q.reshape(b, sq, hkv, g, d).transpose(1, 2))
+        self.qs.mul_(self.scale)
+        if seq_lens is None:  # a contiguous cache read whole
+            self.lens.fill_(k.shape[1])
+        else:
+            self.lens.copy_(seq_lens)
+        if self.table is not None:
+            self.table.copy_(block_table)
+        longest = int(self.lens.max()) if b else 0
+        parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
+        outs, lses = self._buffers(parts)
+        args = (*self._head, k.data_ptr(), v.data_ptr(), *self._mid, *k.stride()[:3], *v.stride()[:3])
+        fn = self.kernel.function
+        if parts == 1:
+            codes = [fn(*args, 0, longest, outs[0].data_ptr(), lses[0].data_ptr())]
+        else:
+            cuts = [round(i * longest / parts) for i in range(parts + 1)]
+            codes = list(_pool(parts).map(
+                lambda i: fn(*args, cuts[i], cuts[i + 1], outs[i].data_ptr(), lses[i].data_ptr()), range(parts)))
+        if any(c != 0 for c in codes):
+            raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
+        if parts == 1:
+            o, l = outs[0], lses[0]
+        elif parts == 2:
+            o, l = merge_two_into(outs[0], lses[0], outs[1], lses[1])
+        else:
+            o, l = merge_states(outs[:parts], lses[:parts])
+        if sq == 1:  # [B, Hkv * G, (D)] is q's [B, (1,) Hq, (D)]
+            out.copy_(o.view(out.shape))
+            lse.copy_(l.view(lse.shape))
+        else:  # [B, Hkv, Sq, G, (D)] -> [B, Sq, Hkv, G, (D)]
+            out.unflatten(-2, (hkv, g)).copy_(o.view(b, hkv, sq, g, d).transpose(1, 2))
+            lse.unflatten(-1, (hkv, g)).copy_(l.view(b, hkv, sq, g).transpose(1, 2))
+
+
+def merge_two_into(o0: torch.Tensor, l0: torch.Tensor, o1: torch.Tensor,
+                   l1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of two of the C kernel's states ``(o [..., D], lse [...])`` float32, as
+    :func:`tree_attn.reduce.state.merge_states` gives for them: an empty state (lse -inf, o 0) is
+    the identity, both empty give o 0 and lse -inf, and a NaN (or +inf, from inf data) lse makes
+    the row NaN. A handful of small ops (the general merge's masks cost ~0.2 ms a call on CPU)."""
+    m = torch.maximum(l0, l1)  # NaN if either is NaN
+    m = torch.where(m == float("-inf"), 0.0, m)  # both empty: shift by 0, so exp gives 0, not NaN
+    w0 = torch.exp(l0 - m)  # 0 for an empty state; NaN where m is +inf
+    w1 = torch.exp(l1 - m)
+    den = w0 + w1
+    o = torch.addcmul(o0 * w0.unsqueeze(-1), o1, w1.unsqueeze(-1))
+    o.div_(torch.where(den > 0, den, 1.0).unsqueeze(-1))  # both empty: o stays 0; NaN stays NaN
+    return o, m + torch.log(den)  # log(0) = -inf for both empty
+

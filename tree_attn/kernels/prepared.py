@@ -94,11 +94,19 @@ class PreparedDecode:
         block_table: int32 ``[B, max_blocks]`` for a paged cache (see ``kernels.paged``), or None.
         options: a :class:`DecodeOptions`, or its fields as keywords (``scale``, ``impl``,
             ``config``, ``out_layout``, ``causal``).
+        check_values: check CPU tensors' ``seq_lens`` and block-table values on every call (True,
+            as the public functions do), or only here, once (False: for a decode loop that owns
+            them and keeps them in range, as ``generate``'s shard does; on GPUs they are checked
+            once either way).
+
+    CPU tensors that the C kernel takes run it through a :class:`~.cpu_native.NativeDecodePlan`
+    resolved here: a call then only copies q and the lengths in and launches.
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
-        *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
+        *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, check_values: bool = True,
+        **fields: Any,
     ) -> None:
         opts = self.options = DecodeOptions.of(options, fields)
         config, causal = opts.config, opts.causal
@@ -113,7 +121,8 @@ class PreparedDecode:
         self.device = q.device
         # Value checks of seq_lens need its values on the host: only for CPU tensors (free there);
         # on GPUs the kernel clamps lengths to 0..N instead of syncing.
-        self._check_lens_values = seq_lens is not None and seq_lens.device.type == "cpu"
+        # (check_decode_inputs above checked them once, for CPU tensors.)
+        self._check_lens_values = check_values and seq_lens is not None and seq_lens.device.type == "cpu"
         # The kernel reads int32 lengths; other integer dtypes are converted per call.
         self._lens_cast = seq_lens is not None and (seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous())
         self._table_cast = block_table is not None and (block_table.dtype != torch.int32 or not block_table.is_contiguous())
@@ -125,6 +134,11 @@ class PreparedDecode:
 
             check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
         self._launch = None
+        self._native = None
+        if self.impl == "torch" and self.device.type == "cpu":
+            from .cpu_decode import native_plan
+
+            self._native = native_plan(q, k, v, block_table, self.scale, causal)
         if self.impl == "triton":
             from .triton_launch import TritonDecodeLaunch  # lazy: triton only when it runs
 
@@ -164,6 +178,11 @@ class PreparedDecode:
                 from .paged import check_block_table
 
                 check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
+        if self._native is not None and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        ):
+            self._native(q, k, v, seq_lens, block_table, out, lse)
+            return out, lse
         if self._launch is None:
             from .reference import decode_attention_torch
 
@@ -281,17 +300,19 @@ class DecodeStep(StaticStep):
     sync), and the kernel clamps block ids into the pool. On GPUs a
     step is one graph replay (the kernel's one or two launches); on CPU it runs eagerly. ``out``
     (q's dtype) and ``lse`` (float32) are static: overwritten by the next step. ``captured``
-    says whether the graph is in use, ``why_eager`` why not.
+    says whether the graph is in use, ``why_eager`` why not. ``check_values=False``: CPU
+    lengths and block-table values are checked here only, not per step (see :class:`PreparedDecode`).
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, impl: str = "auto", config: DecodeConfig | None = None,
         cuda_graph: bool = True, block_table: torch.Tensor | None = None, causal: bool = False,
+        check_values: bool = True,
     ) -> None:
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
-        self.prepared = PreparedDecode(q, k, v, seq_lens, block_table=block_table,
+        self.prepared = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
                                        options=DecodeOptions(scale, impl, config, causal=causal))
         self.out, self.lse = self.prepared.new_outputs()
         # The graph's function holds the step's parts, not the step: a bound method would make a

@@ -258,7 +258,8 @@ class TreeDecodeStep(StaticStep):
     too: overwritten by the next step.
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
-    same point. ``captured`` says whether the graph is in use, ``why_eager`` why not.
+    same point. ``check_values=False``: CPU lengths and block-table values are checked at build
+    only, not per step (for a loop that owns them, as ``generate``'s shard does). ``captured`` says whether the graph is in use, ``why_eager`` why not.
 
     A call issues the step; ``step.wait()`` waits for it, at most ``timeout_s`` seconds (default:
     the process group's own timeout). NCCL work replayed from a graph has no watchdog, so this is
@@ -271,7 +272,7 @@ class TreeDecodeStep(StaticStep):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, group=None, plan: ReductionPlan | None = None, impl: str = "auto",
         config=None, check_shapes: bool = True, cuda_graph: bool = True, block_table: torch.Tensor | None = None,
-        causal: bool = False, timeout_s: float | None = None,
+        causal: bool = False, timeout_s: float | None = None, check_values: bool = True,
     ) -> None:
         group, plan = _group_and_plan(group, plan)
         self.tensors = (q, k, v, seq_lens)
@@ -280,7 +281,7 @@ class TreeDecodeStep(StaticStep):
         mine = local_causal(causal, group)
         if mine:
             check_new_tokens(q, k, seq_lens, group)  # once, at build (the step replays without syncing)
-        local = PreparedDecode(q, k, v, seq_lens, block_table=block_table,
+        local = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
                                options=DecodeOptions(scale, impl, config, PACKED, causal=mine))
         self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 from ..kernels.layout import FLOAT32
-from ..kernels.prepared import DecodeOptions, prepared_decode
+from ..kernels.prepared import DecodeOptions, PreparedDecode, prepared_decode
 from ..kernels.paged import gather_pages
 from ..kernels.shapes import check_decode_inputs
 from .state import merge_two
@@ -122,3 +122,97 @@ def ring_decode(
                           [f"to rank {succ}"] * len(sends) + [f"from rank {pred}"] * len(recvs))
             cur_k, cur_v, cur_len = nxt_k, nxt_v, nxt_len
     return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+class RingDecodeStep:
+    """:func:`ring_decode` prepared once on static tensors: ``out, lse = step(stats)``.
+
+    For decode loops (``generate``'s layers): built from the tensors the loop updates in place
+    (``q``, this rank's ``k``/``v`` or paged pools with ``block_table``, ``seq_lens``) and every
+    rank's shard length ``lengths`` (paged: ``max_blocks * block_size``), it checks the shapes
+    once (and, on the last rank under ``causal``, that its shard holds the new tokens), resolves
+    one local kernel per ring step (each source rank's block has its own length) and allocates
+    the receive buffers, two sets of the longest shard's size used in turn. A call then gathers
+    its own pages (what travels), exchanges blocks around the ring and merges, as
+    :func:`ring_decode` does, without a cache look-up, a shape check or a receive allocation.
+    It stays eager on GPUs: whole shards travel each step (see ``commands/run``'s reason).
+    The received lengths are checked on every call on CPU ranks (they come from a peer).
+
+    Building is local (no collective): every rank must pass the same ``lengths``.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, lengths: Sequence[int], scale: float | None = None, group=None, impl: str = "auto", config=None,
+        block_table: torch.Tensor | None = None, causal: bool = False,
+    ) -> None:
+        comm.require_initialized()
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != world or lengths[rank] != shape.kv_len:
+            raise DistributedError(
+                f"RingDecodeStep: lengths={lengths} must list {world} shard lengths with this rank's "
+                f"(rank {rank}) equal to its KV length {shape.kv_len}"
+            )
+        if causal and rank == world - 1:
+            check_new_tokens(q, k, seq_lens, group)  # once, here
+        b, hkv, d = shape.batch, shape.kv_heads, shape.head_dim
+        self.group, self.world, self.rank, self.lengths = group, world, rank, lengths
+        self.succ, self.pred = (rank + 1) % world, (rank - 1) % world
+        self.q, self.k, self.v, self.block_table = q, k, v, block_table
+        self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        self.lens = seq_lens if seq_lens is not None else torch.full((b,), shape.kv_len, dtype=torch.int32,
+                                                                    device=q.device)
+        self._own_lens = torch.empty(b, dtype=torch.int32, device=q.device)  # what is sent: int32
+        opts = DecodeOptions(scale, impl, config, FLOAT32)
+        # Step 0: this rank's own block, read in place; step s > 0: the block of rank (rank - s).
+        self.local = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=False,
+                                    options=opts._replace(causal=causal and rank == world - 1))
+        longest = max(lengths)
+        per = b * hkv * d
+        self._bufs = [(torch.empty(longest * per, dtype=k.dtype, device=k.device),
+                       torch.empty(longest * per, dtype=k.dtype, device=k.device),
+                       torch.zeros(b, dtype=torch.int32, device=q.device)) for _ in range(2 if world > 1 else 0)]
+        self._steps = []  # per ring step s = 1..world-1: (kernel, k view, v view, lens) of rank (rank - s)'s block
+        for s in range(1, world):
+            src = (rank - s) % world
+            kb, vb, lb = self._bufs[(s - 1) % 2]
+            n = lengths[src]
+            kv = (kb[: n * per].view(b, n, hkv, d), vb[: n * per].view(b, n, hkv, d))
+            kernel = PreparedDecode(q, *kv, lb, options=opts._replace(causal=causal and src == world - 1))
+            self._steps.append((kernel, *kv, lb))
+
+    def __call__(self, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        world, rank, q = self.world, self.rank, self.q
+        self._own_lens.copy_(self.lens)
+        if self.world == 1:
+            cur = None
+        elif self.block_table is None:
+            cur = (self.k.contiguous(), self.v.contiguous(), self._own_lens)
+        else:  # what travels: the shard's pages, gathered
+            cur = (gather_pages(self.k, self.block_table, self._own_lens),
+                   gather_pages(self.v, self.block_table, self._own_lens), self._own_lens)
+        out, lse = self.local(q, self.k, self.v, self.lens, block_table=self.block_table)
+        for step in range(world):
+            reqs: list = []
+            if step < world - 1:
+                src = (rank - step - 1) % world  # whose block arrives in this step
+                _, nxt_k, nxt_v, nxt_len = self._steps[step]
+                fwd_len = self.lengths[(rank - step) % world]
+                sends = [(cur[2], self.succ)] + ([(cur[0], self.succ), (cur[1], self.succ)] if fwd_len > 0 else [])
+                recvs = [(nxt_len, self.pred)] + ([(nxt_k, self.pred), (nxt_v, self.pred)]
+                                                  if self.lengths[src] > 0 else [])
+                reqs = comm.batch_p2p(sends, recvs, self.group, stats)
+            if step > 0:  # the block in hand came from rank (rank - step)
+                kernel, blk_k, blk_v, blk_len = self._steps[step - 1]
+                o_blk, lse_blk = kernel(q, blk_k, blk_v, blk_len)
+                out, lse = merge_two(out, lse, o_blk, lse_blk)
+            if reqs:
+                comm.wait_all(reqs, f"ring step {step}: exchange with ranks {self.pred} and {self.succ}",
+                              [f"to rank {self.succ}"] * len(sends) + [f"from rank {self.pred}"] * len(recvs))
+                cur = self._steps[step][1:]
+        self.out.copy_(out)
+        self.lse.copy_(lse)
+        return self.out, self.lse

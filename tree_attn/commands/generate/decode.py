@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from ...launch.setup import LaunchSetup, OnLaunch
 from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
 from .kv_store import PagedKVShard
 from .models import ModelSource, build_model
+from .token_step import TokenStep
 from .setup import PREFILL_CHUNK, GenerateOptions
 
 REFERENCE = "reference"
@@ -80,6 +82,7 @@ class GenerateSpec(OnLaunch):
     page_size: int = DEFAULTS.page_size
     prefill_chunk: int = PREFILL_CHUNK
     seed: int = DEFAULTS.seed  # shuffles the block tables
+    cuda_graph: bool = DEFAULTS.cuda_graph  # GPUs: each token one CUDA graph replay
 
     def shard_sizes(self) -> list[int]:
         """Prefill tokens per rank: the prompt minus its last token, split as evenly as possible."""
@@ -88,12 +91,16 @@ class GenerateSpec(OnLaunch):
 
 @dataclass
 class StrategyRun:
-    """One rank's decode with one strategy: its tokens, step times, bytes and messages per step."""
+    """One rank's decode with one strategy: its tokens, step times, bytes and messages per step,
+    and how a token ran (``"cuda graph"``: one replay; ``"eager"``: op by op, ``why_eager`` says
+    why)."""
 
     tokens: list[int]
     step_s: list[float]
     bytes_per_step: list[int]
     messages_per_step: list[int]
+    execution: str = "eager"
+    why_eager: str | None = None
 
 
 @dataclass
@@ -110,6 +117,8 @@ class GenerateRow:
     ranks_agree: bool = True
     matches_reference: bool = True
     text: str | None = None
+    execution: str = "eager"
+    why_eager: str | None = None
 
     @property
     def median_s(self) -> float:
@@ -129,7 +138,7 @@ class GenerateRow:
             "tokens_per_s": self.tokens_per_s, "bytes_per_rank_per_token": self.bytes_per_token,
             "messages_per_rank_per_token": self.messages_per_token, "ranks_agree": self.ranks_agree,
             "matches_reference": self.matches_reference, "tokens": self.tokens, "text": self.text,
-            "step_ms": [1e3 * s for s in self.step_s],
+            "step_ms": [1e3 * s for s in self.step_s], "execution": self.execution, "why_eager": self.why_eager,
         }
 
 
@@ -149,6 +158,7 @@ class GenerateResult:
     profile: Any = None  # commands.run.setup.ProfileChoice, set by the caller
     prompt_text: str | None = None
     shard_sizes: list[int] = field(default_factory=list)
+    cuda_graph: bool = True  # asked for (GPUs); each row says what ran
 
     @property
     def all_match(self) -> bool:
@@ -160,7 +170,7 @@ class GenerateResult:
             "new_tokens": self.new_tokens, "world_size": self.world_size, "device": self.device,
             "backend": self.backend, "dtype": self.dtype, "page_size": self.page_size,
             "prefill_tokens_per_rank": self.shard_sizes, "new_tokens_rank": self.world_size - 1,
-            "prefill_s": self.prefill_s, "all_match_reference": self.all_match,
+            "prefill_s": self.prefill_s, "all_match_reference": self.all_match, "cuda_graph": self.cuda_graph,
             "profile": self.profile.to_dict() if hasattr(self.profile, "to_dict") else self.profile,
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -199,39 +209,53 @@ def _next_token(logits: torch.Tensor) -> int:
 
 @torch.inference_mode()
 def decode_tokens(model, ctx: DecodeContext, first: int, start: int, steps: int,
-                  progress: Callable[[str], None], label: str) -> StrategyRun:
+                  progress: Callable[[str], None], label: str, *, cuda_graph: bool = True,
+                  timeout_s: float | None = None, rank: int | None = None, world_size: int = 1,
+                  abort: Callable[[], str] | None = None) -> StrategyRun:
     """Greedy decode ``steps`` tokens from input token ``first`` at position ``start``.
 
-    One untimed warm-up forward first (it prepares the merge and kernels; its KV is dropped).
+    One :class:`.token_step.TokenStep`: an untimed warm-up forward builds every layer's prepared
+    step (collectively on several ranks; its KV is overwritten), then on GPUs the whole token is
+    captured as one CUDA graph (``cuda_graph``) and each token is a replay, waited for at most
+    ``timeout_s``. Both the token step and the layers' steps are freed before this returns, so
+    nothing of them outlives the process group.
     """
-    device = ctx.store.k[0].device
+    device = ctx.store.seq_lens.device
     cuda = device.type == "cuda"
-
-    def forward(token: int, pos: int) -> int:
-        logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=_positions(pos, 1, device),
-                       use_cache=False, logits_to_keep=1, **{CONTEXT_KWARG: ctx}).logits
-        return _next_token(logits)  # a host sync: the step is over
-
-    ctx.begin(1)
-    forward(first, start)
-    ctx.abort()
     run = StrategyRun([], [], [], [])
-    token, last_note = first, time.monotonic()
-    for i in range(steps):
-        ctx.stats.reset()
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        ctx.begin(1)
-        token = forward(token, start + i)
-        ctx.end()
-        run.step_s.append(time.perf_counter() - t0)
-        run.tokens.append(token)
-        run.bytes_per_step.append(ctx.stats.bytes_sent)
-        run.messages_per_step.append(ctx.stats.messages)
-        if time.monotonic() - last_note > PROGRESS_S:
-            progress(f"{label}: token {i + 1}/{steps}")
-            last_note = time.monotonic()
+    step = None
+    try:
+        step = TokenStep(model, ctx, first, start, cuda_graph=cuda_graph, timeout_s=timeout_s, rank=rank,
+                         world_size=world_size, abort=abort, label=label)
+        run.execution = "cuda graph" if step.captured else "eager"
+        run.why_eager = step.why_eager
+        last_note = time.monotonic()
+        for i in range(steps):
+            ctx.stats.reset()
+            if cuda:
+                torch.cuda.synchronize(device)  # quick: the last step was waited for
+            t0 = time.perf_counter()
+            token = step()
+            run.step_s.append(time.perf_counter() - t0)
+            ctx.stats.add(step.traffic)  # the merges' (a graph replay runs no Python to count them)
+            run.tokens.append(token)
+            run.bytes_per_step.append(ctx.stats.bytes_sent)
+            run.messages_per_step.append(ctx.stats.messages)
+            if time.monotonic() - last_note > PROGRESS_S:
+                progress(f"{label}: token {i + 1}/{steps}")
+                last_note = time.monotonic()
+    finally:
+        # Deterministically, before the caller tears the process group down: NCCL's teardown
+        # waits for every graph that holds its kernels. While an error propagates, it is the one
+        # to report, not a close's.
+        failing = sys.exc_info()[1] is not None
+        try:
+            if step is not None:
+                step.close()
+            ctx.close()
+        except Exception:  # noqa: BLE001 - see above
+            if not failing:
+                raise
     return run
 
 
@@ -259,7 +283,7 @@ def reference_tokens(model, pre: PrefillContext, first: int, steps: int) -> Stra
 
         forward(fresh_cache(), first, start)  # warm-up, as for the other rows
         cache = fresh_cache()
-        run = StrategyRun([], [], [], [])
+        run = StrategyRun([], [], [], [], why_eager="transformers' own forward and cache, as transformers runs them")
         token = first
         for i in range(steps):
             if device.type == "cuda":
@@ -284,6 +308,8 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
     same start. Returns one :class:`StrategyRun` per strategy label."""
     import torch.distributed as dist
 
+    from ...reduce.collectives import abort_group
+
     device = torch.device(env.device)
     shape = ModelShape.from_config(model.config.to_dict())
     n = spec.shard_sizes()[env.rank]
@@ -304,7 +330,9 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
         ctx = DecodeContext(store, "ring" if plan is None else "tree", holds_new=last, plan=plan,
                             ring_lengths=capacities, impl=spec.impl, config=spec.kernel_config)
         say_on_rank_0(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} ranks")
-        runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label)
+        runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label,
+                                    cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, rank=env.rank,
+                                    world_size=env.world_size, abort=abort_group)
         say_on_rank_0(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
     return runs
 
@@ -346,6 +374,7 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | 
         messages_per_token=max(max(r.messages_per_step, default=0) for r in runs),
         ranks_agree=all(r.tokens == mine.tokens for r in runs),
         matches_reference=reference is None or mine.tokens == reference,
+        execution=mine.execution, why_eager=mine.why_eager,
     )
 
 
@@ -391,7 +420,9 @@ def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callab
         local.write(layer, 0, *pre.tokens(layer, 0, start))
     local.set_length(start)
     ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=spec.kernel_config)
-    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
+    one = decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK, cuda_graph=spec.cuda_graph,
+                        timeout_s=spec.timeout_s)
+    rows.append(_row(ONE_RANK, 1, [one], ref.tokens))
     return rows
 
 
@@ -434,6 +465,7 @@ def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, devic
         model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
         new_tokens=spec.new_tokens, world_size=spec.world_size, device=device, backend=backend, dtype=spec.dtype,
         page_size=spec.page_size, prefill_s=prefill_s, rows=rows, shard_sizes=spec.shard_sizes(),
+        cuda_graph=spec.cuda_graph,
     )
 
 

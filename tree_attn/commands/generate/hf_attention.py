@@ -10,8 +10,9 @@ the function reads a context passed as the forward's keyword argument ``tree_att
   every layer's K and V.
 - :class:`DecodeContext`: this rank's paged KV shard (:class:`.kv_store.PagedKVShard`); the
   new token's K and V go to the shard that holds new tokens (the last rank's), then the layer's
-  attention over all ranks' shards is ``tree_decode``, ``ring_decode`` or, on one process,
-  ``decode_attention``.
+  attention over all ranks' shards is the layer's step prepared once per session
+  (:mod:`.layer_steps`: ``TreeDecodeStep``, ``RingDecodeStep`` or, on one process,
+  ``DecodeStep``).
 
 The model is called with ``use_cache=False`` and explicit ``position_ids``: the KV cache lives
 here, not in a transformers ``Cache``. No attention mask is built for a registered function
@@ -26,17 +27,16 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ...kernels.dispatch import decode_attention
-from ...reduce.state import merge_partials
-from ...reduce.collectives import tree_decode
-from ...reduce.ring import ring_decode
 from ...reduce.comm import CommStats
 from ...reduce.plan import ReductionPlan
+from ...reduce.state import merge_partials
 from .kv_store import PagedKVShard
+from .layer_steps import build_layer_step
 
 ATTENTION_NAME = "tree_attn"
 CONTEXT_KWARG = "tree_attn_ctx"
 _QUERY_ROWS = 64  # query rows per block of the portable prefill attention (bounds its score memory)
+MAX_NEW_PER_FORWARD = 16  # new tokens per decode forward: the decode kernels' Sq limit (a verify step)
 
 
 @dataclass
@@ -61,9 +61,26 @@ class PrefillContext:
 
 @dataclass
 class DecodeContext:
-    """One rank's decode state. ``strategy``: ``tree`` (with ``plan``), ``ring`` (with every
-    rank's pool capacity in ``ring_lengths``) or ``local`` (one process, no collective).
-    ``holds_new``: this rank's shard receives the new tokens' K and V."""
+    """One rank's decode session with one strategy: what every layer's attention reads.
+
+    ``strategy``: ``tree`` (with ``plan``), ``ring`` (with every rank's pool capacity in
+    ``ring_lengths``) or ``local`` (one process, no collective). ``holds_new``: this rank's shard
+    receives the new tokens' K and V (the last rank's).
+
+    Each layer's attention is a prepared step (:mod:`.layer_steps`), built on the first forward
+    of each query length and reused by every later one. What changes per forward is set once
+    for all layers, before it: ``seq_lens`` (shared by the layers), the new tokens' page slots
+    (``blocks``, ``offsets``) and which steps serve this query length (``steps``). Two ways in:
+
+    - :meth:`begin` / :meth:`end` around an eager forward of any number of tokens (a verify
+      step of several), from the host's count of the shard's tokens;
+    - :meth:`place_next` / :meth:`advance` inside the token step (:mod:`.token_step`), from
+      ``position``, a device tensor: the slot is computed on the device and ``seq_lens``
+      advanced there, so the step holds no number that changes per token and can be one CUDA
+      graph. The host then counts the token with :meth:`grew`.
+
+    :meth:`close` frees the steps (call it before the process group goes).
+    """
 
     store: PagedKVShard
     strategy: str
@@ -75,20 +92,96 @@ class DecodeContext:
     stats: CommStats = field(default_factory=CommStats)
     _new: int = 0
 
+    def __post_init__(self) -> None:
+        device = self.store.seq_lens.device
+        # The shard position of the next new token (on the rank that holds new tokens).
+        self.position = torch.full((1,), self.store.length, dtype=torch.int64, device=device)
+        self._arange = torch.arange(MAX_NEW_PER_FORWARD, dtype=torch.int64, device=device)
+        self._steps: dict[int, list] = {}
+        self.steps: list = self._steps_for(1)  # this forward's per-layer steps
+        self.writes = False  # this forward writes new K/V into this rank's shard
+        self.blocks: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None
+
+    def _steps_for(self, tokens: int) -> list:
+        steps = self._steps.get(tokens)
+        if steps is None:
+            steps = self._steps[tokens] = [None] * len(self.store.k)
+        return steps
+
+    def _place(self, tokens: int) -> None:
+        self.blocks, self.offsets = self.store.slots(self.position + self._arange[:tokens])
+
     def begin(self, new_tokens: int) -> None:
-        """Before a forward over ``new_tokens`` tokens: make room for them in the shard."""
+        """Before an eager forward over ``new_tokens`` tokens: make room for them in the shard."""
+        if not 1 <= new_tokens <= MAX_NEW_PER_FORWARD:
+            raise ConfigError(f"a decode forward takes 1..{MAX_NEW_PER_FORWARD} tokens; got {new_tokens}")
         self._new = new_tokens if self.holds_new else 0
+        self.writes = self._new > 0
+        if self.writes:
+            self.store.check_room(self.store.length, self._new)
+            self.position.fill_(self.store.length)
+            self._place(self._new)
         self.store.seq_lens.fill_(self.store.length + self._new)
+        self.steps = self._steps_for(new_tokens)
 
     def abort(self) -> None:
         """Drop the tokens of a forward (a warm-up): the shard stays as before :meth:`begin`."""
         self.store.seq_lens.fill_(self.store.length)
+        self.position.fill_(self.store.length)
         self._new = 0
+        self.writes = False
 
     def end(self) -> None:
         """After the forward: the new tokens are part of the shard."""
         self.store.set_length(self.store.length + self._new)
+        self.position.fill_(self.store.length)
         self._new = 0
+        self.writes = False
+
+    def place_next(self) -> None:
+        """Device side, before one token's forward (inside the token step's graph): on the rank
+        that holds new tokens, ``seq_lens = position + 1`` and the token's slot from ``position``;
+        no host number involved."""
+        self.steps = self._steps_for(1)
+        self.writes = self.holds_new
+        if self.holds_new:
+            self.store.seq_lens.copy_(self.position + 1)
+            self._place(1)
+
+    def advance(self) -> None:
+        """Device side, after one token's forward: the next token goes one position further."""
+        if self.holds_new:
+            self.position.add_(1)
+
+    def check_room(self, tokens: int = 1) -> None:
+        """Host side, before a token step: raise unless the shard has room for ``tokens`` more."""
+        if self.holds_new:
+            self.store.check_room(self.store.length, tokens)
+
+    def grew(self, tokens: int = 1) -> None:
+        """Host side, after a token step: count its token (the device state moved by itself)."""
+        if self.holds_new:
+            self.store.length += tokens
+
+    def reset(self) -> None:
+        """Device state back to the host's count (after warm-ups that moved it)."""
+        self.store.seq_lens.fill_(self.store.length)
+        self.position.fill_(self.store.length)
+        self.writes = False
+
+    def layer_steps(self, tokens: int = 1) -> list:
+        """The built steps for ``tokens`` query tokens, in layer order (None for layers not built)."""
+        return list(self._steps.get(tokens, []))
+
+    def close(self) -> None:
+        """Free every prepared step (and what it holds of the process group)."""
+        steps, self._steps = self._steps, {}
+        self.steps = self._steps_for(1)
+        for per_layer in steps.values():
+            for step in per_layer:
+                if step is not None:
+                    step.close()
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
@@ -143,27 +236,15 @@ def _prefill(ctx: PrefillContext, layer: int, query, key, value, scale: float) -
 
 
 def _decode(ctx: DecodeContext, layer: int, query, key, value, scale: float) -> torch.Tensor:
-    """One layer of a decode step on this rank: store the new K/V (if this rank holds them), then
-    attention over every rank's shard."""
-    store = ctx.store
-    b, _, sq, d = query.shape
-    if b != 1:
-        raise ConfigError(f"generate decodes one sequence; got a batch of {b}")
-    if ctx._new:
-        store.write(layer, store.length, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    q = query.transpose(1, 2).contiguous()  # [1, Sq, Hq, D]
-    if sq == 1:
-        q = q[:, 0]  # [1, Hq, D]
-    kwargs = dict(seq_lens=store.seq_lens, block_table=store.block_table, scale=scale, impl=ctx.impl,
-                  config=ctx.config, causal=sq > 1)
-    pools = (store.k[layer], store.v[layer])
-    if ctx.strategy == "tree":
-        out, _ = tree_decode(q, *pools, plan=ctx.plan, stats=ctx.stats, **kwargs)
-    elif ctx.strategy == "ring":
-        out, _ = ring_decode(q, *pools, lengths=ctx.ring_lengths, stats=ctx.stats, **kwargs)
-    else:
-        out, _ = decode_attention(q, *pools, **kwargs)
-    return out.view(1, sq, -1, d)
+    """One layer of a decode forward on this rank: store the new K/V (if this rank holds them) at
+    the slots the context set for this forward, then the layer's prepared step (built on the
+    first forward of this query length: :func:`.layer_steps.build_layer_step`)."""
+    step = ctx.steps[layer]
+    if step is None:
+        step = ctx.steps[layer] = build_layer_step(ctx, layer, query, scale)
+    if ctx.writes:
+        ctx.store.write_slots(layer, ctx.blocks, ctx.offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return step(query)
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

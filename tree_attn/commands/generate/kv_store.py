@@ -58,16 +58,32 @@ class PagedKVShard:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def _slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids, offsets) of tokens ``start .. start + n - 1``."""
+    def check_room(self, start: int, n: int) -> None:
+        """Raise :class:`ConfigError` unless tokens ``start .. start + n - 1`` fit in the shard."""
         if start + n > self.capacity:
             raise ConfigError(f"KV shard full: {start + n} tokens asked for, room for {self.capacity}")
-        pos = torch.arange(start, start + n, device=self.block_table.device)
-        return self.block_table[0, pos // self.page_size].long(), pos % self.page_size
+
+    def slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids, offsets in the page) of the token ``positions`` (int64, on the shard's
+        device), computed on the device: no host sync, so a CUDA graph can hold it. Positions must
+        be inside the shard (:meth:`check_room`); the page index is clamped into the table so that
+        a position past it could never index outside it on a GPU."""
+        pages = (positions // self.page_size).clamp_(max=self.block_table.shape[1] - 1)
+        return self.block_table[0, pages].long(), positions % self.page_size
+
+    def _slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids, offsets) of tokens ``start .. start + n - 1``."""
+        self.check_room(start, n)
+        return self.slots(torch.arange(start, start + n, device=self.block_table.device))
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens ``k, v [n, Hkv, D]`` of ``layer`` at positions ``start ..``."""
-        blocks, offsets = self._slots(start, k.shape[0])
+        self.write_slots(layer, *self._slots(start, k.shape[0]), k, v)
+
+    def write_slots(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Write tokens ``k, v [n, Hkv, D]`` of ``layer`` at the slots ``(blocks, offsets)`` (of
+        :meth:`slots`): the one place KV enters the pools, a decode step's new token included."""
         self.k[layer][blocks, offsets] = k.to(self.k[layer].dtype)
         self.v[layer][blocks, offsets] = v.to(self.v[layer].dtype)
 

@@ -41,6 +41,7 @@ class GenerateOptions(PlanOptions):
     new_tokens: int = 32
     max_len: int | None = None
     page_size: int = PAGE_SIZE
+    cuda_graph: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,6 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
     spec = GenerateSpec(source=source, prompt_ids=tuple(ids), launch=launch, new_tokens=n_new, page_size=page,
-                        seed=options.seed)
+                        seed=options.seed, cuda_graph=options.cuda_graph)
     return GenerateSetup(spec=spec, tokenizer=tokenizer, prompt_text=text, own_notices=tuple(notices),
                          own_warnings=tuple(warnings))
