@@ -10,19 +10,25 @@ from typing import Any
 
 from .errors import ConfigError
 
-# Canonical names, in the order tables list them.
-NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# Canonical names, in the order tables list them. The fp8 ones are KV-cache dtypes only (with
+# dequantization scales): OCP e4m3, and AMD CDNA3's e4m3 variant "fnuz" (bias 8, no -0 or inf).
+NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz")
 
 ALIASES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "float16": "float16", "fp16": "float16", "half": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e4m3fnuz": "float8_e4m3fnuz",
 }
 
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1}
 
 # Short names for tables and labels.
-SHORT: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+SHORT: dict[str, str] = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8_fnuz",
+}
+
+FP8: frozenset[str] = frozenset({"float8_e4m3fn", "float8_e4m3fnuz"})
 
 
 def canonical(dtype: Any) -> str | None:
@@ -51,3 +57,8 @@ def torch_dtype(dtype: Any):
 def itemsize(dtype: Any) -> int:
     """Bytes per element of a name, alias or torch dtype."""
     return ITEMSIZE[parse_dtype(dtype)]
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether a name, alias or torch dtype is one of the fp8 KV-cache dtypes."""
+    return canonical(dtype) in FP8

@@ -162,7 +162,7 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "mi300x-tree-merge-2": ("mi300x", Merge(1, 1, 32, 128)),
 }
 
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp8fnuz": "float8_e4m3fnuz"}
 
 
 class _TargetDriver:
@@ -202,7 +202,10 @@ def _tensors(launch: Launch):
         k = torch.empty(b * blocks, launch.page, hkv, d, dtype=kd)
     else:
         k = torch.empty(b, launch.n, hkv, d, dtype=kd)
-    return q, k, torch.empty_like(k), (lens if launch.lens or launch.page else None), table
+    scales = None
+    if launch.kv.startswith("fp8"):
+        scales = (torch.ones(hkv, dtype=torch.float32), torch.ones(hkv, dtype=torch.float32))
+    return q, k, torch.empty_like(k), (lens if launch.lens or launch.page else None), table, scales
 
 
 def plan(target_name: str, launch: Launch):
@@ -213,15 +216,16 @@ def plan(target_name: str, launch: Launch):
     from tree_attn.kernels.triton_launch import TritonDecodeLaunch
 
     target, spec_name = TARGETS[target_name]
-    q, k, v, lens, table = _tensors(launch)
+    q, k, v, lens, table, scales = _tensors(launch)
+    k_scale, v_scale = scales or (None, None)
     layout = PACKED if launch.packed else OutLayout(q.dtype)
     config = None if launch.config is None else DecodeConfig(**dict(launch.config))
     tl = TritonDecodeLaunch(
         q, k, v, lens, config=config, device_spec=KNOWN_DEVICES[spec_name], out_layout=layout,
-        block_table=table, causal=launch.causal, backend=target[0],
+        block_table=table, causal=launch.causal, backend=target[0], k_scale=k_scale, v_scale=v_scale,
     )
     out, lse = tl.new_outputs()
-    return tl, tl.launches(q, k, v, lens, out, lse, table)
+    return tl, tl.launches(q, k, v, lens, out, lse, table, k_scale=k_scale, v_scale=v_scale)
 
 
 def merge_launch(merge: Merge):

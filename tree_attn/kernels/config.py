@@ -132,11 +132,14 @@ def dot_math(q_dtype: Any, kv_dtype: Any) -> tuple[int, int]:
       (see ``triton_decode``): over bf16, 2 for an fp16 query (exact) and 3 for fp32 (fp32's
       precision); over fp16, 1 for a bf16 query (exact, after a power-of-two prescale into fp16's
       range) and 3 for fp32;
-    - an fp32 cache: ``(4, 1)``, the query is converted to fp32.
+    - an fp32 cache: ``(4, 1)``, the query is converted to fp32;
+    - an fp8 cache: as an fp16 cache, to which its tiles widen exactly (see ``triton_decode``).
     """
     from .. import dtypes as _dtypes  # local: keeps this module free of imports at load time
 
     q, kv = _dtypes.parse_dtype(q_dtype), _dtypes.parse_dtype(kv_dtype)
+    if kv in _dtypes.FP8:
+        kv = "float16"  # the tiles widen to fp16 (exactly)
     if q == kv or kv == "float32":
         return _dtypes.ITEMSIZE[kv], 1
     if q == "float32":
