@@ -96,7 +96,7 @@ def test_bytes_counted_right():
 
 def test_fp8_bytes_and_candidates():
     """An fp8 cache is 1 byte per element in memory (half of bf16's bytes and time at long N),
-    fp16 operands once loaded; its candidates add 256-key tiles and all pass the fp8 spill rule."""
+    fp16 operands once loaded; its candidates are the 16-bit tiles that pass the fp8 spill rule."""
     from tree_attn.kernels.config import stage1_spill_free
     from tree_attn.kernels.perf_model import element_sizes
 
@@ -105,11 +105,11 @@ def test_fp8_bytes_and_candidates():
     assert element_sizes(torch.bfloat16) == (2, 2) and element_sizes(torch.float32) == (4, 4)
     shape = llama(2, 10000)
     assert kv_bytes(shape, fp8) * 2 == kv_bytes(shape, torch.bfloat16)
-    for shape in (llama(1, 262144), DecodeShape(1, 16, 2, 64, 262144)):
-        cands = candidate_configs(shape, fp8, H100)
-        assert all(stage1_spill_free(c.block_n, c.num_warps, shape, fp8) for c in cands)
-        # 256 keys spill at D=128 (16 rows, 8 warps: the state rule's 148 per thread), not at D=64
-        assert {c.block_n for c in cands} == ({32, 64, 128} if shape.head_dim == 128 else {32, 64, 128, 256})
+    cands = candidate_configs(llama(1, 262144), fp8, H100)
+    assert {c.block_n for c in cands} == {32, 64, 128}
+    assert all(stage1_spill_free(c.block_n, c.num_warps, llama(1, 262144), fp8) for c in cands)
+    # the fp8 rule prunes more: 128 keys x 4 warps spill over fp8, not over bf16
+    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in candidate_configs(llama(1, 262144), torch.bfloat16, H100)}
     for shape in (llama(64, 65536), llama(1, 1 << 20)):  # enough programs to stream at the card's rate
         t8 = predict(DecodeConfig(block_n=64), shape, fp8, H100)
         t16 = predict(DecodeConfig(block_n=64), shape, torch.bfloat16, H100)

@@ -465,18 +465,16 @@ def _split_options(shape: DecodeShape, block_n: int, spec: DeviceSpec) -> list[i
 def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -> list[DecodeConfig]:
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
-    {32, 64, 128} ({16, 32, 64} for fp32, {32, 64, 128, 256} for fp8: the same bytes per tile as
-    16-bit tiles of half as many keys) whose pipelined K/V tiles fit in 85% of the SM's shared
-    memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
+    {32, 64, 128} ({16, 32, 64} for fp32; fp8 as 16-bit: 256-key tiles, tried, spill registers
+    where the rule passes them) whose pipelined K/V tiles fit in 85% of the SM's shared memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
     stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
     kv_elem, elem = element_sizes(dtype)
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
-    block_opts = (16, 32, 64) if elem == 4 else ((32, 64, 128, 256) if kv_elem == 1 else (32, 64, 128))
     out: list[DecodeConfig] = []
-    for block_n in block_opts:
+    for block_n in (16, 32, 64) if elem == 4 else (32, 64, 128):
         split_opts = _split_options(shape, block_n, device_spec)
         for num_stages in stage_opts:
             probe = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
