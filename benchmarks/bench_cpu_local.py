@@ -7,7 +7,7 @@ other processes hits every column alike):
 - ``bw``: one core's read bandwidth, ``torch.sum`` over a float32 tensor of ``--bw-mib`` MiB (far
   larger than the caches);
 - ``ours``: ``tree_attn.decode_attention(q, k, v, impl="torch")`` (the CPU path,
-  ``tree_attn.kernels.cpu_decode``), k/v ``[1, N, Hkv, D]`` as the runner stores shards: the fused
+  ``tree_attn.kernels.cpu_decode``), k/v ``[1, N, Hkv, D]`` as ``run`` stores shards: the fused
   C kernel (``cpu_native``) when it is built on this machine, which the header line says;
 - ``torch-ops``: the same call with the C kernel turned off (``decode_attention_cpu(...,
   native=False)``), the path every machine without a C compiler runs;

@@ -27,7 +27,8 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.decode_run import RunSpec, run_decode  # noqa: E402
+from tree_attn.commands.run.decode import RunSpec, run_decode  # noqa: E402
+from tree_attn.launch.setup import LaunchSetup  # noqa: E402
 
 
 def predicted_bytes(strategy: str, world: int, seq_len: int, spec: RunSpec, fanout: int = 2) -> float:
@@ -61,7 +62,7 @@ def main() -> int:
 
         data = json.loads(pathlib.Path(args.table_from).read_text())
         for r in data["rows"]:
-            spec = RunSpec(world_size=r["world_size"], seq_len=r["seq_len"], plans=(("ring", None),))
+            spec = RunSpec(LaunchSetup(world_size=r["world_size"], plans=(("ring", None),)), seq_len=r["seq_len"])
             r["predicted_bytes"] = predicted_bytes(r["strategy"], r["world_size"], r["seq_len"], spec)
         print(f"machine: {data['machine']}")
         print_table(data["rows"])
@@ -72,7 +73,7 @@ def main() -> int:
     rows = []
     for world in worlds:
         for n in seq_lens:
-            spec = RunSpec(world_size=world, seq_len=n, steps=args.steps, warmup=args.warmup, plans=plans)
+            spec = RunSpec(LaunchSetup(world_size=world, plans=plans), seq_len=n, steps=args.steps, warmup=args.warmup)
             t0 = time.time()
             print(f"world {world}, {n} tokens ...", file=sys.stderr, flush=True)
             result = run_decode(spec)

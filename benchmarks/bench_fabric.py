@@ -53,7 +53,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason  # noqa: E402
-from tree_attn.runner.simulate import parse_tokens  # noqa: E402
+from tree_attn.commands.defaults import parse_tokens  # noqa: E402
 
 SCHEMA = 1
 STRATEGIES = ("tree", "allreduce", "ring")

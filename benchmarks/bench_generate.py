@@ -37,9 +37,9 @@ import torch  # noqa: E402
 
 from tree_attn.dtypes import parse_dtype  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.generate import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
-from tree_attn.runner.generate_setup import default_dtype  # noqa: E402
-from tree_attn.runner.models import PRESETS, ModelSource  # noqa: E402
+from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
+from tree_attn.launch.setup import LaunchSetup, default_dtype  # noqa: E402
+from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
 
@@ -69,10 +69,9 @@ def main() -> int:
     failed = False
     for ctx in contexts:
         prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
-        spec = GenerateSpec(source, prompt, new_tokens=args.new_tokens, world_size=worlds[0],
-                            strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)),
-                            device_kind=args.device, backend=backend, dtype=dtype,
-                            timeout_s=600.0)
+        launch = LaunchSetup(world_size=worlds[0], device_kind=args.device, backend=backend, dtype=dtype,
+                             timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
+        spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens)
         print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
         folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
         try:
@@ -81,7 +80,7 @@ def main() -> int:
             rows = [(1, r) for r in local.rows]
             for world in worlds:
                 print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
-                spec_w = dataclasses.replace(spec, world_size=world)
+                spec_w = dataclasses.replace(spec, launch=dataclasses.replace(launch, world_size=world))
                 rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
         finally:
             shutil.rmtree(folder, ignore_errors=True)

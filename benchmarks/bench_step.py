@@ -50,7 +50,7 @@ def _time_steps(env, step, steps: int, warmup: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tree_attn.ranks.launch import barrier
+    from tree_attn.launch.group import barrier
 
     for _ in range(warmup):
         step()
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_step: no CUDA or ROCm GPU visible: this benchmark times GPU decode steps.", file=sys.stderr)
         return 2
-    from tree_attn.ranks.launch import launch_ranks
+    from tree_attn.launch.spawn import launch_ranks
 
     world = args.world_size or torch.cuda.device_count()
     per_rank = launch_ranks(rank_main, world, args=(args.lens, args.steps, args.warmup), backend="nccl",

@@ -23,7 +23,7 @@ from .errors import ShapeError
 
 
 def merge_states(
-    outs: torch.Tensor, lses: torch.Tensor, *, faulty_is_empty: bool = False
+    outs: torch.Tensor, lses: torch.Tensor, *, faulty_is_empty: bool = False, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exactly merge ``S`` partial states: the one merge, every level.
 
@@ -35,9 +35,11 @@ def merge_states(
             only NaN or inf data can produce one): the row's result is NaN, as torch SDPA gives.
             True (states callers hand to :func:`merge_partials`, whose kernels may use them as
             empty sentinels): an empty state.
+        dtype: what the merge computes in and returns: float32, or float64 for the float64
+            references beside the fast paths.
 
     Returns:
-        ``(out, lse)``: out ``[*batch, D]`` float32, lse ``[*batch]`` float32. Rows where every
+        ``(out, lse)``: out ``[*batch, D]``, lse ``[*batch]``, both ``dtype``. Rows where every
         state is empty give out 0 and lse -inf.
     """
     if outs.dim() < 2 or lses.dim() != outs.dim() - 1 or outs.shape[:-1] != lses.shape:
@@ -47,13 +49,13 @@ def merge_states(
         )
     if outs.device != lses.device:
         raise ShapeError(f"outs and lses must be on one device; got {outs.device} and {lses.device}")
-    lses = lses.float()
+    lses = lses.to(dtype)
     faulty = ~(lses < float("inf"))  # +inf or NaN
     lses = torch.where(faulty, float("-inf"), lses)
     if outs.shape[0] == 0:
         return (
-            torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device),
-            torch.full(lses.shape[1:], float("-inf"), dtype=torch.float32, device=outs.device),
+            torch.zeros(outs.shape[1:], dtype=dtype, device=outs.device),
+            torch.full(lses.shape[1:], float("-inf"), dtype=dtype, device=outs.device),
         )
     m = lses.amax(dim=0)
     # A row with every state empty has max -inf; shift by 0 there so exp() gives 0, not NaN.
@@ -61,7 +63,7 @@ def merge_states(
     w = torch.exp(lses - m_safe)  # [S, *batch]; 0 for empty states
     denom = w.sum(dim=0)
     # Weighted sum; empty states may carry garbage in o (even NaN), so zero them explicitly.
-    contrib = torch.where(w.unsqueeze(-1) > 0, w.unsqueeze(-1) * outs.float(), 0.0)
+    contrib = torch.where(w.unsqueeze(-1) > 0, w.unsqueeze(-1) * outs.to(dtype), 0.0)
     num = contrib.sum(dim=0)
     nonempty = denom > 0
     out = torch.where(nonempty.unsqueeze(-1), num / torch.where(nonempty, denom, 1.0).unsqueeze(-1), 0.0)

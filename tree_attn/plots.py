@@ -79,7 +79,7 @@ def _tokens(n: float) -> str:
 def plot_simulation(result, path: str) -> None:
     """Left: predicted step time vs sequence length for each strategy (at the largest world size);
     right: ring/tree speedup vs world size, one line per sequence length. ``result`` is a
-    ``runner.simulate.SimulateResult``."""
+    ``commands.simulate.SimulateResult``."""
     plt = require_matplotlib()
     rows = result.rows
     worlds = sorted({r.world_size for r in rows})

@@ -10,12 +10,12 @@ The count of cases is recorded in benchmarks/RESULTS.md ("Reliability").
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.torchrun import free_port
 from tree_attn.cli.app import main
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
@@ -63,12 +63,6 @@ def _files(root: Path) -> None:
 def _snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
             for p in sorted(root.rglob("*"))}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CPU = ["--device", "cpu"]
@@ -213,7 +207,7 @@ TIME_BOUND_S = 15.0  # the slowest case waits 2 s for a torchrun peer
 @pytest.mark.parametrize("argv,env,code,text", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input(argv, env, code, text, tmp_path, monkeypatch, capsys):
     _files(tmp_path)
-    port = str(_free_port())
+    port = str(free_port())
     for name, value in {**STALE, **env}.items():
         if value is None:
             monkeypatch.delenv(name, raising=False)

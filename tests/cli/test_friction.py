@@ -64,7 +64,7 @@ def test_probe_of_a_dump_without_names_prints_no_unknown_device_lines(capsys):
 
 
 def test_probe_and_run_default_to_the_same_cpu_rank_count(capsys):
-    from tree_attn.runner.run_setup import RunOptions, plan_run
+    from tree_attn.commands.run.setup import RunOptions, plan_run
 
     assert main(["probe", "--backend", "host", "--json"]) == 0
     probed = json.loads(capsys.readouterr().out)
@@ -76,7 +76,7 @@ def test_probe_and_run_default_to_the_same_cpu_rank_count(capsys):
 
 def test_run_names_the_profile_saved_for_another_rank_count():
     from tree_attn.profiles import load_builtin, profile_path_for, save_profile
-    from tree_attn.runner.run_setup import RunOptions, plan_run
+    from tree_attn.commands.run.setup import RunOptions, plan_run
 
     four = load_builtin("cpu-4-ranks")  # as `tune --device cpu` (4 ranks) saves it
     save_profile(four, profile_path_for(four.machine.fingerprint))

@@ -66,10 +66,10 @@ COUNT_OPTIONS = [
 @pytest.fixture
 def planned(monkeypatch, capsys):
     """Stand-ins for each command's planner: they record what the command parsed and stop."""
-    import tree_attn.runner.generate_setup as generate_setup
-    import tree_attn.runner.run_setup as run_setup
-    import tree_attn.runner.sweep as sweep
-    import tree_attn.runner.tune_profile as tune_profile
+    import tree_attn.commands.generate.setup as generate_setup
+    import tree_attn.commands.run.setup as run_setup
+    import tree_attn.commands.run.sweep as sweep
+    import tree_attn.commands.tune.setup as tune_setup
 
     seen: dict = {}
 
@@ -81,7 +81,7 @@ def planned(monkeypatch, capsys):
 
     monkeypatch.setattr(run_setup, "plan_run", record)
     monkeypatch.setattr(sweep, "run_sweep", lambda options, text, progress=None: record(options, text))
-    monkeypatch.setattr(tune_profile, "plan_tune", record)
+    monkeypatch.setattr(tune_setup, "plan_tune", record)
     monkeypatch.setattr(generate_setup, "plan_generate", record)
 
     def parse(cmd: str, option: str, value: str) -> dict:
@@ -298,7 +298,7 @@ def test_plot_without_sweep_is_refused(tmp_path, capsys):
 
 def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     from tree_attn.cli.run import render_sweep
-    from tree_attn.runner.decode_run import RunResult, StrategyResult
+    from tree_attn.commands.run.decode import RunResult, StrategyResult
 
     def row(name, ms):
         return StrategyResult(name, "tree k=2" if name == "tree" else name, ms, ms, 0, 0.0, 0, 0, 0, 0.0, 0.0, True)
@@ -309,6 +309,27 @@ def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     assert re.search(r"^ *1,024 +tree k=2 +1\.0 .* 3\.0 *$", out, re.M), out  # ring 3 ms / tree 1 ms
     assert ("ring/x = ring's median step divided by this row's median step, at the same length (above 1: this "
             "row is faster than ring)") in " ".join(out.split())
+
+
+def test_run_footnote_says_how_eager_rows_device_time_was_taken(capsys):
+    """GPU rows: the footnote says what the device column is, and for eager rows (timed again,
+    queued behind a spin kernel) where the JSON says how; no eager clause without such a row."""
+    from tree_attn.cli.run import render_run
+    from tree_attn.commands.run.decode import DEVICE_TIME_GRAPH, DEVICE_TIME_HELD, RunResult, StrategyResult
+
+    def row(name, execution, how):
+        return StrategyResult(name, name, 2.0, 2.5, 0, 0.0, 0, 0, 0, 0.0, 0.0, True, execution=execution,
+                              device_ms_median=1.5, device_time=how)
+
+    spec = {"world_size": 2, "seq_len": 1024}
+    render_run(RunResult(spec=spec, device="GPU", backend="nccl",
+                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH), row("ring", "eager", DEVICE_TIME_HELD)]))
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("device = CUDA-event time of the step (slowest rank); eager rows: extra steps queued behind a spin "
+            "kernel (JSON device_time)") in out, out
+    render_run(RunResult(spec=spec, device="GPU", backend="nccl", results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH)]))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "device = CUDA-event time of the step (slowest rank)" in out and "eager rows" not in out
 
 
 def test_subprocesses_keep_their_temporary_files_in_the_sessions_folder(_subprocess_tmpdir):

@@ -54,7 +54,7 @@ def test_run_json_small(capsys):
     assert all("cpu tensors" in r["why_eager"] for name, r in rows.items() if name != "ring")
     assert all(r["device_ms_median"] is None for r in rows.values())
     assert "spawning 3 CPU ranks" in captured.err
-    from tree_attn.ranks.launch import usable_cores
+    from tree_attn.launch.env import usable_cores
 
     if usable_cores() < 3:  # oversubscribed: said, with a world size that fits
         assert f"share {usable_cores()} core" in captured.err and f"-w {usable_cores()}" in captured.err
@@ -85,6 +85,21 @@ def test_bad_input_is_one_clear_line_and_exit_1(capsys, args, message):
     assert code == 1
     assert message in captured.err
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("world", ["100", "65"])
+def test_too_many_cpu_ranks_names_the_limit_and_the_steadiest_count(capsys, world):
+    """``-w 100`` on CPU ranks: the error gives the most this machine takes (an upper bound, not
+    one count to use) and the steadiest count, one rank per core."""
+    from tree_attn.launch.env import max_cpu_ranks, usable_cores
+
+    limit, cores = max_cpu_ranks(), usable_cores()
+    assert main(["run", "--device", "cpu", "-w", world, "--seq-len", "64", "--steps", "1"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--world-size {world}: at most {limit} CPU ranks on this machine" in err, err
+    assert (f"use --world-size {limit} or fewer (--world-size {min(limit, cores)}, one rank per core, gives the "
+            "steadiest timings)") in err, err
+    assert "Traceback" not in err
 
 
 def test_device_cuda_without_a_visible_gpu_is_one_clear_line():

@@ -85,7 +85,7 @@ def test_without_a_profile_run_says_it_uses_defaults(profile_dir, capsys):
 
 
 def test_tune_refuses_to_overwrite_without_force_before_timing(profile_dir, capsys, tmp_path, monkeypatch):
-    from tree_attn.runner import tune
+    from tree_attn.commands.tune import timing as tune
 
     def no_timing(*args, **kwargs):
         raise AssertionError("tune timed plans although its output cannot be written")
@@ -176,8 +176,8 @@ def test_every_rank_uses_rank_0s_plan():
     skew counts once per batch, not once per iteration); every rank returns the same timings'
     plans and rank 0's choice, the plan of the lowest median."""
     from tree_attn.reduce.hier_plan import candidate_plans
-    from tree_attn.ranks.launch import launch_ranks
-    from tree_attn.runner.tune import time_plans_rank
+    from tree_attn.launch.spawn import launch_ranks
+    from tree_attn.commands.tune.timing import time_plans_rank
 
     cands = candidate_plans(3, [("node", [[0, 1], [2]]), ("sys", [[0, 1, 2]])])
     results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 4, 1))  # 3 batches of 4, 1 warm-up
@@ -192,21 +192,22 @@ def test_every_rank_uses_rank_0s_plan():
 
 
 def test_plan_timing_batches():
-    from tree_attn.runner.tune import TuneOptions
+    from tree_attn.commands.tune.timing import TuneOptions
+    from tree_attn.launch.setup import LaunchSetup
 
-    quick = TuneOptions(world_size=2, device_kind="cpu", backend="gloo", quick=True).plan_batches
-    full = TuneOptions(world_size=2, device_kind="cpu", backend="gloo").plan_batches
+    quick = TuneOptions(LaunchSetup(world_size=2), quick=True).plan_batches
+    full = TuneOptions(LaunchSetup(world_size=2)).plan_batches
     assert quick == (8, 25, 3) and full == (25, 50, 20)  # skew counts 1/25 and 1/50 of itself
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
     from tree_attn.profiles import load_builtin
-    from tree_attn.runner.run_setup import kernel_config_for
+    from tree_attn.launch.plans import kernel_config_for
 
     profile = load_builtin("h100-8x-nvswitch")
     got = kernel_config_for(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
     cfg, chosen_by = profile.kernel_config_for("bfloat16", 128, 4, 65536)
-    assert got == cfg.to_dict() and chosen_by == "model"
+    assert got == cfg and chosen_by == "model"  # the config itself, as the ranks get it
     assert kernel_config_for(None, "bfloat16", 32, 8, 128, 1024, 8) is None
 
 
@@ -223,7 +224,7 @@ def test_tune_the_gpus_then_run_under_the_profile(profile_dir, capsys, tmp_path)
     assert profile.origin == "measured" and profile.machine.device_kind in ("cuda", "rocm")
     assert profile.machine.world_size == N_GPUS
     assert profile.kernel.buckets and all(b.candidates_tried >= 1 for b in profile.kernel.buckets)
-    for b in profile.kernel.buckets:  # "model" where every timing was host-bound (see runner.tune)
+    for b in profile.kernel.buckets:  # "model" where every timing was host-bound (see commands.tune.timing)
         assert (b.chosen_by == "measured" and b.time_us > 0) or (b.chosen_by == "model" and b.time_us is None)
     code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile", str(out), "--json"])
     captured = capsys.readouterr()

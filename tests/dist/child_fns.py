@@ -1,4 +1,4 @@
-"""Work run by ``tree_attn.runner.child.run_in_child`` in the tests (module-level: picklable)."""
+"""Work run by ``tree_attn.launch.child.run_in_child`` in the tests (module-level: picklable)."""
 
 from __future__ import annotations
 

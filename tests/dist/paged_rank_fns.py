@@ -109,22 +109,24 @@ def _step_loop(env, case: MTCase, strategy: str):
     _, _, kp, vp, table = to_paged(k, v, [k.shape[1]] * case.batch, case.block_size, seed=case.seed + 50 + env.rank)
     q_buf, lens_buf, table_buf = (t.to(dev, copy=True) for t in (q, lens, table))
     kp, vp, table = kp.to(dev), vp.to(dev), table.to(dev)
-    step = TreeDecodeStep(q_buf, kp, vp, lens_buf, plan=ReductionPlan(strategy, case.fanout),
-                          block_table=table_buf, causal=case.causal)
     g = torch.Generator().manual_seed(case.seed + 100)
     history = []
     all_lens = [s[2].clone() for s in shards]
     last = env.world_size - 1
-    for s in range(3):
-        q_buf.copy_(torch.randn(q.shape, generator=g))
-        all_lens[last] = torch.clamp(all_lens[last] + 1, max=case.shard_lens[last])
-        if s == 2:  # both rows' pages swapped in every rank's table, and their lengths with them
-            all_lens = [t.flip(0) for t in all_lens]
-            table_buf.copy_(table.flip(0))
-        lens_buf.copy_(all_lens[env.rank])
-        out, lse = step()
-        history.append((*_cpu((q_buf,)), [t.clone() for t in all_lens], s == 2, *_cpu((out, lse))))
-    return history, step.captured
+    # Closed on leaving (its graph, holding NCCL kernels, must not outlive the process group).
+    with TreeDecodeStep(q_buf, kp, vp, lens_buf, plan=ReductionPlan(strategy, case.fanout),
+                        block_table=table_buf, causal=case.causal) as step:
+        for s in range(3):
+            q_buf.copy_(torch.randn(q.shape, generator=g))
+            all_lens[last] = torch.clamp(all_lens[last] + 1, max=case.shard_lens[last])
+            if s == 2:  # both rows' pages swapped in every rank's table, and their lengths with them
+                all_lens = [t.flip(0) for t in all_lens]
+                table_buf.copy_(table.flip(0))
+            lens_buf.copy_(all_lens[env.rank])
+            out, lse = step()
+            history.append((*_cpu((q_buf,)), [t.clone() for t in all_lens], s == 2, *_cpu((out, lse))))
+        captured = step.captured
+    return history, captured
 
 
 def short_last_shard(env):

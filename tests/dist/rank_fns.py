@@ -306,7 +306,7 @@ def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
 
     import torch.distributed as dist
 
-    from tree_attn.ranks.launch import _init_process_group, close_process_group
+    from tree_attn.launch.group import close_process_group, init_process_group
     from tree_attn.reduce.collectives import TreeDecodeStep
 
     found = {}
@@ -331,7 +331,7 @@ def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
     found["barrier_waited_s"] = time.monotonic() - t0
     found["first_closed"] = not dist.is_initialized()
 
-    _init_process_group("gloo", "cpu", init_method=f"file://{second_init}", rank=env.rank, world_size=2,
+    init_process_group("gloo", "cpu", init_method=f"file://{second_init}", rank=env.rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
     if env.rank == 0:
         t0 = time.monotonic()

@@ -9,7 +9,7 @@ import pytest
 
 from tests.dist import child_fns
 from tree_attn.errors import ConfigError, DistributedError
-from tree_attn.runner.child import run_in_child
+from tree_attn.launch.child import run_in_child
 
 
 def test_the_work_runs_in_another_process_and_every_line_arrives():

@@ -6,13 +6,14 @@ One launch per world size runs every case for that size (spawning ranks is the s
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 
 from tree_attn import DistributedError
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import (
     Case,
     dies_on_rank_2,
@@ -21,6 +22,7 @@ from tests.dist.rank_fns import (
     ring_lengths_and_dtype_checks,
     run_cases,
 )
+from tests.dist.per_world import each_case
 from tests.tolerances import assert_state_close
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
@@ -68,20 +70,12 @@ def _masked_float64(case: Case):
     return out.reshape(case.batch, case.q_heads, case.head_dim), lse.reshape(case.batch, case.q_heads)
 
 
-_results: dict[int, list] = {}
-
-
+@functools.cache
 def _run_world(world: int):
-    if world not in _results:
-        _results[world] = launch_ranks(run_cases, world, args=(_cases_for(world),), timeout_s=60)
-    return _results[world]
+    return launch_ranks(run_cases, world, args=(_cases_for(world),), timeout_s=60)
 
 
-@pytest.mark.parametrize(
-    "world,index",
-    [(w, i) for w in WORLD_SIZES for i in range(len(_cases_for(w)))],
-    ids=[f"w{w}-{c.name}" for w in WORLD_SIZES for c in _cases_for(w)],
-)
+@each_case(WORLD_SIZES, _cases_for)
 def test_every_rank_gets_the_exact_attention(world, index):
     case = _cases_for(world)[index]
     per_rank = _run_world(world)

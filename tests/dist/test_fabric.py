@@ -21,6 +21,7 @@ import torch
 
 from tests.fabric import (PREFIX, Fabric, list_namespaces, namespace_pids, run_report, sweep_stale,
                           unavailable_reason)
+from tests.processes import alive as _alive
 from tests.tolerances import TOLERANCES
 
 _REASON = unavailable_reason()
@@ -34,14 +35,6 @@ PEER_HINT = "(a peer rank may have died, hung or become unreachable)"
 # Beyond the collective timeout, what a failing rank may take to exit: gloo's teardown, the CLI,
 # torchrun's monitor (0.1 s) and SIGTERM of the sibling, on a loaded 2-core machine.
 EXIT_MARGIN_S = 15.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _no_rank_tracebacks(results) -> None:

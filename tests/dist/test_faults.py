@@ -8,6 +8,7 @@ Linux only (signals, /proc). Each run is small: two CPU ranks, tiny shapes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,24 +20,16 @@ from pathlib import Path
 import pytest
 
 from tree_attn.errors import DistributedError
-from tree_attn.ranks import launch
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch import spawn as launch
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import big_result, own_tcp_addresses, sleeps, stops_itself
+from tests.processes import alive, gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
 
 # A run that lasts until it is stopped: two CPU ranks, a small cache, a billion steps.
 ENDLESS = [sys.executable, "-m", "tree_attn", "run", "--device", "cpu", "-w", "2", "-n", "4096", "--heads", "8",
            "--kv-heads", "2", "--head-dim", "32", "--strategy", "tree", "--steps", "1000000000", "--timeout", "4"]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _ranks_of(pid: int) -> list[int]:
@@ -90,37 +83,37 @@ class _Run:
         self.proc.wait()
 
 
-def _gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def test_sigterm_to_run_stops_the_ranks_and_exits_143(tmp_path):
+@contextlib.contextmanager
+def _endless_run(tmp_path: Path):
+    """An endless ``tree-attn run`` once its ranks decode: ``(run, rank pids)``; on leaving, every
+    rank still alive (stopped ones too) is killed and the run reaped."""
     run = _Run(tmp_path)
+    ranks: list[int] = []
     try:
         run.wait_for("[rank 0] tree")
         ranks = run.ranks()
+        yield run, ranks
+    finally:
+        for p in ranks:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        run.stop()
+
+
+def test_sigterm_to_run_stops_the_ranks_and_exits_143(tmp_path):
+    with _endless_run(tmp_path) as (run, ranks):
         run.proc.send_signal(signal.SIGTERM)
         code = run.proc.wait(timeout=30)
         time.sleep(0.2)  # the reader thread takes the last line
         assert code == 128 + signal.SIGTERM
         assert run.lines[-1] == "error: terminated (SIGTERM)", run.lines[-3:]
         assert not any("Traceback" in ln for ln in run.lines)
-        assert _gone(ranks, within=5), [p for p in ranks if _alive(p)]
+        assert gone(ranks, within=5), [p for p in ranks if alive(p)]
         assert list(run.tmpdir.iterdir()) == []  # the rendezvous folder is removed
-    finally:
-        run.stop()
 
 
 def test_a_stopped_rank_ends_the_run_with_an_error_within_the_timeout(tmp_path):
-    run = _Run(tmp_path)
-    try:
-        run.wait_for("[rank 0] tree")
-        ranks = run.ranks()
+    with _endless_run(tmp_path) as (run, ranks):
         stopped = max(ranks)  # rank 1 (spawned second)
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -131,32 +124,20 @@ def test_a_stopped_rank_ends_the_run_with_an_error_within_the_timeout(tmp_path):
         last = run.lines[-1]
         assert last.startswith("error: rank ") and "no heartbeat from rank" in last, run.lines[-3:]
         assert elapsed < 4 + 10, elapsed  # --timeout 4, plus reaping
-        assert _gone(ranks, within=5)  # the stopped rank too
+        assert gone(ranks, within=5)  # the stopped rank too
         assert list(run.tmpdir.iterdir()) == []
-    finally:
-        for p in _ranks_of(run.proc.pid):
-            os.kill(p, signal.SIGKILL)
-        run.stop()
 
 
 def test_ranks_die_with_their_parent_and_remove_the_rendezvous_folder(tmp_path):
-    run = _Run(tmp_path)
-    try:
-        run.wait_for("[rank 0] tree")
-        ranks = run.ranks()
+    with _endless_run(tmp_path) as (run, ranks):
         assert len(list(run.tmpdir.iterdir())) == 1  # the rendezvous folder, while the run lives
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait(timeout=10)
-        assert _gone(ranks, within=5), [p for p in ranks if _alive(p)]
+        assert gone(ranks, within=5), [p for p in ranks if alive(p)]
         deadline = time.monotonic() + 5
         while list(run.tmpdir.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert list(run.tmpdir.iterdir()) == []
-    finally:
-        for p in ranks:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        run.stop()
 
 
 def test_results_larger_than_a_pipe_are_drained():

@@ -6,25 +6,15 @@ edge between the nodes' leaders) and every strategy must be exact."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from tree_attn.ranks.launch import NodeLayout, RankEnv, torchrun_layout
+from tree_attn.launch.env import NodeLayout, RankEnv, torchrun_layout
 from tree_attn.reduce.plan import ReductionTree
-from tree_attn.runner.run_setup import multinode_plan
+from tree_attn.launch.plans import multinode_plan
+from tests.torchrun import clean_env, run_nodes
 
 pytestmark = pytest.mark.slow  # CI runs the whole suite, slow tests included (.ci/run)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_multinode_plan_crosses_the_network_once_per_node():
@@ -48,35 +38,16 @@ def test_torchrun_layout_reads_the_node_from_group_rank(monkeypatch):
 
 
 def test_two_nodes_of_two_ranks_on_loopback(tmp_path):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # what a user sets to pick the interface; loopback here
+    env = clean_env(GLOO_SOCKET_IFNAME="lo")  # what a user sets to pick the interface; loopback here
     # Odd sizes: 4,099 tokens over 4 ranks (uneven shards), GQA 4/2, D 16.
     args = ["--device", "cpu", "-n", "4099", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps", "2",
             "--warmup", "1", "-s", "tree,allreduce,ring", "--timeout", "60", "--json"]
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "tree-attn-test", "-m", "tree_attn", "run", *args]
-        # Its own process group: a failure kills torchrun and its ranks together.
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=tmp_path, start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = run_nodes(["run", *args], nodes=2, per_node=2, env=env, cwd=tmp_path, timeout=90)
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
     # The c10d rendezvous numbers the nodes by arrival (torchrun ignores --node-rank with it): the
     # node that holds rank 0 reports, the other prints nothing on stdout.
-    reports = [out for out, _ in outs if out.strip()]
+    reports = [out for _, out, _ in outs if out.strip()]
     assert len(reports) == 1, outs
     data = json.loads(reports[0])
     cfg = data["config"]

@@ -8,12 +8,15 @@ per world size runs every case (spawning is the slow part on 2 cores).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from tree_attn import DistributedError
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.paged_rank_fns import MTCase, run_mt_cases, short_last_shard
+from tests.dist.per_world import each_case
 from tests.paged_inputs import float64_over_shards
 from tests.tolerances import assert_decode_close, assert_state_close, tol_for
 
@@ -52,13 +55,9 @@ def _step_case(world: int) -> MTCase:
     return MTCase("step", "tree", tuple([9] * world), valid, sq=3, causal=True, block_size=4, seed=7 + world)
 
 
-_results: dict[int, list] = {}
-
-
+@functools.cache
 def _run(world: int):
-    if world not in _results:
-        _results[world] = launch_ranks(run_mt_cases, world, args=(_cases_for(world), _step_case(world)), timeout_s=90)
-    return _results[world]
+    return launch_ranks(run_mt_cases, world, args=(_cases_for(world), _step_case(world)), timeout_s=90)
 
 
 def _truth(case: MTCase):
@@ -67,11 +66,7 @@ def _truth(case: MTCase):
     return (out[:, 0], lse[:, 0]) if case.q3 else (out, lse)
 
 
-@pytest.mark.parametrize(
-    "world,index",
-    [(w, i) for w in WORLD_SIZES for i in range(len(_cases_for(w)))],
-    ids=[f"w{w}-{c.name}" for w in WORLD_SIZES for c in _cases_for(w)],
-)
+@each_case(WORLD_SIZES, _cases_for)
 def test_paged_multi_token_is_exact_on_every_rank(world, index):
     case = _cases_for(world)[index]
     per_rank = _run(world)

@@ -7,10 +7,12 @@ on one rank per GPU (NCCL), each step a replayed CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import _shard_inputs, gpu_static_loops, prepared_checks
 from tests.tolerances import assert_state_close
 
@@ -38,13 +40,9 @@ def _float64(q, ks, vs, lens=None):
 
 WORLD_SIZES = (1, 2, 3, 5, 6)  # 2: where a tree_decode once came back 1e-6 off (the bitwise stress test)
 CAPACITY, STEPS, CALLS = 12, 5, 25
-_results: dict[int, list] = {}
-
-
+@functools.cache
 def _run(world: int) -> list:
-    if world not in _results:
-        _results[world] = launch_ranks(prepared_checks, world, args=(CAPACITY, STEPS, CALLS), timeout_s=120)
-    return _results[world]
+    return launch_ranks(prepared_checks, world, args=(CAPACITY, STEPS, CALLS), timeout_s=120)
 
 
 def _caches(world: int, capacity: int, seed: int):

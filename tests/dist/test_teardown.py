@@ -6,7 +6,7 @@ and the replay timeout, need GPUs: tests/dist/test_replay_timeout_gpu.py.)
 
 from __future__ import annotations
 
-from tree_attn.ranks.launch import launch_ranks
+from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import lifetime_and_teardown
 
 DELAY_S = 2.0

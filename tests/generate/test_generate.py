@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -21,12 +20,15 @@ pytest.importorskip("transformers")
 from tests.generate.checkpoints import transformers_greedy, write_checkpoint  # noqa: E402
 from tree_attn.errors import ConfigError  # noqa: E402
 from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.runner.generate import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
-from tree_attn.runner.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
-from tree_attn.runner.kv_store import PagedKVShard  # noqa: E402
-from tree_attn.runner.models import ModelSource, build_model  # noqa: E402
+from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
+from tree_attn.commands.generate.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
+from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
+from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
+from tree_attn.launch.setup import LaunchSetup  # noqa: E402
+from tests.torchrun import clean_env, run_nodes  # noqa: E402
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
+TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -56,7 +58,7 @@ def test_sharded_greedy_tokens_equal_transformers_alone(world, strategies, small
     prompt = _prompt(301, 4096)
     expected = transformers_greedy(small_model, list(prompt), 32)
     assert len(set(expected)) > 8, "the reference must not be a repeated token, or the check proves little"
-    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, strategies=strategies, timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=world, plans=strategies, timeout_s=60.0), new_tokens=32)
     result = run_generate(spec)
     names = [r.name for r in result.rows]
     assert names[:2] == [REFERENCE, ONE_RANK] and len(names) == 2 + len(strategies)
@@ -83,8 +85,8 @@ def test_a_prompt_shorter_than_the_world_leaves_shards_empty(small_model):
     """A 3-token prompt over 4 ranks: prefill slices [1, 1, 0, 0], so two ranks start empty (the
     merge's identity) and only the last one grows; the tokens still equal transformers' alone."""
     prompt = _prompt(3, 4096, seed=9)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=12, world_size=4, strategies=(("tree", ReductionPlan("tree", 2)),),
-                        timeout_s=60.0)
+    launch = LaunchSetup(world_size=4, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=12)
     assert spec.shard_sizes() == [1, 1, 0, 0]
     result = run_generate(spec)
     expected = transformers_greedy(small_model, list(prompt), 12)
@@ -119,10 +121,10 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     """The launching process computes nothing: the prefill, the reference and the one-rank row
     run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
     progress reaches the caller, and the prefill it saves is what the ranks split."""
-    from tree_attn.runner.generate import PREFILL_FILE, _load_prefill, decode_in_one_process
+    from tree_attn.commands.generate.decode import PREFILL_FILE, _load_prefill, decode_in_one_process
 
     prompt = _prompt(41, 4096, seed=4)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=6, world_size=2, timeout_s=60.0)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=60.0), new_tokens=6)
     said = []
     local = decode_in_one_process(spec, str(tmp_path), said.append)
     assert local.pid != os.getpid()
@@ -142,9 +144,9 @@ def test_generate_emits_no_future_warning(tmp_path):
     transformers' cache, one-rank row) runs here with every warning recorded."""
     import warnings
 
-    from tree_attn.runner.generate import one_process_work
+    from tree_attn.commands.generate.decode import one_process_work
 
-    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), new_tokens=3, world_size=2)
+    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), LaunchSetup(world_size=2, plans=TREE_AND_RING), new_tokens=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         local = one_process_work(spec, str(tmp_path), lambda t: None)
@@ -163,7 +165,7 @@ def test_the_transformers_pin_is_the_range_with_the_cache_api():
     import transformers
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    from tree_attn.runner import models
+    from tree_attn.commands.generate import models
 
     assert "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
     assert models.transformers_version(transformers.__version__) >= models.MIN_TRANSFORMERS
@@ -176,7 +178,7 @@ def test_the_transformers_pin_is_the_range_with_the_cache_api():
 def test_older_transformers_is_refused_naming_the_pin(monkeypatch):
     import transformers
 
-    from tree_attn.runner.models import require_transformers
+    from tree_attn.commands.generate.models import require_transformers
 
     monkeypatch.setattr(transformers, "__version__", "5.23.1")
     with pytest.raises(ConfigError, match=r"needs transformers 5\.24 or newer; found 5\.23\.1.*transformers>=5\.24,<6"):
@@ -187,8 +189,9 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
     and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
     CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
-    from tree_attn.ranks import launch
-    from tree_attn.runner.generate_setup import GenerateOptions, default_dtype, plan_generate
+    from tree_attn.launch import env as launch
+    from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+    from tree_attn.launch.setup import default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")
     for var in ("RANK", "WORLD_SIZE"):
@@ -225,9 +228,11 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
         "code = main(['generate', '--layers', '2', '--prompt-len', '200', '--new-tokens', '8', '-w', '1', '--json'])\n"
         "assert code in (0, 1), code  # 1: a bf16 near-tie flipped a token (the JSON says which row)\n"
         "assert not torch.cuda.is_initialized(), 'generate initialised CUDA in the launching process'\n"
-        "from tree_attn.runner.tune import TuneOptions, tune_kernels_in_child\n"
-        "rep = tune_kernels_in_child(TuneOptions(world_size=1, device_kind='cuda', backend='nccl', q_heads=8, kv_heads=2,"
-        " head_dim=64, quick=True, buckets=(1024,)))\n"
+        "from tree_attn.commands.tune.timing import TuneOptions, tune_kernels_in_child\n"
+        "from tree_attn.launch.setup import LaunchSetup\n"
+        "launch = LaunchSetup(world_size=1, device_kind='cuda', backend='nccl', dtype='bfloat16')\n"
+        "options = TuneOptions(launch, q_heads=8, kv_heads=2, head_dim=64, quick=True, buckets=(1024,))\n"
+        "rep = tune_kernels_in_child(options)\n"
         "assert rep.buckets and rep.buckets[0].chosen.median_us > 0\n"
         "assert not torch.cuda.is_initialized(), 'kernel tuning initialised CUDA in the launching process'\n"
     )
@@ -331,8 +336,8 @@ def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
     source = ModelSource(path=str(folder))
     prompt = _prompt(150, 160, seed=2)
     expected = _reference(source, prompt, 16)
-    spec = GenerateSpec(source, prompt, new_tokens=16, world_size=2, strategies=(("tree", ReductionPlan("tree", 2)),),
-                        page_size=5, timeout_s=60.0)
+    launch = LaunchSetup(world_size=2, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
+    spec = GenerateSpec(source, prompt, launch, new_tokens=16, page_size=5)
     result = run_generate(spec)
     assert [r.tokens for r in result.rows] == [expected] * 3
 
@@ -342,7 +347,7 @@ def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
 def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
     """The check behind exit 1: a result whose tree row lost a token is reported, not passed."""
     from tree_attn.cli.app import main
-    from tree_attn.runner import generate as gen
+    from tree_attn.commands.generate import decode as gen
 
     def fake_run(spec, progress=None, tokenizer=None):
         rows = [gen.GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3),
@@ -363,8 +368,8 @@ def test_generate_on_gpus_equals_transformers():
     prompt = _prompt(301, 4096)
     model = build_model(SMALL, dtype=torch.float32, device="cuda")
     expected = transformers_greedy(model, list(prompt), 32)
-    spec = GenerateSpec(SMALL, prompt, new_tokens=32, world_size=world, device_kind="cuda", backend="nccl",
-                        strategies=(("tree", ReductionPlan("tree", 2)), ("ring", None)), timeout_s=120.0)
+    launch = LaunchSetup(world_size=world, device_kind="cuda", backend="nccl", plans=TREE_AND_RING, timeout_s=120.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=32)
     result = run_generate(spec)
     for row in result.rows:
         assert row.tokens == expected, row.name
@@ -374,9 +379,7 @@ def test_generate_on_gpus_equals_transformers():
 # -- under torchrun: one node, and two "nodes" on loopback ------------------------------------------
 
 def _clean_env(tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-    env["TREE_ATTN_PROFILE_DIR"] = str(tmp_path / "profiles")
+    env = clean_env(TREE_ATTN_PROFILE_DIR=str(tmp_path / "profiles"))
     return env
 
 
@@ -386,7 +389,7 @@ GEN_ARGS = ["generate", "--device", "cpu", "--layers", "2", "--seed", "3", "--pr
 
 def _expected_for_cli_prompt() -> list[int]:
     """What the CLI's arguments above decode, from transformers alone."""
-    from tree_attn.runner.generate_setup import parse_prompt
+    from tree_attn.commands.generate.setup import parse_prompt
 
     model = build_model(SMALL, dtype=torch.float32, device="cpu")
     ids, _ = parse_prompt(None, 201, 4096, 3, None)
@@ -410,27 +413,12 @@ def test_generate_under_torchrun_joins_the_job(tmp_path):
 def test_generate_across_two_nodes_on_loopback(tmp_path):
     """2 torchrun "nodes" x 1 CPU rank (c10d rendezvous, gloo on loopback): the tree's one edge is
     the network level; every row gives transformers' tokens."""
-    port = _free_port()
     env = {**_clean_env(tmp_path), "GLOO_SOCKET_IFNAME": "lo"}
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "tree-attn-generate-test", "-m", "tree_attn", *GEN_ARGS]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=tmp_path, start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    reports = [out for out, _ in outs if out.strip()]
+    outs = run_nodes(GEN_ARGS, nodes=2, per_node=1, env=env, cwd=tmp_path, timeout=180,
+                     rdzv_id="tree-attn-generate-test")
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+    reports = [out for _, out, _ in outs if out.strip()]
     assert len(reports) == 1, outs  # the node that holds rank 0 reports
     result = json.loads(reports[0])
     assert result["world_size"] == 2 and result["all_match_reference"] is True
@@ -438,11 +426,3 @@ def test_generate_across_two_nodes_on_loopback(tmp_path):
     assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "hier net k=2", "ring"]
     expected = _expected_for_cli_prompt()
     assert all(r["tokens"] == expected for r in result["rows"])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

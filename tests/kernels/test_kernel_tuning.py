@@ -12,7 +12,8 @@ from tests.tolerances import assert_decode_close, tol_for
 from tree_attn import decode_attention
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.runner.tune import TuneOptions, tune_kernels
+from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
+from tree_attn.launch.setup import LaunchSetup
 
 pytest.importorskip("triton")
 
@@ -22,8 +23,8 @@ def _tuning_device(device: torch.device) -> str:
 
 
 def test_kernel_search_times_the_models_survivors_and_keeps_the_fastest(device):
-    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
-                          dtype="float32", quick=True, buckets=(64, 256))
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="float32"),
+                          q_heads=4, kv_heads=2, head_dim=16, quick=True, buckets=(64, 256))
     messages = []
     results = tune_kernels(options, progress=messages.append, device=_tuning_device(device))
     assert [r.max_shard_len for r in results] == [64, 256]
@@ -66,8 +67,8 @@ def test_a_config_that_cannot_run_here_is_skipped_not_fatal(device, monkeypatch)
         return real(q, k, v, seq_lens, config=config, **kw)
 
     monkeypatch.setattr(triton_launch, "TritonDecodeLaunch", launch)
-    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
-                          dtype="float32", quick=True, buckets=(64,))
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="float32"),
+                          q_heads=4, kv_heads=2, head_dim=16, quick=True, buckets=(64,))
     messages = []
     (r,) = tune_kernels(options, progress=messages.append, device=_tuning_device(device))
     failed = [t for t in r.timings if t.error is not None]
@@ -87,10 +88,10 @@ def test_kernel_search_runs_in_a_child_process(device):
     as it comes and its results are what tune_kernels returns."""
     import os
 
-    from tree_attn.runner.tune import tune_kernels_in_child
+    from tree_attn.commands.tune.timing import tune_kernels_in_child
 
-    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=4, kv_heads=2, head_dim=16,
-                          dtype="float32", quick=True, buckets=(64,))
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="float32"),
+                          q_heads=4, kv_heads=2, head_dim=16, quick=True, buckets=(64,))
     messages = []
     report = tune_kernels_in_child(options, progress=messages.append, device=_tuning_device(device))
     assert report.pid != os.getpid()
@@ -126,13 +127,13 @@ def test_the_timed_configs_span_split_counts_and_include_the_default():
 
 
 def test_kernel_search_is_skipped_on_cpu_ranks_by_default():
-    options = TuneOptions(world_size=2, device_kind="cpu", backend="gloo")
+    options = TuneOptions(LaunchSetup(world_size=2))
     assert tune_kernels(options) == []
 
 
 def test_a_chosen_config_computes_the_same_attention(device):
-    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=8, kv_heads=2, head_dim=32,
-                          dtype="float32", quick=True, buckets=(128,))
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="float32"),
+                          q_heads=8, kv_heads=2, head_dim=32, quick=True, buckets=(128,))
     (result,) = tune_kernels(options, device=_tuning_device(device))
     cfg = DecodeConfig.from_dict(result.chosen.config.to_dict())  # as stored in and read from a profile
     g = torch.Generator().manual_seed(3)
@@ -178,8 +179,8 @@ def test_kernel_search_over_an_fp8_cache(device):
         reason = fp8_unsupported_reason(torch.float8_e4m3fn, "cuda", torch.cuda.get_device_capability(device))
         if reason:
             pytest.skip(reason)
-    options = TuneOptions(world_size=1, device_kind=device.type, backend="gloo", q_heads=8, kv_heads=2, head_dim=32,
-                          dtype="bfloat16", kv_dtype="float8_e4m3fn", quick=True, buckets=(96,))
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="bfloat16"), q_heads=8, kv_heads=2,
+                          head_dim=32, kv_dtype="float8_e4m3fn", quick=True, buckets=(96,))
     (r,) = tune_kernels(options, device=_tuning_device(device))
     assert r.dtype == "float8_e4m3fn" and r.group == 4 and len(r.timings) == options.kernel_survivors
     fp8_bytes = kv_bytes(DecodeShape(1, 8, 2, 32, 96), torch.float8_e4m3fn)

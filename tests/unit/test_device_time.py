@@ -13,16 +13,17 @@ import json
 import pytest
 import torch
 
-from tree_attn.ranks.launch import RankEnv
+from tree_attn.launch.env import RankEnv
+from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.runner import decode_run
-from tree_attn.runner.decode_run import (
+from tree_attn.commands.run import decode as decode_run
+from tree_attn.commands.run.decode import (
     DEVICE_TIME_GRAPH, DEVICE_TIME_HELD, DEVICE_TIME_HOST_BOUND, DEVICE_TIME_NO_HOLD, RankReport, RunSpec,
     _device_summary, _held_device_times,
 )
 
-SPEC = RunSpec(world_size=1, seq_len=16, q_heads=4, kv_heads=2, head_dim=8, steps=4, warmup=0,
-               plans=(("tree", ReductionPlan("tree", 2)),))
+SPEC = RunSpec(LaunchSetup(world_size=1, plans=(("tree", ReductionPlan("tree", 2)),)), seq_len=16, q_heads=4,
+               kv_heads=2, head_dim=8, steps=4, warmup=0)
 
 
 def _report(device_s, how):
@@ -45,7 +46,7 @@ def test_a_rank_without_device_times_leaves_the_row_without_one_and_says_why():
 
 
 def test_the_json_row_carries_the_label():
-    from tree_attn.runner.decode_run import StrategyResult
+    from tree_attn.commands.run.decode import StrategyResult
 
     row = StrategyResult("tree", "tree k=2", 1.0, 1.0, 0, 0.0, 0, 0, 0, 0.0, 0.0, True, device_ms_median=0.5,
                          device_time=DEVICE_TIME_HELD)

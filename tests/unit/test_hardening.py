@@ -14,7 +14,8 @@ import torch
 import tree_attn
 from tree_attn.errors import ConfigError, ShapeError, TreeAttnError
 from tree_attn.files import YAMLAliasError, atomic_write_text, load_yaml
-from tree_attn.ranks import launch
+from tree_attn.launch import env as launch
+from tree_attn.launch import spawn
 from tree_attn.topology import host_topology
 
 Q = torch.randn(1, 4, 8)
@@ -60,9 +61,9 @@ LIBRARY_CASES = [
     ("causal-not-a-bool", lambda: tree_attn.decode_attention(Q, K, K, causal=1), ConfigError, "causal must be True or False"),
     ("decode-step-table-outside-pool", lambda: tree_attn.DecodeStep(Q, POOL, POOL, torch.tensor([4]), block_table=torch.tensor([[2, 7]], dtype=torch.int32)),
      ShapeError, "block_table[0, 1] = 7"),
-    ("launch-world-0", lambda: launch.launch_ranks(print, 0), ConfigError, "at least 1"),
-    ("launch-cpu-world-100000", lambda: launch.launch_ranks(print, 100000), ConfigError, "at most"),
-    ("launch-timeout-0", lambda: launch.launch_ranks(print, 1, timeout_s=0), ConfigError, "timeout_s must be"),
+    ("launch-world-0", lambda: spawn.launch_ranks(print, 0), ConfigError, "at least 1"),
+    ("launch-cpu-world-100000", lambda: spawn.launch_ranks(print, 100000), ConfigError, "at most"),
+    ("launch-timeout-0", lambda: spawn.launch_ranks(print, 1, timeout_s=0), ConfigError, "timeout_s must be"),
     ("host-topology-100000", lambda: host_topology(100000), ConfigError, "at most"),
 ]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tree_attn.errors import ConfigError
-from tree_attn.ranks import launch
-from tree_attn.ranks.launch import rank_cuda_device, resolve_backend, torchrun_env
+from tree_attn.launch import env as launch
+from tree_attn.launch.env import rank_cuda_device, resolve_backend, torchrun_env
 
 
 def test_not_under_torchrun(monkeypatch):
@@ -67,7 +67,7 @@ _REINIT_SCRIPT = r"""
 import sys, torch, torch.distributed as dist
 from tree_attn import tree_decode
 from tree_attn.reduce import collectives
-from tree_attn.ranks.launch import close_process_group
+from tree_attn.launch.group import close_process_group
 
 def init(path):
     dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)

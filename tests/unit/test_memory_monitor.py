@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tree_attn.runner import memory
-from tree_attn.runner.memory import MemoryMonitor
+from tree_attn.launch import memory
+from tree_attn.launch.memory import MemoryMonitor
 
 MIB = 2**20
 

@@ -1,5 +1,5 @@
-"""Resolving `run` and `tune` options into a RunSpec / TuneSetup (runner.run_setup,
-runner.tune_profile): devices, world size, dtype, plans, profile choice, output checks. Nothing is
+"""Resolving `run` and `tune` options into a RunSpec / TuneSetup (commands.run.setup,
+commands.tune.setup): devices, world size, dtype, plans, profile choice, output checks. Nothing is
 launched here."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from tree_attn.errors import ConfigError, ProfileError
-from tree_attn.ranks import launch
+from tree_attn.launch import env as launch
 from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.runner.run_setup import ProfileChoice, RunOptions, plan_run, strategies_beyond_tolerance
-from tree_attn.runner.tune_profile import TuneRequest, plan_tune
+from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
+from tree_attn.launch.plans import ProfileChoice
+from tree_attn.commands.tune.setup import TuneRequest, plan_tune
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
@@ -79,7 +80,7 @@ def test_an_explicit_profile_for_another_machine_is_refused():
 
 
 def test_tolerance_check_names_the_failing_strategies():
-    from tree_attn.runner.decode_run import RunResult, StrategyResult
+    from tree_attn.commands.run.decode import RunResult, StrategyResult
 
     def row(plan, err):
         return StrategyResult(plan, plan, 1.0, 1.0, 0, 0.0, 0, 0, 0, err, 0.0, True)
@@ -97,7 +98,7 @@ def test_tune_cpu_ranks_is_measurable(tmp_path):
     assert setup.measurable and len(setup.topology) == 3
     assert (setup.options.device_kind, setup.options.backend, setup.options.dtype) == ("cpu", "gloo", "bfloat16")
     assert setup.notices[0] == "--device cpu: tuning for 3 CPU ranks (gloo)"
-    from tree_attn.ranks.launch import usable_cores
+    from tree_attn.launch.env import usable_cores
 
     # more ranks than cores: said, with a world size that fits
     crowded = [n for n in setup.notices[1:] if "CPU ranks share" in n]
@@ -142,8 +143,8 @@ def test_tune_bad_options(tmp_path):
 
 def test_profile_buckets_keep_how_the_kernel_search_chose():
     from tree_attn.kernels.config import DecodeConfig
-    from tree_attn.runner.tune import BucketResult, KernelTiming
-    from tree_attn.runner.tune_profile import _kernel_bucket
+    from tree_attn.commands.tune.timing import BucketResult, KernelTiming
+    from tree_attn.commands.tune.profile import _kernel_bucket
 
     cfg = DecodeConfig(block_n=64, num_splits=4)
     timing = KernelTiming(config=cfg, predicted_us=18.0, median_us=20.0, gbps=900.0, host_us=35.0,

@@ -98,15 +98,19 @@ def _install_signal_handlers() -> dict:
 
 
 def _register() -> None:
-    # Each command module exposes register(app). A module missing from this build is skipped.
+    # One module per command: its HELP and <name>_command (profiles: a group of subcommands,
+    # profiles_app). A module missing from this build is skipped.
     for name in ("run", "generate", "probe", "check", "tune", "profiles", "simulate"):
         try:
-            mod = __import__(f"{__package__}.{name}", fromlist=["register"])
+            mod = __import__(f"{__package__}.{name}", fromlist=["HELP"])
         except ModuleNotFoundError as exc:  # a command module not present in this build
             if exc.name != f"{__package__}.{name}":
                 raise
             continue
-        mod.register(app)
+        if name == "profiles":
+            app.add_typer(mod.profiles_app, name=name)
+        else:
+            app.command(name, help=mod.HELP)(getattr(mod, f"{name}_command"))
 
 
 _register()

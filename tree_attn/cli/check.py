@@ -16,8 +16,7 @@ DEFAULT_MIN_RATIO = 0.5
 _MARK = {"passed": "[green]ok  [/green]", "failed": "[bold red]FAIL[/bold red]", "skipped": "[dim]skip[/dim]"}
 
 
-def register(app: typer.Typer) -> None:
-    app.command("check", help="Compare the GPU fabric with an expected topology, device model first; exit 1 on any difference.")(check_command)
+HELP = "Compare the GPU fabric with an expected topology, device model first; exit 1 on any difference."
 
 
 def check_command(
@@ -38,7 +37,7 @@ def check_command(
     from ..topology.compare import summarize_differences
 
     if cpu_ranks is not None:  # before a topology of that many ranks is built
-        from ..ranks.launch import check_cpu_ranks
+        from ..launch.env import check_cpu_ranks
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if min_bandwidth_ratio is not None and not 0 < min_bandwidth_ratio <= 10:

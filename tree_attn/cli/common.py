@@ -13,17 +13,13 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
-import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from ..errors import ConfigError
-from ..sizes import parse_count, parse_count_list
-
-# Results go to stdout, logs and progress to stderr (DESIGN.md conventions).
+# Results go to stdout, logs and progress to stderr (docs/ARCHITECTURE.md, "Conventions").
 out_console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -102,54 +98,33 @@ def error(message: str) -> None:
     err_console.print(line(("error:", "bold red"), " ", message))
 
 
-# -- counts: one syntax for every option that counts tokens or sequences (tree_attn.sizes) ---------
-# A value that is not a count is the option parser's refusal (exit 2, as for "abc" given to a
-# number); a count out of the option's range is the tool's (exit 1, a ConfigError naming it).
+def fmt_bytes(n: float) -> str:
+    """``512 B``, ``1.5 KiB`` ... ``2.0 TiB``: bytes in the largest binary unit below 1,024."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
-def _count(value: Any) -> int:
-    try:
-        return parse_count(value)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from None
+def report(result: Any, render: Callable[[Any], None], json_out: bool, plot: str | None = None,
+           draw: Callable[[Any, str], None] | None = None) -> None:
+    """A command's result on stdout: one JSON object (``--json``) or the table ``render`` draws;
+    then, with ``--plot``, ``draw(result, plot)``. The measurements first: a picture that cannot be
+    written must not take them with it."""
+    if json_out:
+        print_json(result)
+    else:
+        render(result)
+    if plot:
+        draw(result, plot)
+        notice(f"wrote {plot}")
 
 
-def _count_list(value: Any) -> str:
-    """A comma list of counts, checked here and handed on as written (the command parses it with
-    the same parser, and its range errors quote the user's own spelling, "200M")."""
-    try:
-        parse_count_list(value)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    return str(value)
+def check_plot(path: str | None) -> None:
+    """Before any work: a ``--plot`` path that can be written, and matplotlib to draw it."""
+    if path:
+        from ..plots import check_png_path, require_matplotlib
 
-
-def with_suffix_rule(help: str) -> str:
-    """An option's help, ending with the count syntax, stated once."""
-    return f"{help.rstrip('.')}; takes K = 1,024 and M = 1,000,000 (64K, 1M)."
-
-
-def count_option(default: Any, *names: str, help: str) -> Any:
-    """A ``typer.Option`` for a count (tokens, sequences): ``65536``, ``64K``, ``5.12M``."""
-    return typer.Option(default, *names, parser=_count, metavar="N", help=with_suffix_rule(help))
-
-
-def count_list_option(default: Any, *names: str, help: str) -> Any:
-    """A ``typer.Option`` for a comma list of counts (``16K,64K,1M``), passed on as the checked string."""
-    return typer.Option(default, *names, parser=_count_list, metavar="N,N,...", help=with_suffix_rule(help))
-
-
-def _int_list(value: Any) -> str:
-    """A comma list of plain integers (world sizes): a non-integer is refused as ``int`` options refuse one."""
-    items = [t.strip() for t in str(value).split(",") if t.strip()]
-    if not items:
-        raise typer.BadParameter(f"expected a comma-separated list of integers; got {str(value)!r}")
-    for t in items:
-        if not t.lstrip("+-").isdigit():
-            raise typer.BadParameter(f"{t!r} is not an integer")
-    return str(value)
-
-
-def int_list_option(default: Any, *names: str, help: str) -> Any:
-    """A ``typer.Option`` for a comma list of integers, passed on as the checked string."""
-    return typer.Option(default, *names, parser=_int_list, metavar="N,N,...", help=help)
+        check_png_path(path)
+        require_matplotlib()

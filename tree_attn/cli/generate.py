@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from .common import (announce_setup, count_option, err_console, error, line, out_console, plan_name, print_json, ranks,
-                     styled)
+from ..commands.generate.setup import GenerateOptions
+from .common import announce_setup, err_console, error, fmt_bytes, line, out_console, plan_name, ranks, report, styled
+from .options import Backend, Device, Fanout, Json, Profile, Strategy, Timeout, WorldSize, count_option
+
+DEFAULTS = GenerateOptions()
 
 HELP = (
     "Greedy decoding of a Llama-family model (Llama, Qwen2, Mistral) with its KV cache paged and "
@@ -26,32 +31,40 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("generate", help=HELP)(generate_command)
-
-
 def generate_command(
-    model: str = typer.Option(None, "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model."),
-    preset: str = typer.Option("small", "--preset", help="Without --model: small (a small Llama) or llama-3.1-8b (the 8B's layer shapes with a 32,000-token vocabulary); random weights."),
-    layers: int = typer.Option(None, "--layers", help="Layers of the preset (small: 4, llama-3.1-8b: 2)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of a preset's weights, the random prompt and the page tables."),
-    prompt: str = typer.Option(None, "--prompt", help="Text (with a checkpoint's tokenizer) or comma-separated token ids."),
-    prompt_len: int = count_option(512, "--prompt-len", help="Without --prompt: this many random token ids."),
-    new_tokens: int = count_option(32, "--new-tokens", help="Tokens to generate (one decode step each)."),
-    max_len: int = count_option(None, "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max positions."),
-    world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks)."),
-    strategy: str = typer.Option("auto", "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring."),
-    fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
-    backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks."),
-    page_size: int = count_option(16, "--page-size", help="Tokens per KV page (1..256)."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
-    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) for the plan and kernel configs; default: the one saved for this machine."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model.")] = DEFAULTS.model,
+    preset: Annotated[str, typer.Option(
+        "--preset", help="Without --model: small (a small Llama) or llama-3.1-8b (the 8B's layer shapes with a "
+        "32,000-token vocabulary); random weights.")] = DEFAULTS.preset,
+    layers: Annotated[Optional[int], typer.Option(
+        "--layers", help="Layers of the preset (small: 4, llama-3.1-8b: 2).")] = DEFAULTS.layers,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed of a preset's weights, the random prompt and the page tables.")] = DEFAULTS.seed,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", help="Text (with a checkpoint's tokenizer) or comma-separated token ids.")] = DEFAULTS.prompt,
+    prompt_len: Annotated[int, count_option(
+        "--prompt-len", help="Without --prompt: this many random token ids.")] = DEFAULTS.prompt_len,
+    new_tokens: Annotated[int, count_option(
+        "--new-tokens", help="Tokens to generate (one decode step each).")] = DEFAULTS.new_tokens,
+    max_len: Annotated[Optional[int], count_option(
+        "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max "
+        "positions.")] = DEFAULTS.max_len,
+    world_size: WorldSize = DEFAULTS.world_size,
+    strategy: Strategy = DEFAULTS.strategy,
+    fanout: Fanout = DEFAULTS.fanout,
+    device: Device = DEFAULTS.device,
+    backend: Backend = DEFAULTS.backend,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or "
+        "bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks.")] = DEFAULTS.dtype,
+    page_size: Annotated[int, count_option("--page-size", help="Tokens per KV page (1..256).")] = DEFAULTS.page_size,
+    timeout: Timeout = DEFAULTS.timeout_s,
+    profile_ref: Profile = DEFAULTS.profile,
+    json_out: Json = False,
 ) -> None:
-    from ..runner.generate import run_generate
-    from ..runner.generate_setup import GenerateOptions, plan_generate
+    from ..commands.generate.decode import run_generate
+    from ..commands.generate.setup import plan_generate
 
     setup = plan_generate(GenerateOptions(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
@@ -62,22 +75,14 @@ def generate_command(
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
         f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over "
         f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}); strategies: "
-        f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.strategies)}"))
+        f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
-    if setup.env is not None:
-        from ..runner.generate import run_generate_torchrun
-
-        result = run_generate_torchrun(spec, setup.env, progress=say, tokenizer=setup.tokenizer)
-        if result is None:  # a rank other than 0: rank 0 reports
-            return
-    else:
-        result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
+    result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     result.profile = setup.profile
     result.prompt_text = setup.prompt_text
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render_generate(result)
+    report(result, render_generate, json_out)
     if not result.all_match:
         bad = [r.name for r in result.rows if not (r.matches_reference and r.ranks_agree)]
         error(f"{', '.join(bad)}: generated tokens differ from the reference's (or between ranks)")
@@ -87,8 +92,6 @@ def generate_command(
 def render_generate(result) -> None:
     from rich import box
     from rich.table import Table
-
-    from .run import _fmt_bytes
 
     table = Table(
         title=styled(f"tree-attn generate: {result.model}, {result.prompt_tokens:,}-token prompt, "
@@ -101,7 +104,7 @@ def render_generate(result) -> None:
     for r in result.rows:
         same = "reference" if r.name == "reference" else ("same" if r.matches_reference and r.ranks_agree else "DIFFER")
         table.add_row(styled(r.name), str(r.ranks), f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
-                      f"{r.tokens_per_s:.1f}", _fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
+                      f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
                       styled(same, None if same != "DIFFER" else "bold red"))
     out_console.print(table)
     out_console.print(

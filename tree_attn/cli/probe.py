@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import err_console, line, notice, out_console, print_json, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, report, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -17,8 +17,7 @@ KIND_STYLE = {
 }
 
 
-def register(app: typer.Typer) -> None:
-    app.command("probe", help="Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hierarchy.")(probe_command)
+HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hierarchy."
 
 
 def probe_command(
@@ -40,7 +39,7 @@ def probe_command(
     if measure and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
         raise ConfigError(f"--iterations must be an integer >= 1; got {iterations!r}")
     if cpu_ranks is not None:  # before a topology of that many ranks is built
-        from ..ranks.launch import check_cpu_ranks
+        from ..launch.env import check_cpu_ranks
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if output is not None:  # before probing or measuring, not after
@@ -48,11 +47,7 @@ def probe_command(
             raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
-    if plot:
-        from ..plots import check_png_path, require_matplotlib
-
-        check_png_path(plot)
-        require_matplotlib()
+    check_plot(plot)
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
@@ -71,15 +66,9 @@ def probe_command(
     if output is not None:
         save_topology(topo, output, force=force)
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
-    if json_out:
-        print_json(topo.to_dict())
-    else:
-        render_topology(topo)
-    if plot:
-        from ..plots import plot_topology
+    from ..plots import plot_topology
 
-        plot_topology(topo, plot)
-        notice(f"wrote {plot}")
+    report(topo, render_topology, json_out, plot, plot_topology)
 
 
 def kind_style(kind: str) -> str:

@@ -27,10 +27,6 @@ profiles_app = typer.Typer(
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.add_typer(profiles_app, name="profiles")
-
-
 _JSON_OPT = typer.Option(False, "--json", help="Print JSON instead of a table.")
 _DIR_OPT = typer.Option(None, "--dir", help="Folder of saved profiles (default: $TREE_ATTN_PROFILE_DIR or the user's cache).")
 

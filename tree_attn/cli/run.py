@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from .common import (announce_setup, count_list_option, count_option, err_console, error, line, out_console, plan_name,
-                     print_json, ranks, styled)
+from ..commands.run.setup import RunOptions
+from .common import (announce_setup, check_plot, err_console, error, fmt_bytes, line, notice, out_console, plan_name,
+                     print_json, ranks, report, styled)
+from .options import (Backend, Batch, Device, Fanout, HeadDim, Heads, Json, KvHeads, Profile, Strategy, Timeout,
+                      WorldSize, count_list_option, count_option)
+
+DEFAULTS = RunOptions()
 
 HELP = (
     "Decode with a long KV cache sharded over ranks, with tree attention and the Ring baseline.\n\n"
@@ -21,35 +28,40 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("run", help=HELP)(run_command)
-
-
 def run_command(
-    world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun)."),
-    seq_len: int = count_option(65536, "--seq-len", "-n", help="Total KV tokens, split over the ranks (at least 1)."),
-    batch: int = count_option(1, "--batch", "-b", help="Sequences decoded together."),
-    heads: int = typer.Option(32, "--heads", help="Query heads."),
-    kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads (heads must be a multiple)."),
-    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
-    dtype: str = typer.Option("auto", "--dtype", help="fp32, fp16 or bf16 (auto: bf16 on GPUs, fp32 on CPU ranks)."),
-    steps: int = typer.Option(8, "--steps", help="Timed decode steps per strategy."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed warm-up steps per strategy."),
-    strategy: str = typer.Option("auto", "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring."),
-    fanout: int = typer.Option(None, "--fanout", "-k", help="Fan-out of the tree strategy (2..world size)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random query and KV cache."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer before the run fails."),
-    profile_ref: str = typer.Option(None, "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the one saved for this machine's fingerprint, else a built-in one for the same machine, else built-in defaults."),
-    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs eagerly."),
-    sweep: str = count_list_option(None, "--sweep", help="Comma list of sequence lengths to run one after the other instead of --seq-len; one table row per length and strategy."),
-    plot: str = typer.Option(None, "--plot", help="With --sweep: write median step time and bytes per rank vs sequence length, per strategy, to FILE.png (log axes; needs matplotlib)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    world_size: WorldSize = DEFAULTS.world_size,
+    seq_len: Annotated[int, count_option(
+        "--seq-len", "-n", help="Total KV tokens, split over the ranks (at least 1).")] = DEFAULTS.seq_len,
+    batch: Batch = DEFAULTS.batch,
+    heads: Heads = DEFAULTS.heads,
+    kv_heads: KvHeads = DEFAULTS.kv_heads,
+    head_dim: HeadDim = DEFAULTS.head_dim,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="fp32, fp16 or bf16 (auto: bf16 on GPUs, fp32 on CPU ranks).")] = DEFAULTS.dtype,
+    steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per strategy.")] = DEFAULTS.steps,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per strategy.")] = DEFAULTS.warmup,
+    strategy: Strategy = DEFAULTS.strategy,
+    fanout: Fanout = DEFAULTS.fanout,
+    backend: Backend = DEFAULTS.backend,
+    device: Device = DEFAULTS.device,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random query and KV cache.")] = DEFAULTS.seed,
+    timeout: Timeout = DEFAULTS.timeout_s,
+    profile_ref: Profile = DEFAULTS.profile,
+    cuda_graph: Annotated[bool, typer.Option(
+        "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL "
+        "messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs "
+        "eagerly.")] = DEFAULTS.cuda_graph,
+    sweep: Annotated[Optional[str], count_list_option(
+        "--sweep", help="Comma list of sequence lengths to run one after the other instead of --seq-len; one table "
+        "row per length and strategy.")] = None,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", help="With --sweep: write median step time and bytes per rank vs sequence length, per strategy, to "
+        "FILE.png (log axes; needs matplotlib).")] = None,
+    json_out: Json = False,
 ) -> None:
     from ..errors import ConfigError
-    from ..runner.decode_run import run_decode
-    from ..runner.run_setup import RunOptions, plan_run, strategies_beyond_tolerance
+    from ..commands.run.decode import run_decode
+    from ..commands.run.setup import plan_run, strategies_beyond_tolerance
 
     if sweep is None and seq_len < 1:
         # The library takes an empty shard, but a benchmark of an empty cache times nothing and
@@ -67,10 +79,7 @@ def run_command(
             # silently of --seq-len would plot nothing worth a file.
             raise ConfigError("--plot draws step time against sequence length: give the lengths with --sweep "
                               "(e.g. --sweep 16K,64K,256K --plot FILE.png)")
-        from ..plots import check_png_path, require_matplotlib
-
-        check_png_path(plot)
-        require_matplotlib()
+        check_plot(plot)
     if sweep is not None:
         _run_sweep(options, sweep, plot, json_out)
         return
@@ -80,15 +89,13 @@ def run_command(
         f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
         f"{spec.seq_len:,} tokens {_over(spec.world_size)} ({spec.backend}); "
         f"strategies: {', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"
-        + ("; one rank sends and merges nothing: every strategy runs the local kernel alone" if spec.world_size == 1 else "")))
+        + ("; one rank sends and merges nothing: every strategy runs the local kernel alone"
+           if spec.world_size == 1 else "")))
     result = run_decode(spec)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return
     result.profile = setup.profile
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render_run(result)
+    report(result, render_run, json_out)
     if strategies_beyond_tolerance(result, spec.dtype):
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
@@ -96,8 +103,8 @@ def run_command(
 
 def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> None:
     """``--sweep`` (and ``--plot``): one run per sequence length, one table, one picture."""
-    from ..runner.run_setup import strategies_beyond_tolerance
-    from ..runner.sweep import run_sweep
+    from ..commands.run.setup import strategies_beyond_tolerance
+    from ..commands.run.sweep import run_sweep
 
     results = run_sweep(options, sweep, progress=lambda text: err_console.print(text, markup=False))
     # The measurements first: a picture that cannot be written must not take them with it.
@@ -111,7 +118,7 @@ def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> 
         first = results[0]
         plot_sweep([r.to_dict() for r in results], plot,
                    f"tree-attn run: {ranks(first.spec['world_size'])}, {first.device} ({first.backend}); measured")
-        err_console.print(f"wrote {plot}", markup=False)
+        notice(f"wrote {plot}")
     bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
     if bad:
         error("a strategy's result differs from the reference beyond tolerance")
@@ -135,7 +142,7 @@ def render_sweep(results) -> None:
         for r in res.results:
             table.add_row(f"{res.spec['seq_len']:,}", styled(plan_name(r.plan, res.spec["world_size"])),
                           f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
-                          _fmt_bytes(r.bytes_sent_per_step), _fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
+                          fmt_bytes(r.bytes_sent_per_step), fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
                           f"{ring / r.step_ms_median:.1f}" if ring else "-")
     out_console.print(table)
     out_console.print("per decode step, as `tree-attn run` (median / p95 of the slowest rank; bytes each rank sends; "
@@ -146,14 +153,6 @@ def render_sweep(results) -> None:
 def _over(world_size: int) -> str:
     """``over 4 ranks``; ``on 1 rank`` (one rank holds the whole cache: nothing is split)."""
     return f"on {ranks(1)}" if world_size == 1 else f"over {ranks(world_size)}"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def render_run(result) -> None:
@@ -167,6 +166,9 @@ def render_run(result) -> None:
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
+    # Eager rows' device time comes from extra steps, each queued behind a spin kernel (a graph
+    # row's from its timed replays): the footnote says so where such a row is shown.
+    eager_timed = any(r.device_ms_median is not None and r.execution != "cuda graph" for r in result.results)
     columns = [("strategy", "left"), ("step", "left"), ("median", "right"), ("p95", "right"),
                ("sent/rank", "right"), ("msgs", "right"), ("peak mem", "right"), ("max err", "right")]
     if gpu:
@@ -179,9 +181,9 @@ def render_run(result) -> None:
             "graph" if r.execution == "cuda graph" else "eager",
             f"{r.step_ms_median:.2f} ms",
             f"{r.step_ms_p95:.2f} ms",
-            _fmt_bytes(r.bytes_sent_per_step),
+            fmt_bytes(r.bytes_sent_per_step),
             str(r.messages_per_step),
-            _fmt_bytes(r.peak_mem_bytes),
+            fmt_bytes(r.peak_mem_bytes),
             f"{r.max_abs_err:.1e}",
         ]
         if gpu:
@@ -193,7 +195,8 @@ def render_run(result) -> None:
         "latency from a barrier to the end of the step's device work (slowest rank); bytes and messages each rank "
         "sends (max over ranks); peak memory of a rank (max; on CPU ranks the whole process, interpreter and torch "
         "included); max abs error against a float64 computation of the whole cache"
-        + ("; device = CUDA-event time of the step (slowest rank)" if gpu else ""),
+        + ("; device = CUDA-event time of the step (slowest rank)" if gpu else "")
+        + ("; eager rows: extra steps queued behind a spin kernel (JSON device_time)" if eager_timed else ""),
         style="dim",
     )
     if result.speedup_vs_ring is not None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from .common import count_list_option, count_option, int_list_option, out_console, print_json, styled
+from ..commands.simulate import SimulateOptions
+from .common import check_plot, fmt_bytes, out_console, report, styled
+from .options import Batch, HeadDim, Heads, Json, KvHeads, count_list_option, int_list_option
+
+DEFAULTS = SimulateOptions()
 
 HELP = (
     "Predict one decode step of tree attention, the all-reduce form and Ring on a cluster you cannot "
@@ -22,63 +28,57 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("simulate", help=HELP)(simulate_command)
-
-
 def simulate_command(
-    preset: str = typer.Option(None, "--preset", help="Built-in cluster: h100-sxm, mi300x or rtx4090-pcie (default: the one of the device a --topology/--profile names, else h100-sxm)."),
-    topology: str = typer.Option(None, "--topology", "-t", help="A node's topology: probe YAML (measured numbers used) or a recorded dump."),
-    profile: str = typer.Option(None, "--profile", "-p", help="A profile (path or name): topology, kernel bandwidth, plan timings."),
-    params: str = typer.Option(None, "--params", help="A parameters file written by benchmarks/calibrate_costmodel.py."),
-    world_sizes: str = int_list_option("8,16,32,64,128", "--world-sizes", "-w", help="Comma list of GPU counts (multiples of --gpus-per-node above one node)."),
-    gpus_per_node: int = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's or topology's)."),
-    seq_lens: str = count_list_option("32K,128K,512K,1M,5.12M", "--seq-lens", "-n", help="Comma list of total tokens (1 to 100M)."),
-    batch: int = count_option(1, "--batch", "-b", help="Sequences decoded together."),
-    heads: int = typer.Option(32, "--heads", help="Query heads."),
-    kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
-    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
-    dtype: str = typer.Option("bf16", "--dtype", help="KV cache dtype: fp32, fp16 or bf16."),
-    fanout: int = typer.Option(2, "--fanout", "-k", help="Fan-out of the topology-aware tree."),
-    step_overhead_us: float = typer.Option(None, "--step-overhead-us", help="Fixed time per decode step besides attention and its communication (a framework's Python, a graph launch), in microseconds; replaces the parameters' own."),
-    plot: str = typer.Option(None, "--plot", help="Write latency vs sequence length and speedup vs world size to FILE.png (needs matplotlib)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    preset: Annotated[Optional[str], typer.Option(
+        "--preset", help="Built-in cluster: h100-sxm, mi300x or rtx4090-pcie (default: the one of the device a "
+        "--topology/--profile names, else h100-sxm).")] = DEFAULTS.preset,
+    topology: Annotated[Optional[str], typer.Option(
+        "--topology", "-t", help="A node's topology: probe YAML (measured numbers used) or a recorded "
+        "dump.")] = DEFAULTS.topology,
+    profile: Annotated[Optional[str], typer.Option(
+        "--profile", "-p", help="A profile (path or name): topology, kernel bandwidth, plan "
+        "timings.")] = DEFAULTS.profile,
+    params: Annotated[Optional[str], typer.Option(
+        "--params", help="A parameters file written by benchmarks/calibrate_costmodel.py.")] = DEFAULTS.params,
+    world_sizes: Annotated[str, int_list_option(
+        "--world-sizes", "-w", help="Comma list of GPU counts (multiples of --gpus-per-node above one "
+        "node).")] = DEFAULTS.world_sizes,
+    gpus_per_node: Annotated[Optional[int], typer.Option(
+        "--gpus-per-node", "-g", help="GPUs per node (default: the preset's or topology's).")] = DEFAULTS.gpus_per_node,
+    seq_lens: Annotated[str, count_list_option(
+        "--seq-lens", "-n", help="Comma list of total tokens (1 to 100M).")] = DEFAULTS.seq_lens,
+    batch: Batch = DEFAULTS.batch,
+    heads: Heads = DEFAULTS.heads,
+    kv_heads: KvHeads = DEFAULTS.kv_heads,
+    head_dim: HeadDim = DEFAULTS.head_dim,
+    dtype: Annotated[str, typer.Option("--dtype", help="KV cache dtype: fp32, fp16 or bf16.")] = DEFAULTS.dtype,
+    fanout: Annotated[int, typer.Option(
+        "--fanout", "-k", help="Fan-out of the topology-aware tree.")] = DEFAULTS.fanout,
+    step_overhead_us: Annotated[Optional[float], typer.Option(
+        "--step-overhead-us", help="Fixed time per decode step besides attention and its communication (a "
+        "framework's Python, a graph launch), in microseconds; replaces the parameters' "
+        "own.")] = DEFAULTS.step_overhead_us,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", help="Write latency vs sequence length and speedup vs world size to FILE.png (needs "
+        "matplotlib).")] = None,
+    json_out: Json = False,
 ) -> None:
-    from ..runner.simulate import SimulateOptions, simulate
+    from ..commands.simulate import simulate
 
-    if plot:
-        from ..plots import check_png_path, require_matplotlib
-
-        check_png_path(plot)
-        require_matplotlib()
+    check_plot(plot)
     result = simulate(SimulateOptions(
         preset=preset, topology=topology, profile=profile, params=params, world_sizes=world_sizes,
         gpus_per_node=gpus_per_node, seq_lens=seq_lens, batch=batch, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, dtype=dtype, fanout=fanout, step_overhead_us=step_overhead_us,
     ))
-    if json_out:
-        print_json(result.to_dict())
-    else:
-        render(result)
-    if plot:
-        from ..plots import plot_simulation
-        from .common import err_console
+    from ..plots import plot_simulation
 
-        plot_simulation(result, plot)
-        err_console.print(f"wrote {plot}", markup=False)
+    report(result, render, json_out, plot, plot_simulation)
 
 
 def _ms(us: float) -> str:
     ms = us / 1e3
     return f"{ms:,.3f}" if ms < 10 else f"{ms:,.1f}"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def render(result) -> None:
@@ -97,7 +97,7 @@ def render(result) -> None:
     for r in result.rows:
         table.add_row(f"{r.world_size}={r.nodes}x{r.ranks_per_node}", f"{r.seq_len:,}", _ms(r.tree.time_us),
                       _ms(r.allreduce.time_us), _ms(r.ring.time_us), f"{r.speedup:,.1f}x",
-                      _bytes(r.tree.bytes_per_rank), _bytes(r.ring.bytes_per_rank))
+                      fmt_bytes(r.tree.bytes_per_rank), fmt_bytes(r.ring.bytes_per_rank))
     out_console.print(table)
     plans = sorted({r.tree.plan for r in result.rows})
     # The source (it may name a file) and the plan labels on lines of their own, never wrapped.

@@ -1,14 +1,20 @@
 """``tree-attn tune``: measure this machine, choose the reduction plan and kernel configs, write a profile.
 
-Parsing and rendering only: ``runner.tune_profile`` resolves the topology and the ranks, checks the
+Parsing and rendering only: ``commands.tune`` resolves the topology and the ranks, checks the
 output path, times (or models) and builds the profile.
 """
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
-from .common import count_option, err_console, line, notice, out_console, print_json, styled, warn
+from ..commands.tune.setup import TuneRequest
+from .common import err_console, line, notice, out_console, print_json, styled, warn
+from .options import Backend, Batch, Device, HeadDim, Heads, KvHeads, Timeout
+
+DEFAULTS = TuneRequest()
 
 HELP = (
     "Tune tree attention for this machine and write a profile that `tree-attn run` uses.\n\n"
@@ -23,27 +29,31 @@ HELP = (
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("tune", help=HELP)(tune_command)
-
-
 def tune_command(
-    topology_file: str = typer.Option(None, "--topology", help="A topology YAML or a recorded dump (nvidia-smi topo -m, amd-smi topology...) instead of probing."),
-    world_size: int = typer.Option(None, "--world-size", "-w", help="Ranks (default: the GPUs, else 4 CPU ranks)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where the ranks compute (auto: the GPUs if torch sees any, else CPU ranks)."),
-    output: str = typer.Option(None, "--output", "-o", help="Profile path (default: the cache folder, named by fingerprint)."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing profile."),
-    quick: bool = typer.Option(False, "--quick", help="A small budget: few iterations, two shard buckets (under a minute on CPU ranks)."),
-    batch: int = count_option(1, "--batch", "-b", help="Batch of the decode message size."),
-    heads: int = typer.Option(32, "--heads", help="Query heads."),
-    kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
-    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension."),
-    dtype: str = typer.Option("bf16", "--dtype", help="KV dtype the kernel is tuned for (GPUs)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, gloo or nccl."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds a collective may wait for a peer."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the profile and where it went)."),
+    topology_file: Annotated[Optional[str], typer.Option(
+        "--topology", help="A topology YAML or a recorded dump (nvidia-smi topo -m, amd-smi topology...) instead of "
+        "probing.")] = DEFAULTS.topology_file,
+    world_size: Annotated[Optional[int], typer.Option(
+        "--world-size", "-w", help="Ranks (default: the GPUs, else 4 CPU ranks).")] = DEFAULTS.world_size,
+    device: Device = DEFAULTS.device,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", help="Profile path (default: the cache folder, named by fingerprint).")] = DEFAULTS.output,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing profile.")] = DEFAULTS.force,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="A small budget: few iterations, two shard buckets (under a minute on CPU "
+        "ranks).")] = DEFAULTS.quick,
+    batch: Batch = DEFAULTS.batch,
+    heads: Heads = DEFAULTS.heads,
+    kv_heads: KvHeads = DEFAULTS.kv_heads,
+    head_dim: HeadDim = DEFAULTS.head_dim,
+    dtype: Annotated[str, typer.Option("--dtype", help="KV dtype the kernel is tuned for (GPUs).")] = DEFAULTS.dtype,
+    backend: Backend = DEFAULTS.backend,
+    timeout: Timeout = DEFAULTS.timeout_s,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object (the profile and where it went).")] = False,
 ) -> None:
-    from ..runner.tune_profile import TuneRequest, build_profile, plan_tune, write_profile
+    from ..commands.tune.profile import build_profile, write_profile
+    from ..commands.tune.setup import plan_tune
 
     setup = plan_tune(TuneRequest(
         topology_file=topology_file, world_size=world_size, device=device, output=output, force=force, quick=quick,
@@ -64,7 +74,7 @@ def tune_command(
 
 
 class _TuneProgress:
-    """A rich progress display on stderr fed by ``runner.tune_profile.TuneEvent``s: one spinner
+    """A rich progress display on stderr fed by ``commands.tune.profile.TuneEvent``s: one spinner
     line per stage, the stage's details printed above it."""
 
     def __enter__(self):

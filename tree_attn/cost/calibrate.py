@@ -97,7 +97,7 @@ def _median_seconds(op, sync, *, warmup: int, samples: int, env=None) -> float:
     """Median seconds of ``op()`` over ``samples`` timed runs after ``warmup`` untimed ones, the
     device drained (``sync``) before and after each; with ``env``, each run starts right after a
     barrier of its ranks."""
-    from ..ranks.launch import barrier
+    from ..launch.group import barrier
 
     ts = []
     for it in range(warmup + samples):
@@ -127,7 +127,7 @@ def _ring_exchange(env, sync, dev, dt, repeats: int) -> dict[int, tuple[float, f
     import torch
     import torch.distributed as dist
 
-    from ..ranks.launch import barrier
+    from ..launch.group import barrier
 
     p = env.world_size
     succ, pred = (env.rank + 1) % p, (env.rank - 1) % p
@@ -197,7 +197,8 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     The returned cluster has one rank per core; ``with_shape`` gives other rank counts, and the
     model then slows each rank's compute by ranks / cores (``DeviceParams.shared_cores``).
     """
-    from ..ranks.launch import launch_ranks, usable_cores
+    from ..launch.env import usable_cores
+    from ..launch.spawn import launch_ranks
     from ..topology.host import host_topology
     from ..topology.measure import measure_topology
     from .model import DTYPE_BYTES
@@ -264,7 +265,7 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     the datasheet bandwidth), the merge, and the measured all-reduce. Needs the GPUs visible."""
     import torch
 
-    from ..ranks.launch import launch_ranks
+    from ..launch.spawn import launch_ranks
     from ..topology.measure import measure_topology
     from ..topology.probe import probe_topology
     from .fit import device_for

@@ -32,7 +32,7 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
         n = default_cpu_ranks()
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise TopologyError(f"cpu ranks: expected an integer >= 1, got {n!r}")
-    from ..ranks.launch import check_cpu_ranks
+    from ..launch.env import check_cpu_ranks
 
     check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built
     devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]

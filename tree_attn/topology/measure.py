@@ -111,10 +111,13 @@ def _cuda_time(torch: Any, dev: int, op, iters: int) -> float:
 
 
 def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, backend, device_kind, timeout_s):
-    from ..ranks.launch import launch_ranks
+    from ..launch.job import run_ranks
+    from ..launch.setup import LaunchRequest, resolve_launch
 
-    results = launch_ranks(_rank_measure, n, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes),
-                           backend=backend, device_kind=device_kind, timeout_s=timeout_s)
+    launch = resolve_launch(LaunchRequest(device=device_kind, world_size=n, backend=backend, timeout_s=timeout_s,
+                                          join_torchrun=False, activity="measuring"))
+    results = run_ranks(_rank_measure, launch, args=(pairs, iterations, copy_bytes, latency_bytes,
+                                                     allreduce_bytes)).values
     merged: dict[str, Any] = {"pairs": {}}
     for r in results:
         merged["pairs"].update(r["pairs"])
@@ -127,7 +130,7 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     import torch
     import torch.distributed as dist
 
-    from ..ranks.launch import barrier
+    from ..launch.group import barrier
 
     dev = torch.device(env.device)
 

@@ -8,7 +8,7 @@ the function reads a context passed as the forward's keyword argument ``tree_att
 - :class:`PrefillContext`: one process attends the prompt in chunks (each chunk causally over
   itself and fully over the chunks before it, merged exactly by their log-sum-exps) and keeps
   every layer's K and V.
-- :class:`DecodeContext`: this rank's paged KV shard (:class:`runner.kv_store.PagedKVShard`); the
+- :class:`DecodeContext`: this rank's paged KV shard (:class:`.kv_store.PagedKVShard`); the
   new token's K and V go to the shard that holds new tokens (the last rank's), then the layer's
   attention over all ranks' shards is ``tree_decode``, ``ring_decode`` or, on one process,
   ``decode_attention``.
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..kernels.dispatch import decode_attention
-from ..merge import merge_partials
-from ..reduce.collectives import tree_decode
-from ..reduce.ring import ring_decode
-from ..reduce.comm import CommStats
-from ..reduce.plan import ReductionPlan
+from ...errors import ConfigError
+from ...kernels.dispatch import decode_attention
+from ...merge import merge_partials
+from ...reduce.collectives import tree_decode
+from ...reduce.ring import ring_decode
+from ...reduce.comm import CommStats
+from ...reduce.plan import ReductionPlan
 from .kv_store import PagedKVShard
 
 ATTENTION_NAME = "tree_attn"

@@ -2,7 +2,7 @@
 family, or a model built from a preset config with a fixed seed (random weights).
 
 Model code is Hugging Face ``transformers``' own (the ``[models]`` extra); tree-attn only routes
-attention through its hook (see :mod:`runner.hf_attention`). Nothing here touches the network:
+attention through its hook (see :mod:`.hf_attention`). Nothing here touches the network:
 checkpoints load with ``local_files_only``.
 """
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..defaults import SEED
 
 # Architectures whose attention is plain multi-head/grouped-query softmax attention with RoPE,
 # computed by the model as q, k, v then the attention interface: what tree-attn decodes exactly.
@@ -59,7 +60,7 @@ class ModelSource:
     path: str | None = None
     preset: str = DEFAULT_PRESET
     layers: int | None = None
-    seed: int = 0
+    seed: int = SEED
 
     @property
     def random_weights(self) -> bool:
@@ -187,7 +188,7 @@ def safetensors_problem(path: Path) -> str | None:
 
 def build_model(source: ModelSource, *, dtype, device) -> Any:
     """The model of ``source`` in eval mode on ``device`` with ``dtype`` weights, attention
-    ``sdpa`` (the reference); :func:`runner.hf_attention.use_tree_attention` switches it."""
+    ``sdpa`` (the reference); :func:`.hf_attention.use_tree_attention` switches it."""
     import torch
 
     require_transformers()

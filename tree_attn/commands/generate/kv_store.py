@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from ..kernels.paged import check_block_size
-
-PAGE_SIZE = 16  # vLLM's default block size
+from ...errors import ConfigError
+from ...kernels.paged import check_block_size
+from .setup import PAGE_SIZE
 
 
 @dataclass

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reduce.plan import ReductionPlan
-from .decode_run import percentile
-from ..ranks.launch import RankEnv
+from ...launch.env import DEFAULT_TIMEOUT_S, RankEnv
+from ...launch.job import percentile
+from ...launch.setup import LaunchSetup, OnLaunch
+from ...reduce.plan import ReductionPlan
+from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ def time_plans_rank(
     batches: int,
     per_batch: int,
     warmup: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> PlanTuneResult:
     """Run inside every rank: time each candidate's merge; every rank returns rank 0's decision.
 
-    Each candidate is the prepared merge ``decode_run`` runs (static buffers, peers resolved
+    Each candidate is the prepared merge ``run`` decodes with (static buffers, peers resolved
     once), replayed as a CUDA graph on GPUs, eager on CPU ranks.
 
     Why batches: ranks leave a barrier at different moments (the skew is the barrier's own
@@ -74,14 +77,16 @@ def time_plans_rank(
     iterations overlap only where one's last messages are still arriving at some ranks while
     others begin the next (per-iteration latency as nccl-tests reports it, not pipelined
     throughput). The batch lasts as long as its slowest rank; ``batches`` such samples give the
-    median and p95.
+    median and p95. On GPUs each batch's wait is bounded by ``timeout_s`` (a replayed NCCL receive
+    whose peer stalls has no other bound: see ``graphs.wait_for``).
     """
     import torch.distributed as dist
 
-    from ..graphs import CapturedStep
-    from ..ranks.launch import barrier
-    from ..reduce.merges import build_merge
-    from ..timing import hold_stream
+    from ...graphs import CapturedStep
+    from ...launch.group import barrier
+    from ...reduce.collectives import abort_group
+    from ...reduce.merges import build_merge
+    from ...timing import hold_stream
 
     device = torch.device(env.device)
     g = torch.Generator().manual_seed(1234 + env.rank)
@@ -96,11 +101,12 @@ def time_plans_rank(
         # Collective: every rank builds it here. One rank has nothing to merge: an empty graph
         # (torch warns of one) would time nothing, so that merge runs eagerly.
         alone = env.world_size == 1
-        step = CapturedStep(merge, device, enabled=not alone, warmup=max(1, warmup), communicates=not alone)
+        step = CapturedStep(merge, device, enabled=not alone, warmup=max(1, warmup), communicates=not alone,
+                            timeout_s=timeout_s, abort=abort_group, rank=env.rank, name=f"{plan.label} merge")
         for _ in range(warmup):
             step()
         mine = []
-        for _ in range(batches):
+        for b in range(batches):
             barrier(env)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,7 +116,7 @@ def time_plans_rank(
                 for _ in range(per_batch):
                     step()
                 end.record()
-                end.synchronize()
+                step.wait(f"{plan.label} timing batch {b + 1} of {batches}", done=end)
                 mine.append(start.elapsed_time(end) * 1e-3 / per_batch)
             else:
                 t0 = time.perf_counter()
@@ -177,17 +183,17 @@ def time_kernel_configs(
     CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
     interpreter, for tests) a host clock.
     """
-    from ..errors import ConfigError
-    from ..kernels.perf_model import kv_bytes
-    from ..kernels.triton_launch import TritonDecodeLaunch
-    from ..timing import rotation_count, time_calls
+    from ...errors import ConfigError
+    from ...kernels.perf_model import kv_bytes
+    from ...kernels.triton_launch import TritonDecodeLaunch
+    from ...timing import rotation_count, time_calls
 
     dev = torch.device(device)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     nbytes = kv_bytes(shape, kv_dtype)
     copies = 1
     if dev.type == "cuda":
-        from ..kernels.device_info import device_spec_for
+        from ...kernels.device_info import device_spec_for
 
         free, _ = torch.cuda.mem_get_info(dev)
         copies = rotation_count(nbytes, device_spec_for(dev).l2_bytes, free)
@@ -231,20 +237,17 @@ def _random_fp8(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class TuneOptions:
-    """What ``tune`` searches. Shapes default to Llama-3.1-8B attention."""
+class TuneOptions(OnLaunch):
+    """What ``tune`` searches, on the ranks of ``launch`` (its dtype is the kernel's). Shapes
+    default to Llama-3.1-8B attention."""
 
-    world_size: int
-    device_kind: str  # "cpu" | "cuda"
-    backend: str
-    batch: int = 1
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "bfloat16"
-    kv_dtype: str | None = None  # the KV cache's dtype (e.g. float8_e4m3fn); None: ``dtype``
+    launch: LaunchSetup
+    batch: int = BATCH
+    q_heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    kv_dtype: str | None = None  # the KV cache's dtype (e.g. float8_e4m3fn); None: the launch's dtype
     quick: bool = False
-    timeout_s: float = 120.0
     buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
 
     @property
@@ -282,20 +285,17 @@ class BucketResult:
 
 
 def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
-    """Time every candidate plan on ``options.world_size`` spawned ranks; rank 0's choice wins."""
-    from ..ranks.launch import launch_ranks
+    """Time every candidate plan on the launch's spawned ranks; rank 0's choice wins."""
+    from ...launch.job import run_ranks
 
     batches, per_batch, warm = options.plan_batches
-    results = launch_ranks(
-        time_plans_rank,
-        options.world_size,
-        args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm),
-        backend=options.backend,
-        device_kind=options.device_kind,
-        timeout_s=options.timeout_s,
-    )
+    results = run_ranks(
+        time_plans_rank, options.launch,
+        args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm,
+              options.timeout_s),
+    ).values
     if len({r.chosen for r in results}) != 1:
-        from ..errors import DistributedError
+        from ...errors import DistributedError
 
         raise DistributedError("ranks ended the plan search with different plans; rank 0's broadcast did not arrive")
     return results[0]
@@ -314,10 +314,10 @@ def _tune_kernels_work(options: TuneOptions, device: str | None, say) -> list[Bu
 
 
 def tune_kernels_in_child(options: TuneOptions, progress=None, device: str | None = None) -> KernelTuneReport:
-    """:func:`tune_kernels` in a spawned child process (see :mod:`tree_attn.runner.child`): the
+    """:func:`tune_kernels` in a spawned child process (see :mod:`tree_attn.launch.child`): the
     same timings and choices, while this process makes no CUDA context. ``progress`` receives the
     child's lines as they come."""
-    from .child import run_in_child
+    from ...launch.child import run_in_child
 
     done = run_in_child(_tune_kernels_work, (options, device), what="kernel tuning", timeout_s=options.timeout_s,
                         progress=progress)
@@ -335,13 +335,13 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         if options.device_kind != "cuda":
             return []
         device = "cuda:0"
-    from ..kernels.config import resolve_config
-    from ..kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
+    from ...kernels.config import resolve_config
+    from ...kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
                                       rank_candidates, tuning_survivors)
-    from ..kernels.shapes import DecodeShape
-    from ..dtypes import torch_dtype
+    from ...kernels.shapes import DecodeShape
+    from ...dtypes import torch_dtype
 
-    from ..dtypes import parse_dtype
+    from ...dtypes import parse_dtype
 
     dtype = torch_dtype(options.dtype)  # the query's
     kv_name = parse_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
@@ -349,7 +349,7 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     copy_gbps = None
     if device.startswith("cuda"):
-        from ..timing import measure_copy_bandwidth
+        from ...timing import measure_copy_bandwidth
 
         copy_gbps = measure_copy_bandwidth(device)
         if progress:
@@ -370,7 +370,7 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps, kv_dtype=kv_dtype)
         failed = [t for t in timings if t.error is not None]
         if len(failed) == len(timings):
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"kernel bucket {n} tokens: none of the {len(timings)} candidate configs could run on "
                               f"{device}; the first said: {failed[0].error}")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 MAX_SWEEP = 16  # lengths in one sweep: each is a whole run
 
 
 def sweep_lengths(text: str | None, default: int) -> list[int]:
     """The sweep's lengths, ascending (``None``: just ``default``)."""
-    from .simulate import parse_tokens
+    from ..defaults import parse_tokens
 
     if text is None:
         return [default]
@@ -27,15 +27,15 @@ def sweep_lengths(text: str | None, default: int) -> list[int]:
 
 def run_sweep(options, sweep: str | None, progress: Callable[[str], None] = lambda text: None) -> list:
     """One :class:`RunResult` per length of ``sweep`` (spawned ranks only: a torchrun job runs
-    one length). Every length is checked before the first run starts."""
-    from ..ranks.launch import torchrun_env
-    from .decode_run import run_decode
-    from .run_setup import plan_run
+    one length). Every length is resolved and checked before the first run starts; each run is
+    the launch its own setup resolved (the kernel config and the memory check are per length)."""
+    from .decode import run_decode
+    from .setup import plan_run
 
-    if torchrun_env(None if options.device == "auto" else options.device, options.backend) is not None:
-        raise ConfigError("--sweep and --plot spawn their own ranks; under torchrun run one --seq-len per job")
     lengths = sweep_lengths(sweep, options.seq_len)
     setups = [plan_run(dataclasses.replace(options, seq_len=n)) for n in lengths]  # sizes checked up front
+    if setups[0].under_torchrun:
+        raise ConfigError("--sweep and --plot spawn their own ranks; under torchrun run one --seq-len per job")
     results = []
     for i, setup in enumerate(setups):
         spec = setup.spec

@@ -4,7 +4,7 @@ a CUDA context.
 The launching process (the CLI's) starts GPU ranks; a CUDA context of its own on GPU 0 would cost
 rank 0 about 0.5 GB there, and under exclusive-process compute mode rank 0 could not make its own.
 So kernel tuning and ``generate``'s one-process rows run here, in a child that has exited before
-any rank starts. The child is a one-rank gloo job of :func:`tree_attn.ranks.launch.launch_ranks`,
+any rank starts. The child is a one-rank gloo job of :func:`tree_attn.launch.spawn.launch_ranks`,
 for its fault handling (the child's error, death or silence is reported, and it dies with its
 parent); the work itself chooses its device. Progress lines the work reports reach the caller's
 callback as they come: a thread of the caller relays them from a queue.
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import DistributedError, TreeAttnError
+from .env import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def _relay(messages, progress: Callable[[str], None], done: threading.Event) -> 
             progress = lambda text: None  # noqa: E731
 
 
-def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout_s: float = 120.0,
+def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Callable[[str], None] | None = None) -> ChildResult:
     """Run ``fn(*args, say)`` in a spawned child process; ``say(text)`` reaches ``progress``.
 
@@ -69,7 +70,7 @@ def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout
     """
     import torch.multiprocessing as mp
 
-    from ..ranks.launch import launch_ranks
+    from .spawn import launch_ranks
 
     messages = mp.get_context("spawn").Queue() if progress is not None else None
     done = threading.Event()

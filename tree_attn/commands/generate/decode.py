@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,17 +25,19 @@ from typing import Any, Callable
 
 import torch
 
-from ..dtypes import torch_dtype
-from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv, barrier
-from .decode_run import percentile
+from ...dtypes import torch_dtype
+from ...launch.env import RankEnv
+from ...launch.group import barrier
+from ...launch.job import device_name, percentile, say_on_rank_0
+from ...launch.setup import LaunchSetup, OnLaunch
 from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
-from .kv_store import PAGE_SIZE, PagedKVShard
+from .kv_store import PagedKVShard
 from .models import ModelSource, build_model
+from .setup import PREFILL_CHUNK, GenerateOptions
 
 REFERENCE = "reference"
 ONE_RANK = "one rank"
-PREFILL_CHUNK = 4096  # prompt tokens per prefill forward (bounds the MLP's activations)
+DEFAULTS = GenerateOptions()
 PROGRESS_S = 10.0
 
 
@@ -63,33 +64,26 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class GenerateSpec:
+class GenerateSpec(OnLaunch):
     """What to generate and how. ``prompt_ids``: at least one token; ``new_tokens`` decode steps.
 
-    ``strategies``: ``(name, plan)`` pairs as in ``run`` (``ring`` has no plan). The reference and
-    the one-process row always run.
+    ``launch``: where the ranks compute, their dtype, and the strategies' ``(name, plan)`` pairs
+    as in ``run`` (``ring`` has no plan). The reference and the one-process row always run.
+    Defaults are :class:`~.setup.GenerateOptions`'.
     """
 
     source: ModelSource
     prompt_ids: tuple[int, ...]
-    new_tokens: int = 32
-    world_size: int = 4
-    strategies: tuple[tuple[str, ReductionPlan | None], ...] = (("tree", ReductionPlan("tree", 2)), ("ring", None))
-    device_kind: str = "cpu"
-    backend: str = "gloo"
-    dtype: str = "float32"
+    launch: LaunchSetup
+    new_tokens: int = DEFAULTS.new_tokens
     impl: str = "auto"
-    kernel_config: dict | None = None
-    page_size: int = PAGE_SIZE
+    page_size: int = DEFAULTS.page_size
     prefill_chunk: int = PREFILL_CHUNK
-    timeout_s: float = 120.0
-    seed: int = 0  # shuffles the block tables
+    seed: int = DEFAULTS.seed  # shuffles the block tables
 
     def shard_sizes(self) -> list[int]:
         """Prefill tokens per rank: the prompt minus its last token, split as evenly as possible."""
-        n = len(self.prompt_ids) - 1
-        base, extra = divmod(n, self.world_size)
-        return [base + (1 if r < extra else 0) for r in range(self.world_size)]
+        return self.launch.shard_sizes(len(self.prompt_ids) - 1)
 
 
 @dataclass
@@ -152,7 +146,7 @@ class GenerateResult:
     page_size: int
     prefill_s: float
     rows: list[GenerateRow]
-    profile: Any = None  # run_setup.ProfileChoice, set by the caller
+    profile: Any = None  # commands.run.setup.ProfileChoice, set by the caller
     prompt_text: str | None = None
     shard_sizes: list[int] = field(default_factory=list)
 
@@ -283,19 +277,6 @@ def reference_tokens(model, pre: PrefillContext, first: int, steps: int) -> Stra
 
 # --- ranks -------------------------------------------------------------------------------------
 
-def _progress(env: RankEnv, text: str) -> None:
-    if env.rank == 0:
-        print(f"[rank 0] {text}", file=sys.stderr, flush=True)
-
-
-def _kernel_config(spec: GenerateSpec):
-    if not spec.kernel_config:
-        return None
-    from ..kernels.config import DecodeConfig
-
-    return DecodeConfig.from_dict(spec.kernel_config)
-
-
 def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Tensor],
                       v: list[torch.Tensor]) -> dict[str, StrategyRun]:
     """On one rank of an initialised group: page this rank's prefill slice (``k[l], v[l]``
@@ -317,14 +298,14 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
     barrier(env)
     first, start = spec.prompt_ids[-1], len(spec.prompt_ids) - 1
     runs: dict[str, StrategyRun] = {}
-    for name, plan in spec.strategies:
+    for name, plan in spec.plans:
         label = plan.label if plan is not None else "ring"
         store.set_length(n)
         ctx = DecodeContext(store, "ring" if plan is None else "tree", holds_new=last, plan=plan,
-                            ring_lengths=capacities, impl=spec.impl, config=_kernel_config(spec))
-        _progress(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} ranks")
-        runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: _progress(env, t), label)
-        _progress(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
+                            ring_lengths=capacities, impl=spec.impl, config=spec.kernel_config)
+        say_on_rank_0(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} ranks")
+        runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label)
+        say_on_rank_0(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
     return runs
 
 
@@ -409,7 +390,7 @@ def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callab
     for layer in range(shape.layers):
         local.write(layer, 0, *pre.tokens(layer, 0, start))
     local.set_length(start)
-    ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=_kernel_config(spec))
+    ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=spec.kernel_config)
     rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
     return rows
 
@@ -421,14 +402,14 @@ def one_process_work(spec: GenerateSpec, folder: str, say: Callable[[str], None]
     model, pre, prefill_s = load_and_prefill(spec, device, say)
     rows = one_process_rows(spec, model, pre, say)
     _save_prefill(pre, folder)
-    return OneProcess(prefill_s, rows, _device_name(device), os.getpid())
+    return OneProcess(prefill_s, rows, device_name(str(device)), os.getpid())
 
 
 def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], None]) -> OneProcess:
     """:func:`one_process_work` in a child process that exits before any rank starts: the
     launching process makes no CUDA context (about 0.5 GB on GPU 0, which rank 0 uses next, and
     a failure under exclusive-process compute mode). The prefill KV waits in ``folder``."""
-    from .child import run_in_child
+    from ...launch.child import run_in_child
 
     return run_in_child(one_process_work, (spec, folder), what="the one-process rows (prefill, reference, one rank)",
                         timeout_s=spec.timeout_s, progress=say).value
@@ -436,22 +417,12 @@ def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], 
 
 def decode_on_ranks(spec: GenerateSpec, folder: str, reference: list[int],
                     say: Callable[[str], None]) -> list[GenerateRow]:
-    """Split the prefill KV in ``folder`` over ``spec.world_size`` spawned ranks; one row per strategy."""
-    from ..ranks.launch import launch_ranks
+    """Split the prefill KV in ``folder`` over the launch's spawned ranks; one row per strategy."""
+    from ...launch.job import run_ranks
 
     say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
-    per_rank = launch_ranks(generate_rank, spec.world_size, args=(spec, folder), backend=spec.backend,
-                            device_kind=spec.device_kind, timeout_s=spec.timeout_s)
+    per_rank = run_ranks(generate_rank, spec.launch, args=(spec, folder)).values
     return [_row(label, spec.world_size, [runs[label] for runs in per_rank], reference) for label in per_rank[0]]
-
-
-def _device_name(device: torch.device) -> str:
-    """The name of the device the rows ran on (asked where they ran: never in the launching process)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from .decode_run import _device_name as host_name
-
-    return host_name("cpu")
 
 
 def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, device: str, backend: str,
@@ -466,10 +437,14 @@ def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, devic
     )
 
 
-def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None, tokenizer=None) -> GenerateResult:
-    """Prefill and decode the reference and the one-process row in a child process, then every
-    strategy on ``spec.world_size`` spawned ranks; return the rows with the check against the
-    reference. This process only launches and collects: it computes nothing on a device."""
+def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None,
+                 tokenizer=None) -> GenerateResult | None:
+    """Generate every row: under torchrun as this process's rank (:func:`_generate_as_torchrun_rank`),
+    else the one-process rows in a child, then every strategy on ``spec.world_size`` spawned ranks.
+    Returns the rows with the check against the reference (None on torchrun ranks other than 0).
+    The launching process only launches and collects: it computes nothing on a device."""
+    if spec.launch.torchrun is not None:
+        return _generate_as_torchrun_rank(spec, progress, tokenizer)
     say = progress or (lambda text: None)
     folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
     try:
@@ -480,8 +455,8 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     return _result(spec, rows, local.prefill_s, local.device, spec.backend, tokenizer)
 
 
-def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[str], None] | None = None,
-                          tokenizer=None) -> GenerateResult | None:
+def _generate_as_torchrun_rank(spec: GenerateSpec, progress: Callable[[str], None] | None = None,
+                               tokenizer=None) -> GenerateResult | None:
     """Under torchrun this process is one rank (of a job on one node or several).
 
     Every rank loads the model and prefills the whole prompt itself (nothing moves between nodes
@@ -490,10 +465,9 @@ def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[
     the group, and only then decodes the reference and the one-rank row, so no rank waits in a
     collective for them. Returns the result on rank 0, None elsewhere.
     """
-    import torch.distributed as dist
+    from ...launch.job import run_ranks
 
-    from ..ranks.launch import close_process_group, init_torchrun
-
+    env = spec.launch.torchrun
     say = progress if (progress is not None and env.rank == 0) else (lambda text: None)
     if env.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(env.device))  # before any CUDA work: this rank's GPU only
@@ -504,16 +478,10 @@ def run_generate_torchrun(spec: GenerateSpec, env: RankEnv, progress: Callable[[
     k, v = [t.contiguous() for t, _ in mine], [t.contiguous() for _, t in mine]
     if env.rank != 0:
         del pre, mine  # only rank 0 needs the whole prefill again, for its one-process rows
-    init_torchrun(env, spec.timeout_s)
-    try:
-        runs = decode_strategies(env, spec, model, k, v)
-        gathered: list | None = [None] * env.world_size if env.rank == 0 else None
-        dist.gather_object(runs, gathered, dst=0)
-        barrier(env)  # no rank tears its pairs down while a peer still moves the gathered runs
-    finally:
-        close_process_group()
-    if env.rank != 0:
+    job = run_ranks(decode_strategies, spec.launch, args=(spec, model, k, v))  # join, decode, gather, leave
+    if job is None:
         return None
     local = one_process_rows(spec, model, pre, say)
+    gathered = job.values
     rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens) for label in gathered[0]]
-    return _result(spec, rows, prefill_s, _device_name(torch.device(env.device)), env.backend, tokenizer)
+    return _result(spec, rows, prefill_s, job.device, env.backend, tokenizer)

@@ -15,16 +15,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..dtypes import parse_dtype, torch_dtype
-from ..errors import ConfigError, DistributedError
-from ..reduce.plan import ReductionPlan
-from ..ranks.launch import RankEnv, barrier, close_process_group
+from ...dtypes import torch_dtype
+from ...errors import ConfigError
+from ...launch.env import RankEnv
+from ...launch.group import barrier
+from ...launch.job import percentile, say_on_rank_0
+from ...launch.setup import LaunchSetup, OnLaunch
+from ..defaults import check_seed
+from .setup import RunOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .run_setup import ProfileChoice
+    from ...launch.plans import ProfileChoice
 
-STRATEGY_NAMES = ("tree", "allreduce", "ring")
-MAX_SEED = 2**40
+DEFAULTS = RunOptions()
 PROGRESS_S = 10.0  # the longest a run's timed steps go without a progress line on stderr
 
 # Why ring's ranks may disagree in the last bits while tree's and allreduce's never do.
@@ -34,59 +37,41 @@ RING_ORDER_NOTE = ("ring ranks merge the KV blocks in different orders (each sta
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """What to decode and how. ``seq_len`` is the total KV length, split over ``world_size`` ranks."""
+class RunSpec(OnLaunch):
+    """What to decode and how. ``seq_len`` is the total KV length, split over the launch's ranks;
+    ``launch`` says where they compute, with which plans and kernel config. Defaults are
+    :class:`~.setup.RunOptions`'."""
 
-    world_size: int = 4
-    seq_len: int = 65536
-    batch: int = 1
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "float32"
-    steps: int = 8
-    warmup: int = 2
-    plans: tuple[tuple[str, ReductionPlan | None], ...] = (("tree", ReductionPlan("tree", 2)), ("ring", None))
-    device_kind: str = "cpu"
-    backend: str = "gloo"
+    launch: LaunchSetup
+    seq_len: int = DEFAULTS.seq_len
+    batch: int = DEFAULTS.batch
+    q_heads: int = DEFAULTS.heads
+    kv_heads: int = DEFAULTS.kv_heads
+    head_dim: int = DEFAULTS.head_dim
+    steps: int = DEFAULTS.steps
+    warmup: int = DEFAULTS.warmup
     impl: str = "auto"
-    kernel_config: dict | None = None
-    seed: int = 0
-    timeout_s: float = 120.0
-    cuda_graph: bool = True  # GPU ranks: replay the tree/allreduce step as a CUDA graph
-    nodes: int = 1  # torchrun jobs over several nodes: ranks world_size / nodes per node
+    seed: int = DEFAULTS.seed
+    cuda_graph: bool = DEFAULTS.cuda_graph  # GPU ranks: replay the tree/allreduce step as a CUDA graph
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "batch", "q_heads", "kv_heads", "head_dim", "steps"):
+        from ...launch.setup import KernelShape
+
+        for name in ("batch", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer; got {value!r}")
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1 or self.world_size % self.nodes:
-            raise ConfigError(f"nodes must be a positive integer dividing the world size {self.world_size}; got {self.nodes!r}")
-        if self.seq_len < 0:
-            raise ConfigError(f"sequence length must be >= 0; got {self.seq_len}")
+        KernelShape(self.q_heads, self.kv_heads, self.head_dim, self.seq_len)  # heads, head dim, length
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0; got {self.warmup}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            # make_query/make_shard derive generator seeds from it: they must stay within 64 bits
-            raise ConfigError(f"seed must be an integer in 0..2**40; got {self.seed!r}")
-        if self.q_heads % self.kv_heads:
-            raise ConfigError(
-                f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads}) for grouped-query attention"
-            )
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        if not self.plans:
+        # make_query/make_shard derive generator seeds from it: they must stay within 64 bits
+        check_seed(self.seed, "seed")
+        if not self.launch.plans:
             raise ConfigError("at least one strategy is needed")
-        for name, plan in self.plans:
-            if name not in STRATEGY_NAMES:
-                raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
-            if plan is not None:
-                plan.check(self.world_size)
 
     def shard_sizes(self) -> list[int]:
         """Tokens per rank: as even as possible, the first ``seq_len % p`` ranks one more."""
-        base, extra = divmod(self.seq_len, self.world_size)
-        return [base + (1 if r < extra else 0) for r in range(self.world_size)]
+        return self.launch.shard_sizes(self.seq_len)
 
 
 def make_query(spec: RunSpec, step: int) -> torch.Tensor:
@@ -123,11 +108,6 @@ class RankReport:
     device_time: str | None = None  # GPUs: how device_step_s was taken, or why it was not (then empty)
 
 
-def _progress(env: RankEnv, text: str) -> None:
-    if env.rank == 0:
-        print(f"[rank 0] {text}", file=sys.stderr, flush=True)
-
-
 # Why the ring baseline stays eager: each of its steps passes whole KV shards around and allocates
 # their receive buffers per step; capturing it would pin p - 1 shards of graph memory per rank for a
 # baseline whose time is dominated by moving those bytes, not by Python.
@@ -158,20 +138,16 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     and the device time of a step is taken from CUDA events: around each timed replay, or for
     eager steps around extra steps queued behind a spin kernel (``device_time`` says which).
     """
-    from ..graphs import wait_for
-    from ..reduce.collectives import TreeDecodeStep, abort_group
-    from ..reduce.comm import CommStats
-    from ..reduce.ring import ring_decode
-    from .memory import MemoryMonitor
+    from ...graphs import wait_for
+    from ...reduce.collectives import TreeDecodeStep, abort_group
+    from ...reduce.comm import CommStats
+    from ...reduce.ring import ring_decode
+    from ...launch.memory import MemoryMonitor
 
     device = torch.device(env.device)
     cuda = device.type == "cuda"
     k, v = (t.to(device) for t in make_shard(spec, env.rank))
-    config = None
-    if spec.kernel_config:
-        from ..kernels.config import DecodeConfig
-
-        config = DecodeConfig.from_dict(spec.kernel_config)
+    config = spec.kernel_config
     reports: dict[str, RankReport] = {}
     for name, plan in spec.plans:
         label = plan.label if plan is not None else "ring"
@@ -208,7 +184,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 else:
                     wait_for(done, spec.timeout_s, what=what, rank=env.rank, abort=abort_group)
 
-            _progress(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
+            say_on_rank_0(env, f"{label}: {spec.warmup} warm-up + {spec.steps} timed steps"
                            + ("" if why_eager is None else f" ({why_eager})"))
             for w in range(spec.warmup):
                 q_static.copy_(make_query(spec, w).to(device))
@@ -245,7 +221,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     # it counts steps done (s + 1) and always shows the last ("8/8").
                     done = s + 1
                     if done == spec.steps or done % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S:
-                        _progress(env, f"{label}: step {done}/{spec.steps}")
+                        say_on_rank_0(env, f"{label}: step {done}/{spec.steps}")
                         last_note = time.monotonic()
             out, lse = out.cpu(), lse.cpu()  # before any further step overwrites the static outputs
             device_time = None
@@ -267,7 +243,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 device_time=device_time,
             )
             # Rank 0's own times: the table's median takes each step's slowest rank, so it can be higher.
-            _progress(env, f"{label}: rank 0's median step {1e3 * statistics.median(times):.2f} ms "
+            say_on_rank_0(env, f"{label}: rank 0's median step {1e3 * statistics.median(times):.2f} ms "
                            "(the table's median takes each step's slowest rank)")
         finally:
             if prepared is not None:
@@ -294,12 +270,12 @@ def _held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: 
     before the host had finished issuing it, the times are dropped and the reason returned
     instead. Returns ``(seconds per step, how they were taken)``.
     """
-    from ..timing import HOLD_US, hold_stream
+    from ...timing import HOLD_US, hold_stream
 
     device = q_static.device
     hold_us = HOLD_US + 1.5 * issue_s * 1e6
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _progress(env, f"{label}: {spec.steps} more steps for the device time (each queued behind a spin kernel)")
+    say_on_rank_0(env, f"{label}: {spec.steps} more steps for the device time (each queued behind a spin kernel)")
     times: list[float] = []
     reason = None
     for s in range(spec.steps):
@@ -355,7 +331,7 @@ class RunResult:
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
     compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
-    profile: "ProfileChoice | None" = None  # which profile the run used (runner.run_setup.ProfileChoice)
+    profile: "ProfileChoice | None" = None  # which profile the run used (commands.run.setup.ProfileChoice)
     # CPU ranks: which local attention ran ("C kernel: <library and flags>" or "torch ops: <why>");
     # None on GPUs (the Triton kernel or torch, per --impl).
     local_kernel: str | None = None
@@ -373,17 +349,6 @@ class RunResult:
         }
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation."""
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 # Tokens of one shard the reference takes at a time (their float64 copy is what it holds beyond
 # the shard itself): 8192 tokens of Llama-3.1-8B attention are 16 MiB of K and V in float64.
 REFERENCE_CHUNK = 8192
@@ -394,7 +359,8 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     chunk of :data:`REFERENCE_CHUNK` tokens of each shard in turn, merged in float64, so the parent
     holds one shard and the float64 copy of one chunk at a time (a rank holds its shard too).
     Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
-    from ..kernels.reference import decode_attention_float64
+    from ...kernels.reference import decode_attention_float64
+    from ...merge import merge_states
 
     q = make_query(spec, spec.steps - 1)
     out = torch.zeros(spec.batch, spec.q_heads, spec.head_dim, dtype=torch.float64)
@@ -402,13 +368,9 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     for rank in range(spec.world_size):
         k, v = make_shard(spec, rank)
         for start in range(0, k.shape[1], REFERENCE_CHUNK):
-            o_r, l_r = decode_attention_float64(q, k[:, start:start + REFERENCE_CHUNK], v[:, start:start + REFERENCE_CHUNK])
-            new = torch.logaddexp(lse, l_r)
-            safe = torch.where(torch.isinf(new), 0.0, new)
-            w_old = torch.where(torch.isinf(lse), 0.0, torch.exp(lse - safe))
-            w_new = torch.where(torch.isinf(l_r), 0.0, torch.exp(l_r - safe))
-            out = w_old.unsqueeze(-1) * out + w_new.unsqueeze(-1) * o_r
-            lse = new
+            chunk = slice(start, start + REFERENCE_CHUNK)
+            o_r, l_r = decode_attention_float64(q, k[:, chunk], v[:, chunk])
+            out, lse = merge_states(torch.stack([out, o_r]), torch.stack([lse, l_r]), dtype=torch.float64)
         del k, v
     return out, lse
 
@@ -448,7 +410,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
     if spec.device_kind == "cpu" and spec.impl in ("auto", "torch"):
-        from ..kernels.cpu_native import native_status  # the ranks' environment is this process's
+        from ...kernels.cpu_native import native_status  # the ranks' environment is this process's
 
         result.local_kernel = native_status().describe()
     # Tree vs ring, named: the tree row (else allreduce's), and only where something was sent.
@@ -481,62 +443,26 @@ def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _spec_dict(spec: RunSpec) -> dict:
-    d = {k: v for k, v in asdict(spec).items() if k != "plans"}
+    """The run's ``config`` in JSON: every setting, the strategies' plans and the shard sizes."""
+    d = {
+        "world_size": spec.world_size, "seq_len": spec.seq_len, "batch": spec.batch, "q_heads": spec.q_heads,
+        "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtype, "steps": spec.steps,
+        "warmup": spec.warmup, "device_kind": spec.device_kind, "backend": spec.backend, "impl": spec.impl,
+        "kernel_config": spec.kernel_config.to_dict() if spec.kernel_config is not None else None,
+        "seed": spec.seed, "timeout_s": spec.timeout_s, "cuda_graph": spec.cuda_graph, "nodes": spec.launch.nodes,
+    }
     d["strategies"] = [{"strategy": n, "plan": p.to_dict() if p else None} for n, p in spec.plans]
     d["shard_sizes"] = spec.shard_sizes()
     return d
 
 
-def run_decode(spec: RunSpec) -> RunResult:
-    """Run the decode benchmark: spawn ``spec.world_size`` ranks (or join torchrun) and summarise."""
-    from ..ranks.launch import init_torchrun, launch_ranks, torchrun_env
+def run_decode(spec: RunSpec) -> RunResult | None:
+    """Run the decode benchmark on the ranks of ``spec.launch`` (spawned, or this process as one
+    rank of a torchrun job) and summarise it. Returns the result in the launching process (on rank
+    0 under torchrun), None on the other torchrun ranks."""
+    from ...launch.job import run_ranks
 
-    env = torchrun_env(spec.device_kind, spec.backend)
-    if env is None:
-        per_rank = launch_ranks(
-            decode_rank,
-            spec.world_size,
-            args=(spec,),
-            backend=spec.backend,
-            device_kind=spec.device_kind,
-            timeout_s=spec.timeout_s,
-        )
-        return summarize(spec, per_rank, _device_name(spec.device_kind), spec.backend)
-    return _run_under_torchrun(spec, env, init_torchrun)
-
-
-def _run_under_torchrun(spec: RunSpec, env: RankEnv, init_torchrun) -> RunResult | None:
-    """Under torchrun this process is one rank: decode, gather reports to rank 0, summarise there."""
-    import torch.distributed as dist
-
-    if env.world_size != spec.world_size:
-        raise ConfigError(
-            f"torchrun started {env.world_size} ranks but --world-size is {spec.world_size}; omit --world-size under torchrun"
-        )
-    init_torchrun(env, spec.timeout_s)
-    ok = False
-    try:
-        reports = decode_rank(env, spec)
-        gathered: list | None = [None] * env.world_size if env.rank == 0 else None
-        dist.gather_object(reports, gathered, dst=0)
-        ok = True
-    except DistributedError as exc:
-        # Every rank of a node prints its error on the node's one stderr: say whose line it is.
-        raise DistributedError(f"rank {env.rank} of {env.world_size}: {exc}") from exc
-    finally:
-        # After success, a barrier first (at most the timeout): no rank tears its group down
-        # while a peer still moves the gathered reports (a gloo pair destroyed under a peer's
-        # pending transfer aborts the process, "terminate called without an active exception";
-        # seen with 2 torchrun nodes x 2 ranks on loopback). After a failure, at once.
-        close_process_group(clean=ok, timeout_s=spec.timeout_s)
-    if env.rank != 0:
+    job = run_ranks(decode_rank, spec.launch, args=(spec,))
+    if job is None:
         return None
-    return summarize(spec, gathered, _device_name(spec.device_kind), env.backend)
-
-
-def _device_name(device_kind: str) -> str:
-    if device_kind == "cuda":
-        return torch.cuda.get_device_name(0)
-    import platform
-
-    return f"CPU ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores)"
+    return summarize(spec, job.values, job.device, spec.backend)

@@ -16,25 +16,10 @@ from dataclasses import dataclass, field
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
 from ..cost.model import DTYPE_BYTES
 from ..errors import ConfigError
-from ..sizes import parse_count
+from .defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS, parse_tokens
 
 MAX_WORLD = 4096
-MAX_SEQ = 100_000_000
-DEFAULT_WORLDS = (8, 16, 32, 64, 128)
-DEFAULT_SEQS = (32768, 131072, 524288, 1_000_000, 5_120_000)  # the CLI's 32K,128K,512K,1M,5.12M
 DEFAULT_PRESET = "h100-sxm"
-
-
-def parse_tokens(text: str) -> int:
-    """``32768``, ``32K`` (x1,024), ``5.12M`` (x1,000,000, as the paper writes 5.12M tokens): the
-    CLI's one count syntax (``tree_attn.sizes``), then 1 to :data:`MAX_SEQ` tokens."""
-    try:
-        n = parse_count(text)
-    except ConfigError as exc:
-        raise ConfigError(f"sequence length: {exc}") from None
-    if not 1 <= n <= MAX_SEQ:
-        raise ConfigError(f"sequence length {text!r}: expected 1 to {MAX_SEQ:,} tokens")
-    return n
 
 
 def parse_list(text: str, what: str, parse) -> list:
@@ -56,17 +41,19 @@ def parse_world(text: str) -> int:
 
 @dataclass(frozen=True)
 class SimulateOptions:
+    """What the user asked ``simulate`` for (the CLI's defaults are these)."""
+
     preset: str | None = None  # None: the preset of the device a topology/profile names, else h100-sxm
     topology: str | None = None
     profile: str | None = None
     params: str | None = None
-    world_sizes: str = ",".join(map(str, DEFAULT_WORLDS))
+    world_sizes: str = "8,16,32,64,128"
     gpus_per_node: int | None = None
-    seq_lens: str = ",".join(map(str, DEFAULT_SEQS))
-    batch: int = 1
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
+    seq_lens: str = "32K,128K,512K,1M,5.12M"  # 5.12M: the paper's longest context
+    batch: int = BATCH
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
     dtype: str = "bf16"
     fanout: int = 2
     step_overhead_us: float | None = None  # replaces the parameters' fixed step overhead

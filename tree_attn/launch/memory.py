@@ -1,6 +1,8 @@
-"""Peak memory of a region of code, per rank.
+"""Memory of a job's ranks: what the host can give before a launch (:func:`available_host_bytes`,
+:func:`check_host_memory`: a job of CPU ranks that cannot fit is refused before any rank
+allocates), and the peak memory of a region of code inside a rank (:class:`MemoryMonitor`).
 
-On GPUs: ``torch.cuda.max_memory_allocated`` (bytes held by tensors), reset at the start.
+Peak memory. On GPUs: ``torch.cuda.max_memory_allocated`` (bytes held by tensors), reset at the start.
 On CPU ranks torch keeps no allocator statistics, so the process's resident set size is used: the
 result is the peak RSS of the whole process (interpreter, torch and the KV shard included) and the
 peak above the RSS at the start of the region. Large tensors are mmap-backed and returned to the OS
@@ -20,36 +22,81 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ConfigError
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """The ``key:`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``), which counts
+    kiB, in bytes; None where the file or the line is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def available_host_bytes() -> int | None:
     """Memory the OS can give without swapping (``MemAvailable`` of /proc/meminfo), else the free
     physical pages; None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for ln in f:
-                if ln.startswith("MemAvailable:"):
-                    return int(ln.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    avail = _proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
     except (AttributeError, ValueError, OSError):
         return None
 
 
+def check_host_fits(need: int, refusal: Callable[[float, float], str]) -> None:
+    """Refuse a job of CPU ranks that needs more host memory than is available, before any rank
+    allocates it: a ConfigError of ``refusal(need GiB, available GiB)``. Unknown memory passes."""
+    have = available_host_bytes()
+    if have is not None and need > have:
+        raise ConfigError(refusal(need / 2**30, have / 2**30))
+
+
+# Per CPU process: the interpreter and torch (the peak-memory caption measures about 240 MiB).
+PROCESS_BYTES = 300 * 2**20
+
+
+def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool, q_heads: int = 0) -> int:
+    """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
+    float32, then cast), ring's shards in flight (two more), the query and a few float32 states of
+    ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
+    reference holds one shard (float32) at a time and the same states."""
+    from ..dtypes import torch_dtype
+
+    elem = torch_dtype(dtype).itemsize
+    shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
+    states = batch * q_heads * (head_dim * elem + 8 * 4 * (head_dim + 1))
+    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + states + PROCESS_BYTES
+    parent = 2 * shard * 4 + states + PROCESS_BYTES
+    return world_size * per_rank + parent
+
+
+def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
+                      ring: bool, q_heads: int = 0) -> None:
+    """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
+    before any rank allocates it."""
+    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads)
+    check_host_fits(need, lambda need_gib, have_gib: (
+        f"--seq-len {seq_len:,} (batch {batch}, {q_heads or '?'}/{kv_heads} heads, head dim {head_dim}, {dtype}) "
+        f"over {world_size} CPU ranks needs about {need_gib:,.1f} GiB (K and V shards, "
+        f"{'ring shards in flight, ' if ring else ''}query and states, one process each); this machine has "
+        f"{have_gib:,.1f} GiB available: use a smaller --seq-len, --batch or --heads"))
+
+
 def _high_water_bytes() -> int | None:
     """``VmHWM`` of this process in bytes, or None where /proc/self/status lacks it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib("/proc/self/status", "VmHWM")
 
 
 def _reset_high_water() -> bool:

@@ -7,59 +7,57 @@ Everything is checked before a weight is read or a rank is spawned: the model fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from .models import ModelSource, check_source, load_tokenizer, require_transformers
+from ...errors import ConfigError
+from ...launch.setup import AnnouncesLaunch, PlanOptions
+from ..defaults import SEED
+from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...launch.env import RankEnv
+    from .decode import GenerateSpec
 
 MAX_NEW_TOKENS = 4096
+PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size
+PREFILL_CHUNK = 4096  # prompt tokens per prefill forward (bounds the MLP's activations)
 PROCESS_BYTES = 400 * 2**20  # interpreter, torch and transformers per process
+
+__all__ = ["GenerateOptions", "GenerateSetup", "parse_prompt", "plan_generate"]
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
-    """What the user asked ``generate`` for; None / "auto" mean "decide from the machine"."""
+class GenerateOptions(PlanOptions):
+    """What the user asked ``generate`` for: the launch and its plans (:class:`PlanOptions`; the
+    dtype is the weights' and the KV cache's), the model, the prompt. These are the defaults of
+    ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`."""
 
     model: str | None = None
-    preset: str = "small"
+    preset: str = DEFAULT_PRESET
     layers: int | None = None
-    seed: int = 0
+    seed: int = SEED
     prompt: str | None = None
     prompt_len: int = 512
     new_tokens: int = 32
     max_len: int | None = None
-    world_size: int | None = None
-    strategy: str = "auto"
-    fanout: int | None = None
-    device: str = "auto"
-    backend: str = "auto"
-    dtype: str = "auto"  # see default_dtype
-    page_size: int = 16
-    timeout_s: float = 120.0
-    profile: str | None = None
+    page_size: int = PAGE_SIZE
 
 
 @dataclass(frozen=True)
-class GenerateSetup:
-    spec: Any  # GenerateSpec
-    profile: Any  # run_setup.ProfileChoice
+class GenerateSetup(AnnouncesLaunch):
+    """A resolved generate: the spec (its launch holds the profile, notices and warnings of the
+    launch), the tokenizer, the prompt's text, and what the command itself tells the user."""
+
+    spec: "GenerateSpec"
     tokenizer: Any = None
     prompt_text: str | None = None
-    notices: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-    env: Any = None  # ranks.launch.RankEnv under torchrun (this process is one rank), else None
+    own_notices: tuple[str, ...] = ()
+    own_warnings: tuple[str, ...] = ()
 
     @property
-    def rank(self) -> int:
-        return self.env.rank if self.env is not None else 0
-
-
-def default_dtype(device_kind: str) -> str:
-    """``generate``'s weights and KV dtype when ``--dtype auto``: bfloat16 on GPUs (what
-    checkpoints ship in: half the bytes of float32, and the 16-bit paged kernel build, where
-    float32's spills registers), float32 on CPU ranks (16-bit matrix products are slow on most
-    CPUs, and float32 keeps the rows' tokens equal to the reference's)."""
-    return "bfloat16" if device_kind == "cuda" else "float32"
+    def env(self) -> "RankEnv | None":
+        """This process's place in a torchrun job (it is one rank), else None."""
+        return self.spec.launch.torchrun
 
 
 def parse_prompt(text: str | None, prompt_len: int, vocab: int, seed: int, tokenizer) -> tuple[list[int], str | None]:
@@ -113,20 +111,14 @@ def _param_bytes(config: dict, elem: int) -> int:
 
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
-    from ..dtypes import parse_dtype, torch_dtype
-    from ..kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from ..ranks.launch import (
-        check_cpu_ranks, check_timeout, oversubscription_warning, resolve_backend, torchrun_env, torchrun_layout,
-        torchrun_rendezvous,
-    )
-    from ..topology.host import default_cpu_ranks
-    from .generate import GenerateSpec, ModelShape
-    from .memory import available_host_bytes
-    from .run_setup import choose_plans, kernel_config_for, parse_strategies, resolve_device_kind
+    from ...dtypes import torch_dtype
+    from ...kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from ...launch.memory import check_host_fits
+    from ...launch.setup import KernelShape, resolve_launch
+    from ..defaults import check_seed
+    from .decode import GenerateSpec, ModelShape
 
-    check_timeout(options.timeout_s)
-    if isinstance(options.seed, bool) or not isinstance(options.seed, int) or not 0 <= options.seed < 2**40:
-        raise ConfigError(f"--seed must be an integer in 0..2**40; got {options.seed!r}")
+    check_seed(options.seed)
     require_transformers()
     source = ModelSource(path=options.model, preset=options.preset, layers=options.layers, seed=options.seed)
     config = check_source(source)
@@ -152,59 +144,26 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
                           f"more than --max-len {max_len:,}")
     _check_window(config, len(ids) + n_new)
 
-    device_kind, n_gpus = resolve_device_kind(options.device)
-    trun = torchrun_env(device_kind, options.backend)
-    if trun is not None:
-        torchrun_rendezvous(trun)  # MASTER_ADDR / MASTER_PORT named if missing, before any work
-        if options.world_size is not None and options.world_size != trun.world_size:
-            raise ConfigError(f"torchrun started {trun.world_size} ranks but --world-size is {options.world_size}; "
-                              "omit --world-size under torchrun")
-    world = options.world_size
-    if world is None:
-        world = trun.world_size if trun else (n_gpus if device_kind == "cuda" else default_cpu_ranks())
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ConfigError(f"--world-size must be an integer >= 1; got {world!r}")
-    if device_kind == "cuda" and trun is None and world > n_gpus:
-        raise ConfigError(f"world size {world} is larger than the {n_gpus} GPUs of this machine")
-    if device_kind == "cpu" and trun is None:
-        check_cpu_ranks(world)
-    dtype = parse_dtype(default_dtype(device_kind) if options.dtype == "auto" else options.dtype)
-    backend = resolve_backend(options.backend, device_kind)
+    total = len(ids) + n_new
+    launch = resolve_launch(options.launch_request(shape=KernelShape(shape.q_heads, shape.kv_heads, shape.head_dim,
+                                                                     total)))
+    world, dtype = launch.world_size, launch.dtype
     notices: list[str] = []
     warnings: list[str] = []
-    if device_kind == "cpu" and trun is None:
-        why = "no GPU in use" if options.device == "auto" else "--device cpu"
-        notices.append(f"{why}: spawning {world} CPU rank{'s' if world != 1 else ''} (gloo)")
-        crowded = oversubscription_warning(world)
-        if crowded:
-            warnings.append(crowded)
-        elem = torch_dtype(dtype).itemsize
-        weights = _param_bytes(config, elem)
-        total = len(ids) + n_new
+    if launch.device_kind == "cpu" and not launch.under_torchrun:
+        weights = _param_bytes(config, torch_dtype(dtype).itemsize)
         # The launching process holds no weights: the one-process child (which has exited before
         # the ranks start) holds a copy, then each rank does.
         need = world * (weights + PROCESS_BYTES) + PROCESS_BYTES + 3 * shape.kv_bytes(total, dtype)
-        have = available_host_bytes()
-        if have is not None and need > have:
-            raise ConfigError(
-                f"this generate needs about {need / 2**30:,.1f} GiB of host memory (a copy of the model's "
-                f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
-                f"{total:,} tokens); {have / 2**30:,.1f} GiB are available: use fewer ranks, layers or tokens"
-            )
+        check_host_fits(need, lambda need_gib, have_gib: (
+            f"this generate needs about {need_gib:,.1f} GiB of host memory (a copy of the model's "
+            f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
+            f"{total:,} tokens); {have_gib:,.1f} GiB are available: use fewer ranks, layers or tokens"))
     if dtype != "float32":
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
-    names = parse_strategies(options.strategy)
-    layout = torchrun_layout(trun) if trun is not None else None
-    profile, choice, profile_warnings, plans = choose_plans(options.profile, names, options.fanout, world, device_kind,
-                                                            layout)
-    spec = GenerateSpec(
-        source=source, prompt_ids=tuple(ids), new_tokens=n_new, world_size=world, strategies=plans,
-        device_kind=device_kind, backend=backend, dtype=dtype, page_size=options.page_size,
-        timeout_s=options.timeout_s, seed=options.seed,
-        kernel_config=kernel_config_for(profile, dtype, shape.q_heads, shape.kv_heads, shape.head_dim,
-                                        len(ids) + n_new, world),
-    )
-    return GenerateSetup(spec=spec, profile=choice, tokenizer=tokenizer, prompt_text=text, notices=tuple(notices),
-                         warnings=tuple(warnings + list(profile_warnings)), env=trun)
+    spec = GenerateSpec(source=source, prompt_ids=tuple(ids), launch=launch, new_tokens=n_new, page_size=page,
+                        seed=options.seed)
+    return GenerateSetup(spec=spec, tokenizer=tokenizer, prompt_text=text, own_notices=tuple(notices),
+                         own_warnings=tuple(warnings))

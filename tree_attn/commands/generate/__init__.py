@@ -1,0 +1,1 @@
+"""``tree-attn generate``: greedy decoding of a model with its KV cache sharded over ranks."""

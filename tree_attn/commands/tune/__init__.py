@@ -1,0 +1,1 @@
+"""``tree-attn tune``: time reduction plans and kernel configs on this machine, write a profile."""
