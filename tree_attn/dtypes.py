@@ -30,6 +30,10 @@ TABLE: tuple[DType, ...] = (
     DType("float32", 4, "fp32", ("fp32", "float")),
     DType("float16", 2, "fp16", ("fp16", "half")),
     DType("bfloat16", 2, "bf16", ("bf16",)),
+    # KV-cache dtypes only (with dequantization scales): OCP e4m3, and AMD CDNA3's e4m3 variant
+    # "fnuz" (bias 8, no -0 or inf).
+    DType("float8_e4m3fn", 1, "fp8"),
+    DType("float8_e4m3fnuz", 1, "fp8_fnuz"),
 )
 
 # Canonical names, in the order tables list them.
@@ -41,6 +45,8 @@ ITEMSIZE: dict[str, int] = {d.name: d.itemsize for d in TABLE}
 
 # Short names for tables and labels.
 SHORT: dict[str, str] = {d.name: d.short for d in TABLE}
+
+FP8: frozenset[str] = frozenset({"float8_e4m3fn", "float8_e4m3fnuz"})
 
 
 def canonical(dtype: Any) -> str | None:
@@ -70,3 +76,8 @@ def torch_dtype(dtype: Any):
 def itemsize(dtype: Any) -> int:
     """Bytes per element of a name, alias or torch dtype."""
     return ITEMSIZE[parse_dtype(dtype)]
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether a name, alias or torch dtype is one of the fp8 KV-cache dtypes."""
+    return canonical(dtype) in FP8

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..dtypes import itemsize
 from ..kernels.config import (HEURISTIC_MAX_SPLITS, MIN_TILES_PER_SPLIT, SMEM_HEADROOM, STAGE2_SPLIT_TILE, DecodeConfig,
-                              default_config, default_num_splits, group_block, group_blocks_for, padded_head_dim,
+                              default_config, default_num_splits, dot_math, group_block, group_blocks_for, padded_head_dim,
                               split_len, stage1_smem_bytes, stage1_spill_free)
 from ..validate import check_int, check_number
 from .devices import DeviceSpec
@@ -32,18 +32,31 @@ if TYPE_CHECKING:  # pragma: no cover - typing only (kernels.shapes imports torc
 
 
 
-def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int) -> int:
-    """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage, q and the weights."""
-    return stage1_smem_bytes(config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.query_rows))
+def element_sizes(dtype: Any) -> tuple[int, int]:
+    """``(cache bytes, dot operand bytes)`` per element of a ``dtype`` cache: what a decode step
+    reads from memory, and what its tiles are once loaded (an fp8 cache is 1 byte in memory and
+    widens to fp16 for the dots, see ``kernels.config.dot_math``)."""
+    return itemsize(dtype), dot_math(dtype, dtype)[0]
 
 
-def resident_programs_per_sm(config: DecodeConfig, shape: DecodeShape, elem: int, spec: DeviceSpec) -> int:
-    """Stage-one programs one SM/CU holds at once: min over warps, shared memory, registers."""
+def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int, kv_elem: int | None = None) -> int:
+    """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage (``kv_elem``
+    bytes per element, default ``elem``), q and the weights (``elem``)."""
+    return stage1_smem_bytes(
+        config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.query_rows), kv_bytes=kv_elem
+    )
+
+
+def resident_programs_per_sm(
+    config: DecodeConfig, shape: DecodeShape, elem: int, spec: DeviceSpec, kv_elem: int | None = None
+) -> int:
+    """Stage-one programs one SM/CU holds at once: min over warps, shared memory, registers
+    (``elem``: the dots' operand bytes; ``kv_elem``: the cache's, if it differs)."""
     by_warps = spec.max_warps_per_sm // config.num_warps
     if spec.vendor == "amd" and config.waves_per_eu:
         # waves_per_eu caps waves per SIMD; a CDNA CU has 4 SIMDs.
         by_warps = min(by_warps, (4 * config.waves_per_eu) // config.num_warps)
-    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem))
+    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem, kv_elem))
     threads = config.num_warps * spec.warp_size
     d = padded_head_dim(shape.head_dim)
     g = group_block(shape.query_rows)
@@ -87,7 +100,8 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
                 group_blocks=group_blocks_for(shape.query_rows),
             )
         )
-    elem = itemsize(dtype)
+    # K/V bytes in memory; the dots' operand bytes (those of q and of a 16-bit out, too).
+    kv_elem, elem = element_sizes(dtype)
     b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
     splits = config.num_splits
     gb = group_blocks_for(shape.query_rows)
@@ -96,7 +110,7 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
         return Prediction(spec.launch_gap_us, 0.0, 0.0, spec.launch_gap_us, 0, 0, 0, 0, 0.0, 0.0, "launch")
 
     programs = b * hkv * gb * splits
-    resident = resident_programs_per_sm(config, shape, elem, spec)
+    resident = resident_programs_per_sm(config, shape, elem, spec, kv_elem)
     slots = spec.sm_count * resident
     waves = programs / slots
     full_waves = math.ceil(waves)
@@ -115,7 +129,7 @@ def predict(config: DecodeConfig, shape: DecodeShape, dtype: Any, spec: DeviceSp
     # K/V tiles loading while one is consumed; without pipelining the K and V loads of a tile are
     # issued one after the other around the dot, about half a tile pair in flight on average.
     depth = 0.5 if config.num_stages <= 1 else config.num_stages - 1
-    inflight_per_prog = 2 * config.block_n * d * elem * depth
+    inflight_per_prog = 2 * config.block_n * d * kv_elem * depth
     latency_us = spec.mem_latency_ns * 1e-3
 
     sm_bw = spec.sm_bandwidth_gbps * 1e3
@@ -211,11 +225,11 @@ def _split_options(shape: DecodeShape, block_n: int, spec: DeviceSpec) -> list[i
 def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -> list[DecodeConfig]:
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
-    {32, 64, 128} ({16, 32, 64} for fp32) whose pipelined K/V tiles fit in 85% of the SM's shared
-    memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
+    {32, 64, 128} ({16, 32, 64} for fp32; fp8 as 16-bit: 256-key tiles, tried, spill registers
+    where the rule passes them) whose pipelined K/V tiles fit in 85% of the SM's shared memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
     stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
-    elem = itemsize(dtype)
+    kv_elem, elem = element_sizes(dtype)
     amd = device_spec.vendor == "amd"
     stage_opts = (1, 2) if amd else (1, 2, 3, 4)
     wpe_opts: tuple[int | None, ...] = (0, 1, 2, 4) if amd else (None,)
@@ -225,7 +239,7 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
         for num_stages in stage_opts:
             probe = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
             # 15% headroom: Triton also stages layout conversions and the P tile in shared memory.
-            if tile_smem_bytes(probe, shape, elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
+            if tile_smem_bytes(probe, shape, elem, kv_elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
                 continue
             for num_warps in (2, 4, 8):
                 if not stage1_spill_free(block_n, num_warps, shape, dtype, device_spec.warp_size):
@@ -332,6 +346,6 @@ def best_predicted_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpe
 
 
 __all__: Sequence[str] = (
-    "Prediction", "RankedConfig", "best_predicted_config", "candidate_configs", "kv_bytes", "predict",
+    "Prediction", "RankedConfig", "best_predicted_config", "candidate_configs", "element_sizes", "kv_bytes", "predict",
     "predict_time_us", "rank_candidates", "resident_programs_per_sm", "tuning_survivors",
 )
