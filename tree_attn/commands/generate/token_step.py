@@ -60,9 +60,11 @@ def graph_blocker(model: Any) -> str | None:
     return None
 
 
+@torch.inference_mode()
 def _token(model, ctx: DecodeContext, ids: torch.Tensor, positions: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """One token on static tensors (what the graph captures): place the new token's slot, run the
-    model, take the argmax, feed it back and move one position on. Device work only."""
+    model, take the argmax, feed it back and move one position on. Device work only; no autograd
+    (whoever calls it: the C kernel's prepared call takes no tensor that needs a gradient)."""
     ctx.place_next()
     logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
                    **{CONTEXT_KWARG: ctx}).logits

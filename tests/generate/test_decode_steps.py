@@ -1,0 +1,261 @@
+"""generate's decode path: each layer's attention prepared once per session, the token step (one
+CUDA graph on GPUs, the same code eagerly on CPU), the device-side KV slot and ``seq_lens``.
+
+CPU ranks and CPU tensors (gloo) except the tests marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.generate.checkpoints import transformers_greedy  # noqa: E402
+from tests.generate.counting import counting_calls  # noqa: E402
+from tree_attn.commands.generate.decode import (  # noqa: E402
+    GenerateSpec,
+    ModelShape,
+    _save_prefill,
+    decode_tokens,
+    prefill,
+)
+from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContext, use_tree_attention  # noqa: E402
+from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
+from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
+from tree_attn.commands.generate.token_step import GRAPHS_OFF, TokenStep, graph_blocker  # noqa: E402
+from tree_attn.launch.setup import LaunchSetup  # noqa: E402
+from tree_attn.launch.spawn import launch_ranks  # noqa: E402
+from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+
+SOURCE = ModelSource(preset="small", layers=3, seed=5)
+PROMPT_LEN, NEW = 150, 10
+HAS_GPU = torch.cuda.is_available()
+
+
+def _prompt(n: int, seed: int = 2) -> list[int]:
+    return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_model(SOURCE, dtype=torch.float32, device="cpu")
+    return m
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    tokens = transformers_greedy(model, _prompt(PROMPT_LEN), NEW + 4)
+    assert len(set(tokens)) > 4, "a repeated token would prove little"
+    return tokens
+
+
+def _local_context(model, prompt: list[int], extra: int, *, device="cpu", page_size: int = 16, seed: int = 0):
+    """A one-process decode context holding the prefill of ``prompt[:-1]`` and room for ``extra``."""
+    use_tree_attention(model)
+    pre = prefill(model, prompt, 64, lambda t: None)
+    shape = ModelShape.from_config(model.config.to_dict())
+    store = PagedKVShard.allocate(shape.layers, pre.length + extra, shape.kv_heads, shape.head_dim,
+                                  dtype=torch.float32, device=device, page_size=page_size, seed=seed)
+    for layer in range(shape.layers):
+        store.write(layer, 0, *pre.tokens(layer, 0, pre.length))
+    store.set_length(pre.length)
+    return DecodeContext(store, "local", holds_new=True), pre.length
+
+
+# -- built once per layer per session, nothing per token --------------------------------------------
+
+def test_one_rank_builds_each_layer_step_once_and_nothing_per_token(model, expected):
+    ctx, start = _local_context(model, _prompt(PROMPT_LEN), NEW + 1)
+    layers = ModelShape.from_config(model.config.to_dict()).layers
+    with counting_calls() as (counts, built):
+        run = decode_tokens(model, ctx, _prompt(PROMPT_LEN)[-1], start, NEW, lambda t: None, "local")
+        after = dict(counts)
+    assert run.tokens == expected[:NEW]
+    assert len(built) == 1
+    assert built[0]["DecodeStep.__init__"] == layers and built[0]["PreparedDecode.__init__"] == layers
+    assert built[0]["prepared.prepared_decode"] == 0 and built[0]["dispatch.prepared_decode"] == 0
+    assert after == dict(built[0]), "a token built or looked something up"
+    assert run.execution == "eager" and run.why_eager == "cpu tensors: nothing to capture"
+
+
+@pytest.fixture(scope="module")
+def prefill_folder(model):
+    use_tree_attention(model)
+    pre = prefill(model, _prompt(PROMPT_LEN), 64, lambda t: None)
+    folder = tempfile.mkdtemp(prefix="tree-attn-test-decode-steps-")
+    _save_prefill(pre, folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("world, plans", [
+    (2, (("tree", ReductionPlan("tree", 2)), ("ring", None))),
+    (3, (("tree", ReductionPlan("tree", 3)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))),
+])
+def test_ranks_build_each_layer_step_once_and_nothing_per_token(world, plans, expected, prefill_folder):
+    from tests.generate.rank_fns import counted_generate_rank
+
+    layers = SOURCE.layers
+    spec = GenerateSpec(SOURCE, tuple(_prompt(PROMPT_LEN)), LaunchSetup(world_size=world, plans=plans, timeout_s=60.0),
+                        new_tokens=NEW)
+    per_rank = launch_ranks(counted_generate_rank, world, args=(spec, prefill_folder), timeout_s=120)
+    for rank, runs in enumerate(per_rank):
+        assert set(runs) == {plan.label if plan is not None else "ring" for _, plan in plans}
+        for label, (tokens, built, after) in runs.items():
+            where = f"rank {rank}, {label}"
+            assert tokens == expected[:NEW], where
+            assert after == built, f"{where}: a token built or looked something up: {built} -> {after}"
+            assert built.get("collectives._cached_merge", 0) == 0, where
+            assert built.get("collectives.tree_decode", 0) == 0 and built.get("ring.ring_decode", 0) == 0, where
+            assert all(built.get(f"{m}.prepared_decode", 0) == 0 for m in ("prepared", "dispatch", "ring")), where
+            if label == "ring":
+                assert built["RingDecodeStep.__init__"] == layers, where
+                # one kernel for its own shard and one per other rank's block, per layer
+                assert built["PreparedDecode.__init__"] == layers * world, where
+            else:
+                assert built["TreeDecodeStep.__init__"] == layers, where
+                assert built["collectives._new_merge"] == layers, where
+                assert built["PreparedDecode.__init__"] == layers, where
+
+
+# -- the token step's device-side state -------------------------------------------------------------
+
+def test_paged_slots_are_computed_on_the_device_as_the_table_says():
+    store = PagedKVShard.allocate(1, 70, 2, 8, dtype=torch.float32, device="cpu", page_size=16, seed=4)
+    positions = torch.tensor([0, 15, 16, 17, 31, 32, 47, 63, 69])
+    blocks, offsets = store.slots(positions)
+    table = store.block_table[0].tolist()
+    assert blocks.tolist() == [table[p // 16] for p in positions.tolist()]
+    assert offsets.tolist() == [p % 16 for p in positions.tolist()]
+    assert blocks.dtype == torch.int64 and blocks.device == positions.device
+
+
+def _valid_kv(store: PagedKVShard, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks, offsets = store.slots(torch.arange(store.length))
+    return store.k[layer][blocks, offsets], store.v[layer][blocks, offsets]
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_token_step_writes_kv_and_advances_seq_lens_as_host_counted_forwards_do(model, expected, page_size):
+    """The token step (slot and seq_lens from a device-tensor position, as in its graph) against
+    eager forwards that place each token from the host's count: same tokens, same KV in every
+    slot, and the device state ends one past the last token. ``cuda_graph=False`` runs the same."""
+    prompt = _prompt(PROMPT_LEN)
+    layers = ModelShape.from_config(model.config.to_dict()).layers
+    ctx, start = _local_context(model, prompt, NEW, page_size=page_size, seed=1)
+    step = TokenStep(model, ctx, prompt[-1], start)
+    try:
+        tokens = [step() for _ in range(NEW)]
+    finally:
+        step.close()
+        ctx.close()
+    assert tokens == expected[:NEW]
+    assert ctx.store.length == start + NEW
+    assert int(ctx.position) == start + NEW and ctx.store.seq_lens.tolist() == [start + NEW]
+
+    host, _ = _local_context(model, prompt, NEW, page_size=page_size, seed=1)
+    fed = [prompt[-1]] + tokens[:-1]
+    with torch.inference_mode():
+        for i, token in enumerate(fed):
+            host.begin(1)
+            logits = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[start + i]]), use_cache=False,
+                           logits_to_keep=1, **{CONTEXT_KWARG: host}).logits
+            host.end()
+            assert int(logits[0, -1].argmax()) == tokens[i]
+    host.close()
+    assert host.store.length == ctx.store.length
+    for layer in range(layers):
+        for mine, theirs in zip(_valid_kv(ctx.store, layer), _valid_kv(host.store, layer)):
+            assert torch.equal(mine, theirs), layer
+
+    off, start = _local_context(model, prompt, NEW, page_size=page_size, seed=1)
+    run = decode_tokens(model, off, prompt[-1], start, NEW, lambda t: None, "local", cuda_graph=False)
+    assert run.tokens == tokens
+
+
+def test_a_verify_forward_of_several_tokens_takes_the_greedy_tokens(model, expected):
+    """Sq > 1 (causal) through the prepared steps: feed the last prompt token and three greedy
+    tokens in one forward; each position's argmax is the next greedy token; then single-token
+    decoding goes on from there."""
+    prompt = _prompt(PROMPT_LEN)
+    ctx, start = _local_context(model, prompt, 8)
+    fed = [prompt[-1]] + expected[:3]
+    with torch.inference_mode():
+        ctx.begin(len(fed))
+        logits = model(input_ids=torch.tensor([fed]), position_ids=torch.arange(start, start + 4).view(1, 4),
+                       use_cache=False, **{CONTEXT_KWARG: ctx}).logits
+        ctx.end()
+    assert logits[0].argmax(-1).tolist() == expected[:4]
+    assert ctx.store.length == start + 4
+    run = decode_tokens(model, ctx, expected[3], start + 4, 3, lambda t: None, "local")
+    assert run.tokens == expected[4:7]
+
+
+def test_a_forward_of_too_many_tokens_is_refused(model):
+    from tree_attn.commands.generate.hf_attention import MAX_NEW_PER_FORWARD
+    from tree_attn.errors import ConfigError
+
+    ctx, _ = _local_context(model, _prompt(20), 40)
+    with pytest.raises(ConfigError, match=f"1..{MAX_NEW_PER_FORWARD} tokens"):
+        ctx.begin(MAX_NEW_PER_FORWARD + 1)
+
+
+def test_a_dynamic_rope_is_named_as_what_keeps_the_token_eager():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(**rope):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **rope)
+        return LlamaForCausalLM(config)
+
+    assert graph_blocker(tiny()) is None
+    why = graph_blocker(tiny(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    assert why is not None and "'dynamic'" in why and "host sync" in why
+
+
+# -- GPUs: the token step as one CUDA graph --------------------------------------------------------
+
+def _gpu_context(model, prompt):
+    return _local_context(model, prompt, NEW + 1, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+def test_gpu_token_step_is_one_graph_replay_with_the_greedy_tokens():
+    model = build_model(SOURCE, dtype=torch.float32, device="cuda")
+    prompt = _prompt(PROMPT_LEN)
+    want = transformers_greedy(model, prompt, NEW)
+    ctx, start = _gpu_context(model, prompt)
+    run = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", timeout_s=60.0)
+    assert run.execution == "cuda graph" and run.why_eager is None
+    # float32 weights: the paged kernel and sdpa may round differently, so a near-tie could flip;
+    # the eager run of the same code must agree exactly with the graph.
+    ctx, start = _gpu_context(model, prompt)
+    eager = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", cuda_graph=False)
+    assert eager.execution == "eager" and eager.why_eager == GRAPHS_OFF
+    assert run.tokens == eager.tokens
+    assert run.tokens == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+def test_gpu_token_step_falls_back_to_eager_naming_why():
+    """A forward with a host sync (a hook that reads a value) cannot be captured: the step runs
+    eagerly with the reason, and the tokens are the same."""
+    model = build_model(SOURCE, dtype=torch.float32, device="cuda")
+    prompt = _prompt(PROMPT_LEN)
+    ctx, start = _gpu_context(model, prompt)
+    plain = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", cuda_graph=False)
+    handle = model.model.layers[0].register_forward_hook(lambda mod, args, out: float(out[0].sum()) and None)
+    try:
+        ctx, start = _gpu_context(model, prompt)
+        with pytest.warns(RuntimeWarning, match="CUDA graph capture failed"):
+            run = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", timeout_s=60.0)
+    finally:
+        handle.remove()
+    assert run.execution == "eager" and run.why_eager.startswith("capture failed")
+    assert run.tokens == plain.tokens
