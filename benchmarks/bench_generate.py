@@ -12,10 +12,20 @@ Cases:
 
 - ``small``: the default ``small`` preset (4 layers, 8 query / 2 KV heads, head dim 64);
 - ``8b-2layers``: the ``llama-3.1-8b`` preset (Llama-3.1-8B's layer shapes, 32 / 8 heads x 128)
-  with 2 layers.
+  with 2 layers;
+- ``deep-30``: a deep, narrow Llama (30 layers, 9 query / 3 KV heads x 64, hidden 576: the shape
+  of a small trained checkpoint) with random weights from a seed, written as a checkpoint to a
+  temporary folder: the per-token cost of 30 layers' attention calls.
+
+``--worlds 0`` decodes the one-process rows only (the reference and one rank). On GPUs
+``--compare-eager`` decodes every row twice, each token one CUDA graph replay and eagerly
+(``--no-cuda-graph``), and ``--kernel-time`` profiles the one-rank row's token step: per-token
+wall time against the sum of its kernels' device time (torch.profiler), in this process.
 
     python benchmarks/bench_generate.py --case small --ctx 8192 --ctx 16384 --ctx 32768 --ctx 65536
     python benchmarks/bench_generate.py --case 8b-2layers --ctx 65536 --worlds 2 --worlds 4
+    python benchmarks/bench_generate.py --case deep-30 --ctx 8192 --worlds 0
+    python benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --worlds 1 --compare-eager --kernel-time
 """
 
 from __future__ import annotations
@@ -41,7 +51,71 @@ from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_proce
 from tree_attn.launch.setup import LaunchSetup, default_dtype  # noqa: E402
 from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
 
-CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
+CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2),
+         "deep-30": None}
+DEEP_30 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, vocab_size=4096, rope_theta=100000.0,
+               max_position_embeddings=262144, initializer_range=0.3, tie_word_embeddings=True)
+
+
+def _deep_checkpoint(folder: str, seed: int = 0) -> ModelSource:
+    """The ``deep-30`` model, seeded, saved as a checkpoint in ``folder`` (ranks load it by path)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**DEEP_30))
+    model.save_pretrained(folder, safe_serialization=True)
+    return ModelSource(path=folder)
+
+
+def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> dict:
+    """GPU: the one-rank row's token step (CUDA graph), profiled: per-token wall time (replay and
+    read-back) against the sum of the device time of the kernels a token runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tree_attn.commands.generate.decode import ModelShape, prefill
+    from tree_attn.commands.generate.hf_attention import DecodeContext, use_tree_attention
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+    from tree_attn.commands.generate.models import build_model
+    from tree_attn.commands.generate.token_step import TokenStep
+
+    from tree_attn.dtypes import torch_dtype
+
+    device = torch.device("cuda", 0)
+    dtype = torch_dtype(dtype)
+    model = build_model(source, dtype=dtype, device=device)
+    use_tree_attention(model)
+    with torch.inference_mode():
+        pre = prefill(model, list(prompt), 2048, lambda t: None)
+        shape = ModelShape.from_config(model.config.to_dict())
+        store = PagedKVShard.allocate(shape.layers, pre.length + 2 * new_tokens + 2, shape.kv_heads, shape.head_dim,
+                                      dtype=dtype, device=device)
+        for layer in range(shape.layers):
+            store.write(layer, 0, *pre.tokens(layer, 0, pre.length))
+        store.set_length(pre.length)
+        del pre
+        ctx = DecodeContext(store, "local", holds_new=True)
+        step = TokenStep(model, ctx, prompt[-1], store.length, timeout_s=600.0)
+        try:
+            for _ in range(new_tokens // 2):  # warm
+                step()
+            walls = []
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(new_tokens):
+                    torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    step()
+                    walls.append(time.perf_counter() - t0)
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            device_s = sum(e.device_time_total for e in events) * 1e-6 / new_tokens  # microseconds
+            captured, why = step.captured, step.why_eager
+        finally:
+            step.close()
+            ctx.close()
+    wall_s = sorted(walls)[len(walls) // 2]
+    return dict(captured=captured, why_eager=why, token_median_ms=1e3 * wall_s, kernels_device_ms=1e3 * device_s,
+                wall_over_kernels=wall_s / device_s if device_s > 0 else None, kernels_per_token=len(events) / new_tokens)
 
 
 def _say(text: str) -> None:
@@ -52,16 +126,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=sorted(CASES), default="small")
     ap.add_argument("--ctx", type=int, action="append", help="prompt tokens (repeat; default 8192)")
-    ap.add_argument("--worlds", type=int, action="append", help="rank counts (repeat; default 2 and 4)")
+    ap.add_argument("--worlds", type=int, action="append",
+                    help="rank counts (repeat; default 2 and 4; 0: the one-process rows only)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPUs, float32 on CPU), float32, fp16 or bf16")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="GPUs: every row twice, with CUDA graphs and with --no-cuda-graph")
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="GPUs: profile the one-rank token step (wall vs its kernels' device time)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/generate-<case>.json)")
     args = ap.parse_args()
     contexts = args.ctx or [8192]
-    worlds = args.worlds or [2, 4]
-    source = CASES[args.case]
-    vocab = PRESETS[source.preset]["vocab_size"]
+    worlds = [w for w in (args.worlds or [2, 4]) if w > 0]
+    checkpoint = tempfile.mkdtemp(prefix="tree-attn-bench-model-") if args.case == "deep-30" else None
+    source = CASES[args.case] or _deep_checkpoint(checkpoint)
+    vocab = DEEP_30["vocab_size"] if checkpoint else PRESETS[source.preset]["vocab_size"]
+    graph_modes = [True, False] if args.device == "cuda" and args.compare_eager else [None]
+    try:
+        return _run(args, contexts, worlds, source, vocab, graph_modes)
+    finally:
+        if checkpoint:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     dtype = parse_dtype(default_dtype(args.device) if args.dtype == "auto" else args.dtype)
     device = None  # named by the child that decodes the one-process rows (this process touches no GPU)
@@ -69,43 +158,66 @@ def main() -> int:
     failed = False
     for ctx in contexts:
         prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
-        launch = LaunchSetup(world_size=worlds[0], device_kind=args.device, backend=backend, dtype=dtype,
+        launch = LaunchSetup(world_size=worlds[0] if worlds else 1, device_kind=args.device, backend=backend, dtype=dtype,
                              timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
-        spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens)
-        print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
-        folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
-        try:
-            local = decode_in_one_process(spec, folder, _say)
-            device = local.device
-            rows = [(1, r) for r in local.rows]
-            for world in worlds:
-                print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
-                spec_w = dataclasses.replace(spec, launch=dataclasses.replace(launch, world_size=world))
-                rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        ring = {w: r.median_s for w, r in rows if r.name == "ring"}
-        for world, r in rows:
-            same = r.matches_reference and r.ranks_agree
-            failed |= not same
-            records.append(dict(case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
-                                p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s, bytes_per_rank_per_token=r.bytes_per_token,
-                                messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
-                                ring_over_this=(ring[world] / r.median_s) if world in ring else None,
-                                prefill_s=local.prefill_s))
-        del local
+        for graphs in graph_modes:
+            # cuda_graph only where asked (GPUs), so that this script also measures code without the option
+            spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens,
+                                **({} if graphs is None else {"cuda_graph": graphs}))
+            print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
+            folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
+            try:
+                local = decode_in_one_process(spec, folder, _say)
+                device = local.device
+                rows = [(1, r) for r in local.rows]
+                for world in worlds:
+                    print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
+                    spec_w = dataclasses.replace(spec, launch=dataclasses.replace(launch, world_size=world))
+                    rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            ring = {w: r.median_s for w, r in rows if r.name == "ring"}
+            ref = next(r.median_s for w, r in rows if r.name == "reference")
+            for world, r in rows:
+                same = r.matches_reference and r.ranks_agree
+                failed |= not same
+                records.append(dict(
+                    case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
+                    p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s, bytes_per_rank_per_token=r.bytes_per_token,
+                    messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
+                    step=getattr(r, "execution", "eager"), why_eager=getattr(r, "why_eager", None),
+                    this_over_reference=r.median_s / ref,
+                    ring_over_this=(ring[world] / r.median_s) if world in ring else None, prefill_s=local.prefill_s))
+            del local
+    profiles = []
+    if args.device == "cuda" and args.kernel_time:
+        for ctx in contexts:
+            prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
+            print(f"[{args.case}] {ctx:,} tokens: profiling the one-rank token step", file=sys.stderr, flush=True)
+            profiles.append(dict(context=ctx, **_kernel_time(source, prompt, args.new_tokens, dtype)))
     print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}, {dtype}; per-token latency on rank 0")
-    print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
-          f"{'sent/rank/token':>16} {'ring/this':>9} {'same':>5}")
+    print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'step':<5} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
+          f"{'sent/rank/token':>16} {'/reference':>10} {'ring/this':>9} {'same':>5}")
     for rec in records:
         ratio = f"{rec['ring_over_this']:.2f}x" if rec["ring_over_this"] is not None else "-"
-        print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {rec['median_ms']:>10.2f} {rec['p95_ms']:>9.2f} "
-              f"{rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} {ratio:>9} "
-              f"{'yes' if rec['same_tokens'] else 'NO':>5}")
+        step = "graph" if rec["step"] == "cuda graph" else "eager"
+        print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {step:<5} {rec['median_ms']:>10.2f} "
+              f"{rec['p95_ms']:>9.2f} {rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} "
+              f"{rec['this_over_reference']:>9.2f}x {ratio:>9} {'yes' if rec['same_tokens'] else 'NO':>5}")
+    if args.device == "cuda":
+        for rec in records:
+            if rec["step"] != "cuda graph" and rec["name"] != "reference" and rec["why_eager"]:
+                print(f"  {rec['context']} {rec['ranks']} {rec['name']}: eager: {rec['why_eager']}")
+    for p in profiles:
+        print(f"one-rank token step at {p['context']:,}: {'graph' if p['captured'] else 'eager'}, "
+              f"{p['token_median_ms']:.3f} ms per token, kernels {p['kernels_device_ms']:.3f} ms of device time "
+              f"({p['kernels_per_token']:.0f} per token): wall/kernels {p['wall_over_kernels'] or float('nan'):.2f}x "
+              f"(goal <= 1.1x)")
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,
-                                   when=time.strftime("%Y-%m-%d %H:%M"), records=records), indent=2))
+                                   when=time.strftime("%Y-%m-%d %H:%M"), records=records,
+                                   kernel_time=profiles), indent=2))
     print(f"wrote {out}")
     return 1 if failed else 0
 

@@ -10,8 +10,10 @@
 #   tests  replay-timeout (the bounded wait on a hung CUDA-graph replay, on its own so its result
 #          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
 #          runs them alone)
-#   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged
-#   cli    probe, probe-measure, tune, run, run-eager, generate, calibrate-costmodel, simulate-calibrated
+#   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged, bench-generate (generate's
+#          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time)
+#   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager,
+#          calibrate-costmodel, simulate-calibrated
 #   fp8    fp8-tests (the fp8 kernel tests, compiled on this GPU), bench-kernel-fp8 (fp8 rows beside
 #          bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes)
 # With no group or step named, every group runs in turn (about 40 minutes).
@@ -27,17 +29,21 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged probe
-           probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated)
+all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
+           bench-generate probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
+           calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
     case $word in
       tests) selected+=(replay-timeout whole-suite) ;;
-      bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged) ;;
-      cli) selected+=(probe probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated) ;;
+      bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
+      cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
+                      calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests bench-kernel-fp8) ;;
-      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|calibrate-costmodel|simulate-calibrated)
+      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
+      bench-generate|probe|probe-measure|tune|run|run-eager|generate-gpu-tests|generate|generate-eager|\
+      calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -78,13 +84,23 @@ else
 fi
 step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
 step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
+# generate's token step: each row with CUDA graphs and eagerly (--no-cuda-graph), the one-rank row
+# against transformers' sdpa, and the one-rank token profiled: wall per token vs the sum of its
+# kernels' device time (goal <= 1.1x). Written without a GPU at hand: unverified until run on one.
+step bench-generate 300 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --ctx 32768 \
+  --worlds "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" --new-tokens 32 --compare-eager \
+  --kernel-time --out "$out/bench_generate.json"
 step probe 30 "${cli[@]}" probe
 step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json
 step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --json
 step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
 # The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
+# generate's token as one CUDA graph: the GPU tests (capture, the eager fallback and its reason), then
+# the command with graphs (the default: rows say "graph") and without.
+step generate-gpu-tests 200 python3 -m pytest -q -rs -m gpu tests/generate
 step generate 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --json
+step generate-eager 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --no-cuda-graph --json
 # The cost model's single-GPU terms and this node's links, measured; then the model from them.
 step calibrate-costmodel 120 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
 step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json

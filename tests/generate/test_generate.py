@@ -215,6 +215,15 @@ def test_generate_help_states_the_dtype_default():
 
     out = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "300", "TERM": "dumb"}).output
     assert "auto (bf16 on GPUs, float32 on CPU ranks)" in " ".join(out.split())
+    assert "--cuda-graph" in out and "--no-cuda-graph" in out
+
+
+def test_no_cuda_graph_reaches_the_spec():
+    from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+
+    small = dict(preset="small", layers=1, prompt_len=40, new_tokens=2)
+    assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.cuda_graph is True
+    assert plan_generate(GenerateOptions(device="cpu", world_size=2, cuda_graph=False, **small)).spec.cuda_graph is False
 
 
 @pytest.mark.gpu
@@ -325,6 +334,9 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
     for row in result["rows"]:
         assert row["tokens"] == expected, row["name"]
         assert row["text"] == tok.decode(expected)
+    assert result["cuda_graph"] is True  # asked for; CPU ranks have nothing to capture, and say so
+    assert [(r["execution"], r["why_eager"]) for r in result["rows"][1:]] == (
+        [("eager", "cpu tensors: nothing to capture")] * (len(result["rows"]) - 1))
     assert result["profile"]["chosen_by"] in ("default", "builtin", "saved")
     assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr and "FutureWarning" not in proc.stderr
 
@@ -373,6 +385,8 @@ def test_generate_on_gpus_equals_transformers():
     result = run_generate(spec)
     for row in result.rows:
         assert row.tokens == expected, row.name
+    for row in result.rows[1:]:  # each token one CUDA graph replay, but the ring's (whole shards travel)
+        assert row.execution == ("eager" if row.name == "ring" else "cuda graph"), (row.name, row.why_eager)
 
 
 

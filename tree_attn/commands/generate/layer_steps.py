@@ -20,7 +20,8 @@ one graph (:mod:`.token_step`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +41,7 @@ class LayerStep:
     ``traffic``: what this rank sends per call (tree steps; None otherwise).
     """
 
-    __slots__ = ("q", "run", "sq", "out_shape", "traffic", "step")
+    __slots__ = ("out_shape", "q", "run", "sq", "step", "traffic")
 
     def __init__(self, q: torch.Tensor, step: Any, run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                  traffic: Any = None) -> None:
@@ -77,7 +78,7 @@ def build_layer_step(ctx: DecodeContext, layer: int, query: torch.Tensor, scale:
     store = ctx.store
     q = torch.empty((1, hq, d) if sq == 1 else (1, sq, hq, d), dtype=query.dtype, device=query.device)
     pools = (store.k[layer], store.v[layer])
-    kernel = dict(scale=scale, impl=ctx.impl, config=ctx.config, block_table=store.block_table, causal=sq > 1)
+    kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table, "causal": sq > 1}
     if ctx.strategy == "tree":
         from ...reduce.collectives import TreeDecodeStep
 

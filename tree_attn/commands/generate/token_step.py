@@ -35,7 +35,7 @@ capture records NCCL work): every rank builds its token step at the same point.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -154,7 +154,7 @@ class TokenStep:
         """Free the graph (waiting, bounded, for its last replay). Idempotent."""
         self.graph.close()
 
-    def __enter__(self) -> TokenStep:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> bool:
