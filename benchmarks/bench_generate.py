@@ -115,7 +115,8 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> di
             ctx.close()
     wall_s = sorted(walls)[len(walls) // 2]
     return dict(captured=captured, why_eager=why, token_median_ms=1e3 * wall_s, kernels_device_ms=1e3 * device_s,
-                wall_over_kernels=wall_s / device_s if device_s > 0 else None, kernels_per_token=len(events) / new_tokens)
+                wall_over_kernels=wall_s / device_s if device_s > 0 else None,
+                kernels_per_token=len(events) / new_tokens)
 
 
 def _say(text: str) -> None:
@@ -158,8 +159,8 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
     failed = False
     for ctx in contexts:
         prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
-        launch = LaunchSetup(world_size=worlds[0] if worlds else 1, device_kind=args.device, backend=backend, dtype=dtype,
-                             timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
+        launch = LaunchSetup(world_size=worlds[0] if worlds else 1, device_kind=args.device, backend=backend,
+                             dtype=dtype, timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
         for graphs in graph_modes:
             # cuda_graph only where asked (GPUs), so that this script also measures code without the option
             spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens,

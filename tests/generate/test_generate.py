@@ -223,7 +223,8 @@ def test_no_cuda_graph_reaches_the_spec():
 
     small = dict(preset="small", layers=1, prompt_len=40, new_tokens=2)
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.cuda_graph is True
-    assert plan_generate(GenerateOptions(device="cpu", world_size=2, cuda_graph=False, **small)).spec.cuda_graph is False
+    off = plan_generate(GenerateOptions(device="cpu", world_size=2, cuda_graph=False, **small))
+    assert off.spec.cuda_graph is False
 
 
 @pytest.mark.gpu

@@ -259,7 +259,8 @@ class TreeDecodeStep(StaticStep):
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
     same point. ``check_values=False``: CPU lengths and block-table values are checked at build
-    only, not per step (for a loop that owns them, as ``generate``'s shard does). ``captured`` says whether the graph is in use, ``why_eager`` why not.
+    only, not per step (for a loop that owns them, as ``generate``'s shard does). ``captured``
+    says whether the graph is in use, ``why_eager`` why not.
 
     A call issues the step; ``step.wait()`` waits for it, at most ``timeout_s`` seconds (default:
     the process group's own timeout). NCCL work replayed from a graph has no watchdog, so this is

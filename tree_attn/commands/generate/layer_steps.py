@@ -78,7 +78,8 @@ def build_layer_step(ctx: DecodeContext, layer: int, query: torch.Tensor, scale:
     store = ctx.store
     q = torch.empty((1, hq, d) if sq == 1 else (1, sq, hq, d), dtype=query.dtype, device=query.device)
     pools = (store.k[layer], store.v[layer])
-    kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table, "causal": sq > 1}
+    kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table,
+              "causal": sq > 1}
     if ctx.strategy == "tree":
         from ...reduce.collectives import TreeDecodeStep
 
