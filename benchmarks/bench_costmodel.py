@@ -31,8 +31,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from tree_attn.cost import ClusterSpec, Workload, predict_step, preset  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.cost import ClusterSpec, Workload, predict_step, preset
+from tree_attn.reduce.plan import ReductionPlan
 
 # The paper's numbers (arXiv 2408.04093): its headline and Table 1 (Llama-3.1-8B, 8x H100).
 PAPER_HEADLINE = {"nodes": 16, "gpus_per_node": 8, "seq_len": 5_120_000, "batch": 1, "heads": 16, "head_dim": 128,

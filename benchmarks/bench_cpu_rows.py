@@ -31,11 +31,11 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu  # noqa: E402
-from tree_attn.kernels.cpu_native import native_status  # noqa: E402
-from tree_attn.kernels.reference import decode_attention_float64  # noqa: E402
+from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu
+from tree_attn.kernels.cpu_native import native_status
+from tree_attn.kernels.reference import decode_attention_float64
 
 SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128)}  # q heads, KV heads, head size
 

@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,8 +51,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason  # noqa: E402
-from tree_attn.commands.defaults import parse_tokens  # noqa: E402
+from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason
+from tree_attn.commands.defaults import parse_tokens
 
 SCHEMA = 1
 STRATEGIES = ("tree", "allreduce", "ring")

@@ -33,13 +33,13 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.dtypes import parse_dtype  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup, default_dtype  # noqa: E402
-from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
+from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks
+from tree_attn.commands.generate.models import PRESETS, ModelSource
+from tree_attn.dtypes import parse_dtype
+from tree_attn.launch.setup import LaunchSetup, default_dtype
+from tree_attn.reduce.plan import ReductionPlan
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
 

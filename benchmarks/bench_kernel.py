@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from tree_attn import decode_attention
-    from tree_attn.kernels.config import DecodeConfig, resolve_config
     from tree_attn.cost.devices import DeviceSpec
     from tree_attn.cost.kernel import predict_time_us
+    from tree_attn.kernels.config import DecodeConfig, resolve_config
     from tree_attn.kernels.reference import decode_attention_float64
     from tree_attn.kernels.shapes import DecodeShape
     from tree_attn.timing import measure_copy_bandwidth, rotation_count, time_calls

@@ -33,10 +33,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn import decode_attention  # noqa: E402
-from tree_attn.kernels.reference import decode_attention_float64  # noqa: E402
+from tree_attn import decode_attention
+from tree_attn.kernels.reference import decode_attention_float64
 
 
 def _paged(k, v, block_size, gen):
@@ -66,7 +66,7 @@ def _columns(args, dev):
     impl = "torch" if dev.type == "cpu" else "triton"
     cols = {}
     q1 = torch.randn(b, hq, d, generator=gen).to(dtype)
-    on = lambda *ts: [t.to(dev) for t in ts]  # noqa: E731
+    on = lambda *ts: [t.to(dev) for t in ts]
     kd, vd, kpd, vpd, td, ld, q1d = on(k, v, kp, vp, table, lens, q1)
     cols["contig sq1"] = (lambda: decode_attention(q1d, kd, vd, seq_lens=ld, impl=impl), (q1, k, v, lens, None, False))
     cols["paged sq1"] = (lambda: decode_attention(q1d, kpd, vpd, seq_lens=ld, block_table=td, impl=impl),

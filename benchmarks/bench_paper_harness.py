@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_child(int(devices), int(tokens), strategy, mode, args.steady_calls)))
         return 0
     try:
-        import jax  # noqa: F401  (only to say early that it is missing)
+        import jax  # only to say early that it is missing
     except ImportError:
         print("this benchmark needs JAX: pip install jax", file=sys.stderr)
         return 2

@@ -74,10 +74,9 @@ def _time_steps(env, step, steps: int, warmup: int) -> dict:
 
 def rank_main(env, lens: list[int], steps: int, warmup: int) -> list[dict]:
     import torch
+    import torch.distributed as dist
 
     from tree_attn import DecodeStep, ReductionPlan, TreeDecodeStep, ring_decode
-
-    import torch.distributed as dist
 
     dev = torch.device(env.device)
     rows = []

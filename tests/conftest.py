@@ -70,7 +70,7 @@ def _kernel_mode() -> str | None:
 
 _set_process_mode()
 
-from tree_attn.kernels.cpu_native import native_status  # noqa: E402
+from tree_attn.kernels.cpu_native import native_status
 
 native_status()
 

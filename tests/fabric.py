@@ -197,7 +197,7 @@ def unavailable_reason() -> str | None:
 
 
 # Every fabric not yet torn down, for atexit and the signal handlers.
-_LIVE: set["Fabric"] = set()
+_LIVE: set[Fabric] = set()
 _LIVE_LOCK = threading.Lock()
 _HANDLERS_INSTALLED = False
 
@@ -255,7 +255,7 @@ class LinkCounters:
     tx_packets: int
     rx_packets: int
 
-    def __sub__(self, other: "LinkCounters") -> "LinkCounters":
+    def __sub__(self, other: LinkCounters) -> LinkCounters:
         return LinkCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
                             self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
 
@@ -282,7 +282,7 @@ class NodeResult:
 class TorchrunJob:
     """Torchrun processes started by :meth:`Fabric.torchrun`, one per started node."""
 
-    fabric: "Fabric"
+    fabric: Fabric
     procs: dict[int, subprocess.Popen]
     logs: dict[int, tuple[Path, Path]]
     started: float
@@ -385,14 +385,14 @@ class Fabric:
 
     # -- building and tearing down ------------------------------------------------------------
 
-    def __enter__(self) -> "Fabric":
+    def __enter__(self) -> Fabric:
         self.up()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def up(self) -> "Fabric":
+    def up(self) -> Fabric:
         reason = unavailable_reason()
         if reason is not None:
             raise FabricError(reason)

@@ -36,7 +36,7 @@ class YAMLAliasError(ComposerError):
 class _NoAliasLoader(yaml.SafeLoader):
     """``SafeLoader`` that stops at the first anchor or alias, before anything is expanded."""
 
-    def compose_node(self, parent, index):  # noqa: D401 - PyYAML's hook
+    def compose_node(self, parent, index):  # PyYAML's hook
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"

@@ -75,8 +75,8 @@ def test_probe_and_run_default_to_the_same_cpu_rank_count(capsys):
 
 
 def test_run_names_the_profile_saved_for_another_rank_count():
-    from tree_attn.profiles import load_builtin, profile_path_for, save_profile
     from tree_attn.commands.run.setup import RunOptions, plan_run
+    from tree_attn.profiles import load_builtin, profile_path_for, save_profile
 
     four = load_builtin("cpu-4-ranks")  # as `tune --device cpu` (4 ranks) saves it
     save_profile(four, profile_path_for(four.machine.fingerprint))

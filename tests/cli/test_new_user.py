@@ -68,8 +68,8 @@ def planned(monkeypatch, capsys):
     """Stand-ins for each command's planner: they record what the command parsed and stop."""
     import tree_attn.commands.generate.setup as generate_setup
     import tree_attn.commands.run.setup as run_setup
-    import tree_attn.commands.run.sweep as sweep
     import tree_attn.commands.tune.setup as tune_setup
+    from tree_attn.commands.run import sweep
 
     seen: dict = {}
 
@@ -176,7 +176,7 @@ def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
 
 
 def test_check_on_a_host_without_gpu_says_so(tmp_path, monkeypatch, capsys):
-    import tree_attn.topology as topology
+    from tree_attn import topology
     from tree_attn.topology import host_topology, load_dump, save_topology
 
     remote = tmp_path / "remote.yaml"
@@ -285,7 +285,7 @@ def test_one_rank_reads_one_rank_without_a_fan_out(capsys):
     assert "1 ranks" not in text and "k=2" not in text
     assert "300 tokens on 1 rank" in captured.err and "strategies: tree, ring" in captured.err
     assert "300 tokens on 1 rank" in captured.out
-    assert re.search(r"^ tree +eager", captured.out, re.M)
+    assert re.search(r"^ tree +eager", captured.out, re.MULTILINE)
 
 
 def test_plot_without_sweep_is_refused(tmp_path, capsys):
@@ -306,7 +306,7 @@ def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     render_sweep([RunResult(spec={"world_size": 2, "seq_len": 1024}, device="cpu", backend="gloo",
                             results=[row("tree", 1.0), row("ring", 3.0)])])
     out = capsys.readouterr().out
-    assert re.search(r"^ *1,024 +tree k=2 +1\.0 .* 3\.0 *$", out, re.M), out  # ring 3 ms / tree 1 ms
+    assert re.search(r"^ *1,024 +tree k=2 +1\.0 .* 3\.0 *$", out, re.MULTILINE), out  # ring 3 ms / tree 1 ms
     assert ("ring/x = ring's median step divided by this row's median step, at the same length (above 1: this "
             "row is faster than ring)") in " ".join(out.split())
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.topology import fakes
 from tree_attn.cli.app import main
 from tree_attn.topology import load_dump, load_topology, probe_nvml, save_topology
-from tests.topology import fakes
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 H100 = FIX / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"

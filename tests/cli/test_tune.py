@@ -175,9 +175,9 @@ def test_every_rank_uses_rank_0s_plan():
     """Plans are timed in batches of back-to-back iterations between barriers (the ranks' start
     skew counts once per batch, not once per iteration); every rank returns the same timings'
     plans and rank 0's choice, the plan of the lowest median."""
-    from tree_attn.reduce.hier_plan import candidate_plans
-    from tree_attn.launch.spawn import launch_ranks
     from tree_attn.commands.tune.timing import time_plans_rank
+    from tree_attn.launch.spawn import launch_ranks
+    from tree_attn.reduce.hier_plan import candidate_plans
 
     cands = candidate_plans(3, [("node", [[0, 1], [2]]), ("sys", [[0, 1, 2]])])
     results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 4, 1))  # 3 batches of 4, 1 warm-up
@@ -201,8 +201,8 @@ def test_plan_timing_batches():
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
-    from tree_attn.profiles import load_builtin
     from tree_attn.launch.plans import kernel_config_for
+    from tree_attn.profiles import load_builtin
 
     profile = load_builtin("h100-8x-nvswitch")
     got = kernel_config_for(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank

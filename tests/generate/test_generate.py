@@ -17,15 +17,28 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.generate.checkpoints import transformers_greedy, write_checkpoint  # noqa: E402
-from tree_attn.errors import ConfigError  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
-from tree_attn.commands.generate.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
-from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
-from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup  # noqa: E402
-from tests.torchrun import clean_env, run_nodes  # noqa: E402
+from tests.generate.checkpoints import transformers_greedy, write_checkpoint
+from tests.torchrun import clean_env, run_nodes
+from tree_attn.commands.generate.decode import (
+    ONE_RANK,
+    REFERENCE,
+    GenerateSpec,
+    ModelShape,
+    decode_tokens,
+    prefill,
+    run_generate,
+)
+from tree_attn.commands.generate.hf_attention import (
+    DecodeContext,
+    attention_blockwise,
+    attention_with_lse,
+    use_tree_attention,
+)
+from tree_attn.commands.generate.kv_store import PagedKVShard
+from tree_attn.commands.generate.models import ModelSource, build_model
+from tree_attn.errors import ConfigError
+from tree_attn.launch.setup import LaunchSetup
+from tree_attn.reduce.plan import ReductionPlan
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
 TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
@@ -189,8 +202,8 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
     and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
     CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
-    from tree_attn.launch import env as launch
     from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+    from tree_attn.launch import env as launch
     from tree_attn.launch.setup import default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")

@@ -242,9 +242,9 @@ def _tensors(launch: Launch):
 
 def plan(target_name: str, launch: Launch):
     """The launcher's plan of this call on the target: ``(TritonDecodeLaunch, launches)``."""
+    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.config import DecodeConfig
     from tree_attn.kernels.layout import PACKED, OutLayout
-    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.triton_launch import TritonDecodeLaunch
 
     target, spec_name = TARGETS[target_name]
@@ -305,7 +305,7 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         gcn = compiled.asm["amdgcn"]
         # CDNA3's fp8 conversions (its "fnuz" formats) and the vector instructions in all.
         facts["fp8_hw_cvt"] = len(re.findall(r"\bv_cvt_(?:pk_)?f32_fp8", gcn))
-        facts["valu"] = len(re.findall(r"^\s+v_", gcn, re.M))
+        facts["valu"] = len(re.findall(r"^\s+v_", gcn, re.MULTILINE))
     return facts
 
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import (
     HEURISTIC_MAX_SPLITS,
@@ -18,14 +19,13 @@ from tree_attn.kernels.config import (
     dot_math,
     group_block,
     group_blocks_for,
-    resolve_config,
     paged_gather,
+    resolve_config,
     spill_free,
     split_len,
     stage1_smem_bytes,
     stage1_spill_free,
 )
-from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tree_attn.errors import ConfigError
-from tree_attn.kernels.config import DecodeConfig, default_config
 from tree_attn.cost.devices import CPU_INTERPRETER, KNOWN_DEVICES, DeviceSpec, lookup_known_device
 from tree_attn.cost.kernel import (
     best_predicted_config,
@@ -18,6 +16,8 @@ from tree_attn.cost.kernel import (
     rank_candidates,
 )
 from tree_attn.dtypes import itemsize as dtype_bytes
+from tree_attn.errors import ConfigError
+from tree_attn.kernels.config import DecodeConfig, default_config
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -94,8 +94,8 @@ def test_bytes_counted_right():
 def test_fp8_bytes_and_candidates():
     """An fp8 cache is 1 byte per element in memory (half of bf16's bytes and time at long N),
     fp16 operands once loaded; its candidates are the 16-bit tiles that pass the fp8 spill rule."""
-    from tree_attn.kernels.config import stage1_spill_free
     from tree_attn.cost.kernel import element_sizes
+    from tree_attn.kernels.config import stage1_spill_free
 
     fp8 = torch.float8_e4m3fn
     assert element_sizes(fp8) == (1, 2) and element_sizes("float8_e4m3fnuz") == (1, 2)

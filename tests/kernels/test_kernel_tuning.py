@@ -10,9 +10,9 @@ import torch
 
 from tests.tolerances import assert_decode_close, tol_for
 from tree_attn import decode_attention
+from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
 from tree_attn.launch.setup import LaunchSetup
 
 pytest.importorskip("triton")
@@ -104,10 +104,15 @@ def test_kernel_search_runs_in_a_child_process(device):
 def test_the_timed_configs_span_split_counts_and_include_the_default():
     """The model's time saturates (dozens of configs tie, one split count): the survivors must
     still cover several split counts, and the default config (what runs without a profile)."""
-    from tree_attn.kernels.config import default_config
     from tree_attn.cost.devices import KNOWN_DEVICES
-    from tree_attn.cost.kernel import (RankedConfig, candidate_configs, predict_time_us, rank_candidates,
-                                       tuning_survivors)
+    from tree_attn.cost.kernel import (
+        RankedConfig,
+        candidate_configs,
+        predict_time_us,
+        rank_candidates,
+        tuning_survivors,
+    )
+    from tree_attn.kernels.config import default_config
     from tree_attn.kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES["h100-sxm"]

@@ -27,9 +27,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernel_aot_compile import CASES, Launch, Merge  # noqa: E402
-from tree_attn.kernels.config import DecodeConfig, dot_math, group_block, stage1_smem_bytes, stage1_spill_free  # noqa: E402
-from tree_attn.kernels.shapes import DecodeShape  # noqa: E402
+from kernel_aot_compile import CASES, Launch, Merge
+
+from tree_attn.kernels.config import DecodeConfig, dot_math, group_block, stage1_smem_bytes, stage1_spill_free
+from tree_attn.kernels.shapes import DecodeShape
 
 _SCRIPT = Path(__file__).resolve().parent / "kernel_aot_compile.py"
 # The compile processes run side by side (Triton compiles in one thread): the CI machine has 2 cores.

@@ -256,8 +256,8 @@ def test_stage_two_on_the_tree_merges_views(children, d, device):
     place (strides of D + 1, lse at an offset of D) and writing the packed result, against the
     merge algebra. With one child the kernel merges two states; an empty state (-inf) included."""
     from tree_attn.kernels.triton_launch import merge_splits_triton
-    from tree_attn.reduce.state import merge_states
     from tree_attn.reduce.exchange import tree_merge_views
+    from tree_attn.reduce.state import merge_states
 
     g = torch.Generator().manual_seed(23 + children)
     b, h = 2, 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tree_attn.cli.app import main
-from tree_attn.profiles import profile_path_for, save_profile, profile_to_yaml
+from tree_attn.profiles import profile_path_for, profile_to_yaml, save_profile
 
 
 def _flat(text: str) -> str:

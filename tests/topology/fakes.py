@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 # -- pynvml -----------------------------------------------------------------------------------------
 

@@ -11,7 +11,14 @@ import math
 import pytest
 
 from tree_attn.cost import (
-    PRESETS, ClusterSpec, DeviceParams, LinkParams, Workload, cluster_plan, predict_step, preset,
+    PRESETS,
+    ClusterSpec,
+    DeviceParams,
+    LinkParams,
+    Workload,
+    cluster_plan,
+    predict_step,
+    preset,
 )
 from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology
 from tree_attn.cost.links import link_class

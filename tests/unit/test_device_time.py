@@ -13,14 +13,20 @@ import json
 import pytest
 import torch
 
+from tree_attn.commands.run import decode as decode_run
+from tree_attn.commands.run.decode import (
+    DEVICE_TIME_GRAPH,
+    DEVICE_TIME_HELD,
+    DEVICE_TIME_HOST_BOUND,
+    DEVICE_TIME_NO_HOLD,
+    RankReport,
+    RunSpec,
+    _device_summary,
+    _held_device_times,
+)
 from tree_attn.launch.env import RankEnv
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.commands.run import decode as decode_run
-from tree_attn.commands.run.decode import (
-    DEVICE_TIME_GRAPH, DEVICE_TIME_HELD, DEVICE_TIME_HOST_BOUND, DEVICE_TIME_NO_HOLD, RankReport, RunSpec,
-    _device_summary, _held_device_times,
-)
 
 SPEC = RunSpec(LaunchSetup(world_size=1, plans=(("tree", ReductionPlan("tree", 2)),)), seq_len=16, q_heads=4,
                kv_heads=2, head_dim=8, steps=4, warmup=0)

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn import ShapeError, merge_partials
 from tree_attn.kernels.reference import decode_attention_float64
 from tree_attn.reduce.state import merge_two
-from tests.tolerances import assert_state_close, random_decode_inputs
 
 
 def _split_states(q, k, v, cuts):

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
+from tree_attn.commands.tune.setup import TuneRequest, plan_tune
 from tree_attn.errors import ConfigError, ProfileError
 from tree_attn.launch import env as launch
-from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
 from tree_attn.launch.plans import ProfileChoice
-from tree_attn.commands.tune.setup import TuneRequest, plan_tune
+from tree_attn.reduce.plan import ReductionPlan
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
@@ -142,9 +142,9 @@ def test_tune_bad_options(tmp_path):
 
 
 def test_profile_buckets_keep_how_the_kernel_search_chose():
-    from tree_attn.kernels.config import DecodeConfig
-    from tree_attn.commands.tune.timing import BucketResult, KernelTiming
     from tree_attn.commands.tune.profile import _kernel_bucket
+    from tree_attn.commands.tune.timing import BucketResult, KernelTiming
+    from tree_attn.kernels.config import DecodeConfig
 
     cfg = DecodeConfig(block_n=64, num_splits=4)
     timing = KernelTiming(config=cfg, predicted_us=18.0, median_us=20.0, gbps=900.0, host_us=35.0,

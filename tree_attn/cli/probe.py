@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -21,17 +20,17 @@ HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hi
 
 
 def probe_command(
-    from_: Optional[list[Path]] = typer.Option(
+    from_: list[Path] | None = typer.Option(
         None, "--from", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo -m / -p2p, "
         "nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo. Repeat to combine dumps of one machine."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); an existing file is refused unless --force."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     measure: bool = typer.Option(False, "--measure", help="Measure per-pair bandwidth and latency and the decode all-reduce."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
-    cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped (needs matplotlib)."),
+    plot: str | None = typer.Option(None, "--plot", help="Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped (needs matplotlib)."),
 ) -> None:
     from ..errors import ConfigError, TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings

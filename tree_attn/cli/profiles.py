@@ -8,7 +8,6 @@ it was chosen. Nothing here probes the machine or imports torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich import box
@@ -35,7 +34,7 @@ _DIR_OPT = typer.Option(None, "--dir", help="Folder of saved profiles (default: 
 def profiles_root(
     ctx: typer.Context,
     json_out: bool = _JSON_OPT,
-    directory: Optional[Path] = _DIR_OPT,
+    directory: Path | None = _DIR_OPT,
 ) -> None:
     """List the profiles when no subcommand is given."""
     if ctx.invoked_subcommand is None:
@@ -43,7 +42,7 @@ def profiles_root(
 
 
 @profiles_app.command("list", help="List the built-in profiles and those saved by `tree-attn tune`.")
-def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OPT) -> None:
+def list_command(json_out: bool = _JSON_OPT, directory: Path | None = _DIR_OPT) -> None:
     from ..profiles.builtin import builtin_entries
     from ..profiles.store import default_profile_dir, list_saved_profiles
 
@@ -83,7 +82,7 @@ def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OP
 def show_command(
     ref: str = typer.Argument(..., metavar="NAME|PATH", help="Profile file, built-in name, or saved profile name/fingerprint."),
     json_out: bool = _JSON_OPT,
-    directory: Optional[Path] = _DIR_OPT,
+    directory: Path | None = _DIR_OPT,
 ) -> None:
     from ..profiles.builtin import open_profile
 

@@ -6,7 +6,7 @@ output path, times (or models) and builds the profile.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,13 +30,13 @@ HELP = (
 
 
 def tune_command(
-    topology_file: Annotated[Optional[str], typer.Option(
+    topology_file: Annotated[str | None, typer.Option(
         "--topology", help="A topology YAML or a recorded dump (nvidia-smi topo -m, amd-smi topology...) instead of "
         "probing.")] = DEFAULTS.topology_file,
-    world_size: Annotated[Optional[int], typer.Option(
+    world_size: Annotated[int | None, typer.Option(
         "--world-size", "-w", help="Ranks (default: the GPUs, else 4 CPU ranks).")] = DEFAULTS.world_size,
     device: Device = DEFAULTS.device,
-    output: Annotated[Optional[str], typer.Option(
+    output: Annotated[str | None, typer.Option(
         "--output", "-o", help="Profile path (default: the cache folder, named by fingerprint).")] = DEFAULTS.output,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing profile.")] = DEFAULTS.force,
     quick: Annotated[bool, typer.Option(

@@ -17,13 +17,27 @@ published microbenchmarks, each field says which). Pure Python: no torch at impo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import itemsize
-from ..kernels.config import (HEURISTIC_MAX_SPLITS, MIN_TILES_PER_SPLIT, SMEM_HEADROOM, STAGE2_SPLIT_TILE, DecodeConfig,
-                              default_config, default_num_splits, dot_math, group_block, group_blocks_for, padded_head_dim,
-                              split_len, stage1_smem_bytes, stage1_spill_free)
+from ..kernels.config import (
+    HEURISTIC_MAX_SPLITS,
+    MIN_TILES_PER_SPLIT,
+    SMEM_HEADROOM,
+    STAGE2_SPLIT_TILE,
+    DecodeConfig,
+    default_config,
+    default_num_splits,
+    dot_math,
+    group_block,
+    group_blocks_for,
+    padded_head_dim,
+    split_len,
+    stage1_smem_bytes,
+    stage1_spill_free,
+)
 from ..validate import check_int, check_number
 from .devices import DeviceSpec
 

@@ -10,11 +10,19 @@ import math
 
 import torch
 
-from ..errors import ConfigError, KernelUnavailableError
-from .config import (STAGE2_SPLIT_TILE, DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim,
-                     resolve_config, split_len)
-from .device_info import device_spec_for, is_rocm
 from ..cost.devices import DeviceSpec
+from ..errors import ConfigError, KernelUnavailableError
+from .config import (
+    STAGE2_SPLIT_TILE,
+    DecodeConfig,
+    dot_math,
+    group_block,
+    group_blocks_for,
+    padded_head_dim,
+    resolve_config,
+    split_len,
+)
+from .device_info import device_spec_for, is_rocm
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
 from .shapes import FP8_DTYPES, check_decode_inputs, resolve_scale
@@ -216,7 +224,7 @@ class TritonDecodeLaunch:
                     q, k, v, seq_lens, out, lse, block_table, k_scale=k_scale, v_scale=v_scale
                 ):
                     kernel[grid](*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
+        except Exception as exc:  # re-raised unless it is Triton's resource error
             if type(exc).__name__ == "OutOfResources":
                 hint = "use a smaller block_n or fewer num_stages"
                 if q.dtype != k.dtype and not self.fp8:

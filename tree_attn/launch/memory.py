@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import ConfigError
 
@@ -162,8 +162,7 @@ class MemoryMonitor:
     def _sample(self) -> None:
         while not self._stop.is_set():
             rss = current_rss_bytes()
-            if rss > self.result.peak_bytes:
-                self.result.peak_bytes = rss
+            self.result.peak_bytes = max(self.result.peak_bytes, rss)
             time.sleep(self.interval_s)
 
     def __exit__(self, *exc) -> None:

@@ -75,7 +75,7 @@ class LaunchOptions:
     dtype: str = AUTO
     timeout_s: float = DEFAULT_TIMEOUT_S
 
-    def launch_request(self, **more) -> "LaunchRequest":
+    def launch_request(self, **more) -> LaunchRequest:
         """A :class:`LaunchRequest` of these options (the plans' too, where the command has them),
         with ``more`` (the job's shape, ...)."""
         own = {f.name: getattr(self, f.name) for f in fields(PlanOptions) if hasattr(self, f.name)}
@@ -138,9 +138,9 @@ class LaunchSetup:
     dtype: str = "float32"
     torchrun: RankEnv | None = None
     layout: NodeLayout | None = None
-    profile: "ProfileChoice | None" = None
-    plans: "tuple[tuple[str, ReductionPlan | None], ...]" = ()
-    kernel_config: "DecodeConfig | None" = None
+    profile: ProfileChoice | None = None
+    plans: tuple[tuple[str, ReductionPlan | None], ...] = ()
+    kernel_config: DecodeConfig | None = None
     notices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -218,7 +218,7 @@ class AnnouncesLaunch:
     own_warnings: tuple[str, ...] = ()
 
     @property
-    def profile(self) -> "ProfileChoice":
+    def profile(self) -> ProfileChoice:
         return self.spec.launch.profile
 
     @property
@@ -251,7 +251,12 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
     from ..dtypes import parse_dtype
     from ..topology.host import default_cpu_ranks
     from .env import (
-        check_cpu_ranks, oversubscription_warning, resolve_backend, resolve_device_kind, torchrun_env, torchrun_layout,
+        check_cpu_ranks,
+        oversubscription_warning,
+        resolve_backend,
+        resolve_device_kind,
+        torchrun_env,
+        torchrun_layout,
         torchrun_rendezvous,
     )
 

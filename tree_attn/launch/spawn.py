@@ -44,7 +44,8 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError, DistributedError, TreeAttnError
 from .env import DEFAULT_TIMEOUT_S, RankEnv, check_cpu_ranks, check_timeout, gpu_count, resolve_backend

@@ -16,7 +16,14 @@ from ..errors import ProfileError
 from ..topology.model import Topology
 from .matching import machine_differences
 from .schema import Machine, Profile
-from .store import PROFILE_SUFFIX, ProfileEntry, find_saved_profile, list_saved_profiles, load_profile, profile_from_yaml
+from .store import (
+    PROFILE_SUFFIX,
+    ProfileEntry,
+    find_saved_profile,
+    list_saved_profiles,
+    load_profile,
+    profile_from_yaml,
+)
 
 BUILTIN_PACKAGE = "tree_attn.profiles"
 BUILTIN_FOLDER = "builtin"

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
-from ..topology.model import P2PStatus, Topology
 from ..cost.plan import decode_lse_bytes, decode_message_bytes, predict_plan_us
+from ..topology.model import P2PStatus, Topology
 from .schema import KernelBucket, KernelSection, Machine, PlanCandidate, Profile, Reduction, Versions
 from .store import profile_to_yaml
 

@@ -163,6 +163,14 @@ def describe_topology(topology: Topology) -> dict[str, Any]:
 
 
 __all__ = [
-    "RETUNE_HINT", "current_versions", "driver_version", "check_profile_for", "machine_differences",
-    "version_warnings", "profile_matches", "describe_topology", "device_kind_of", "device_name_of",
+    "RETUNE_HINT",
+    "check_profile_for",
+    "current_versions",
+    "describe_topology",
+    "device_kind_of",
+    "device_name_of",
+    "driver_version",
+    "machine_differences",
+    "profile_matches",
+    "version_warnings",
 ]

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, InitVar, dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .. import dtypes as _dtypes
 from .. import validate
@@ -303,7 +304,7 @@ class Machine(_Section):
                 raise FieldError(path, f"counts add up to {sum(counts.values())} pairs, but {self.world_size} devices have {pairs}")
 
     @classmethod
-    def from_topology(cls, topology: Topology) -> "Machine":
+    def from_topology(cls, topology: Topology) -> Machine:
         """The machine section describing ``topology``."""
         return cls(
             device_kind=device_kind_of(topology),
@@ -597,7 +598,7 @@ class Profile(_Section):
 
     # -- serialisation ----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Any) -> "Profile":
+    def from_dict(cls, data: Any) -> Profile:
         """Validate and build from loaded YAML/JSON; every error names the dotted field path."""
         check_mapping(data, "", optional=set(data) if isinstance(data, Mapping) else ())
         # The version first: a newer schema may legitimately have keys this one does not know.
@@ -614,8 +615,25 @@ def shard_bucket(shard_len: int) -> int:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "ORIGINS", "CHOSEN_BY", "DEVICE_KINDS", "DTYPES",
-    "Versions", "Machine", "KernelBucket", "KernelSection", "PlanCandidate", "Reduction", "Profile",
-    "normalize_dtype", "normalize_created", "utc_now", "plan_from_dict", "config_from_dict",
-    "device_kind_of", "device_name_of", "hierarchy_text", "shard_bucket",
+    "CHOSEN_BY",
+    "DEVICE_KINDS",
+    "DTYPES",
+    "ORIGINS",
+    "SCHEMA_VERSION",
+    "KernelBucket",
+    "KernelSection",
+    "Machine",
+    "PlanCandidate",
+    "Profile",
+    "Reduction",
+    "Versions",
+    "config_from_dict",
+    "device_kind_of",
+    "device_name_of",
+    "hierarchy_text",
+    "normalize_created",
+    "normalize_dtype",
+    "plan_from_dict",
+    "shard_bucket",
+    "utc_now",
 ]

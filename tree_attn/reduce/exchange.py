@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from .state import merge_states
 from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
+from .state import merge_states
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from .io import atomic_write_text
 from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology, format_ranges

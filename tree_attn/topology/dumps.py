@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from ..errors import TopologyError
 from .bandwidth import estimate
@@ -37,8 +37,7 @@ class _Line:
 
     def tokens(self) -> list[str]:
         t = self.text.strip()
-        if t.startswith("|"):
-            t = t[1:]
+        t = t.removeprefix("|")
         return t.split()
 
 
@@ -202,7 +201,7 @@ def _is_topo_mp(text: str, lines: list[_Line], cells: list[str]) -> bool:
     """Whether a PCIe matrix is ``nvidia-smi topo -mp`` rather than ``-m``: a prompt line says so,
     or the legend is there (through its PIX entry) without the NV# entry ``-m`` always prints
     and no cell is an NVLink (a ``-m`` legend cut short still shows its NV# cells)."""
-    if re.search(r"^\s*\$\s*nvidia-smi\s+topo\s+-mp\b", text, re.M):
+    if re.search(r"^\s*\$\s*nvidia-smi\s+topo\s+-mp\b", text, re.MULTILINE):
         return True
     if any(_NV_RE.match(c) for c in cells):
         return False
@@ -537,7 +536,7 @@ def detect_format(text: str) -> str:
         return "amd-smi-topology"
     if re.search(r"between two GPUs|\(Topology\) Numa Node", body):
         return "rocm-smi-showtopo"
-    if re.search(r"^\s*GPU \d+: .+", body, re.M) or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.M):
+    if re.search(r"^\s*GPU \d+: .+", body, re.MULTILINE) or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.MULTILINE):
         return "device-list"
     try:
         h = _find_gpu_header(lines)
@@ -549,7 +548,7 @@ def detect_format(text: str) -> str:
     # A p2p matrix holds status codes (OK, GNS, ...) where topo -m holds classes (NV#, SYS, ...);
     # its legend, when present, defines "OK = Status Ok".
     cells = {c for ln in lines[h + 1:] if _GPU_RE.match((ln.tokens() or [""])[0]) for c in ln.tokens()[1:]}
-    if cells & set(_P2P_CELLS) or re.search(r"^\s*OK\s+=\s+Status Ok", body, re.M):
+    if cells & set(_P2P_CELLS) or re.search(r"^\s*OK\s+=\s+Status Ok", body, re.MULTILINE):
         return "nvidia-smi-topo-p2p"
     return "nvidia-smi-topo-m"
 
@@ -581,7 +580,7 @@ def load_dump(path: str | os.PathLike) -> Topology:
 def _saved_topology(text: str, where: str) -> Topology | None:
     """A topology saved by ``tree-attn probe --output`` (or a YAML with a ``topology`` section),
     accepted wherever a dump is, so that a machine probed elsewhere can be checked or combined."""
-    if not re.search(r"^(schema_version|topology):", text, re.M):
+    if not re.search(r"^(schema_version|topology):", text, re.MULTILINE):
         return None
     import yaml
 

@@ -11,7 +11,6 @@ from ..errors import TopologyError
 from ..validate import check_int
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 
-
 # The one default number of CPU ranks, for probe, check, tune and run alike: their topologies,
 # hence their fingerprints and the profile a run finds, must agree (the built-in CPU profile is
 # for 4 ranks). On fewer cores `run` warns that the ranks share them.

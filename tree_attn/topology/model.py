@@ -20,8 +20,9 @@ import dataclasses
 import enum
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import TopologyError
 from ..validate import check_int, check_number
@@ -59,7 +60,7 @@ class LinkKind(str, enum.Enum):
         return self in (LinkKind.PIX, LinkKind.PXB, LinkKind.PHB, LinkKind.NODE, LinkKind.SYS)
 
     @classmethod
-    def parse(cls, value: Any, *, what: str = "kind") -> "LinkKind":
+    def parse(cls, value: Any, *, what: str = "kind") -> LinkKind:
         """Accept a LinkKind or its name in any case (``"NV"``-prefixed cells are not kinds)."""
         return _parse_enum(cls, value, f"{what}: unknown link class {value!r}; expected one of "
                            + ", ".join(k.value for k in _KIND_ORDER))
@@ -76,7 +77,7 @@ class P2PStatus(str, enum.Enum):
     UNKNOWN = "unknown"
 
     @classmethod
-    def parse(cls, value: Any, *, what: str = "p2p") -> "P2PStatus":
+    def parse(cls, value: Any, *, what: str = "p2p") -> P2PStatus:
         return _parse_enum(cls, value,
                            f"{what}: bad peer-to-peer status {value!r}; expected ok, unsupported or unknown")
 
@@ -155,7 +156,7 @@ class Device:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Device":
+    def from_dict(cls, d: Any) -> Device:
         return cls(**_fields_of(cls, d, "device"))
 
 
@@ -222,7 +223,7 @@ class Link:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Link":
+    def from_dict(cls, d: Any) -> Link:
         return cls(**_fields_of(cls, d, "link"))
 
 
@@ -277,7 +278,7 @@ class Measurement:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Measurement":
+    def from_dict(cls, d: Any) -> Measurement:
         return cls(**_fields_of(cls, d, "measurement"))
 
 
@@ -419,7 +420,7 @@ class Topology:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # -- derived helpers ----------------------------------------------------------------------
-    def replace(self, **changes: Any) -> "Topology":
+    def replace(self, **changes: Any) -> Topology:
         """A copy with some fields replaced (devices and links are copied, never shared)."""
         base = {
             "devices": [dataclasses.replace(d) for d in self.devices],
@@ -431,7 +432,7 @@ class Topology:
         base.update(changes)
         return Topology(**base)
 
-    def completed_with(self, other: "Topology") -> "Topology":
+    def completed_with(self, other: Topology) -> Topology:
         """Fill the facts this topology does not know from ``other`` (same devices, same order).
 
         Used to combine several recorded dumps of one machine (``nvidia-smi topo -m`` for link
@@ -495,7 +496,7 @@ class Topology:
         }
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
+    def from_dict(cls, d: Any) -> Topology:
         """Validate and build from :meth:`to_dict` output. Unknown keys are rejected; the derived
         ``fingerprint``, ``world_size`` and ``hierarchy``, when present, must match the content."""
         if not isinstance(d, dict):

@@ -8,8 +8,9 @@ answer becomes "unknown" (``None``) for that one field; the probe never fails fo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import TopologyError
 from .bandwidth import estimate
@@ -46,7 +47,7 @@ _SOFT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT", "NVML
 
 def _import_pynvml() -> ModuleType:
     try:
-        import pynvml  # noqa: PLC0415 - vendor library imported lazily on purpose
+        import pynvml  # vendor library imported lazily on purpose
     except ImportError as exc:
         raise BackendUnavailable(f"the pynvml module is not installed ({exc}); pip install nvidia-ml-py") from None
     return pynvml
@@ -115,7 +116,7 @@ class _Nvml:
             return None  # this pynvml release does not have the function
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - filtered just below
+        except Exception as exc:  # filtered just below
             if self.err is None or not isinstance(exc, self.err):
                 raise
             if getattr(exc, "value", None) not in self.soft:
@@ -166,7 +167,7 @@ def _probe(api: _Nvml) -> Topology:
     for i in range(n):
         try:
             handles.append(nv.nvmlDeviceGetHandleByIndex(i))
-        except Exception as exc:  # noqa: BLE001 - NVMLError_GpuIsLost, NoPermission, ...
+        except Exception as exc:  # NVMLError_GpuIsLost, NoPermission, ...
             if api.err is None or not isinstance(exc, api.err):
                 raise
             raise TopologyError(f"NVML cannot open GPU {i}: {exc}; check `nvidia-smi` and the permissions of /dev/nvidia*") from None

@@ -27,11 +27,11 @@ import torch
 
 from ...errors import ConfigError
 from ...kernels.dispatch import decode_attention
-from ...reduce.state import merge_partials
 from ...reduce.collectives import tree_decode
-from ...reduce.ring import ring_decode
 from ...reduce.comm import CommStats
 from ...reduce.plan import ReductionPlan
+from ...reduce.ring import ring_decode
+from ...reduce.state import merge_partials
 from .kv_store import PagedKVShard
 
 ATTENTION_NAME = "tree_attn"
@@ -49,7 +49,7 @@ class PrefillContext:
     length: int = 0
 
     @classmethod
-    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, *, dtype, device) -> "PrefillContext":
+    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, *, dtype, device) -> PrefillContext:
         shape = (kv_heads, capacity, head_dim)
         return cls(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
                    v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)])

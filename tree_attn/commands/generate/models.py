@@ -78,7 +78,7 @@ def require_transformers() -> None:
     """Raise :class:`ConfigError` naming the extra when transformers is missing or older than
     :data:`MIN_TRANSFORMERS`."""
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError as exc:
         raise ConfigError(f"tree-attn generate needs Hugging Face transformers: {MODELS_EXTRA}") from exc
     if transformers_version(transformers.__version__) < MIN_TRANSFORMERS:

@@ -48,14 +48,14 @@ class GenerateSetup(AnnouncesLaunch):
     """A resolved generate: the spec (its launch holds the profile, notices and warnings of the
     launch), the tokenizer, the prompt's text, and what the command itself tells the user."""
 
-    spec: "GenerateSpec"
+    spec: GenerateSpec
     tokenizer: Any = None
     prompt_text: str | None = None
     own_notices: tuple[str, ...] = ()
     own_warnings: tuple[str, ...] = ()
 
     @property
-    def env(self) -> "RankEnv | None":
+    def env(self) -> RankEnv | None:
         """This process's place in a torchrun job (it is one rank), else None."""
         return self.spec.launch.torchrun
 

@@ -139,10 +139,10 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     eager steps around extra steps queued behind a spin kernel (``device_time`` says which).
     """
     from ...graphs import wait_for
+    from ...launch.memory import MemoryMonitor
     from ...reduce.collectives import TreeDecodeStep, abort_group
     from ...reduce.comm import CommStats
     from ...reduce.ring import ring_decode
-    from ...launch.memory import MemoryMonitor
 
     device = torch.device(env.device)
     cuda = device.type == "cuda"
@@ -253,7 +253,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 failing = sys.exc_info()[1] is not None
                 try:
                     prepared.close()
-                except Exception:  # noqa: BLE001 - see above
+                except Exception:  # see above
                     if not failing:
                         raise
     return reports
@@ -331,7 +331,7 @@ class RunResult:
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
     compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
-    profile: "ProfileChoice | None" = None  # which profile the run used (commands.run.setup.ProfileChoice)
+    profile: ProfileChoice | None = None  # which profile the run used (commands.run.setup.ProfileChoice)
     # CPU ranks: which local attention ran ("C kernel: <library and flags>" or "torch ops: <why>");
     # None on GPUs (the Triton kernel or torch, per --impl).
     local_kernel: str | None = None

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...topology import Topology
     from .timing import TuneOptions
 
-__all__ = ["TuneRequest", "TuneSetup", "plan_tune", "check_output_free"]
+__all__ = ["TuneRequest", "TuneSetup", "check_output_free", "plan_tune"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class TuneSetup:
     that it describes when this machine cannot), whether this machine can time it, where the
     profile goes, and notices for the user."""
 
-    topology: "Topology"
-    options: "TuneOptions"
+    topology: Topology
+    options: TuneOptions
     measurable: bool
     output: str
     force: bool = False
@@ -56,13 +56,13 @@ class TuneSetup:
     model_reason: str | None = None  # why nothing can be timed here (when not measurable)
 
 
-def _kind_of(topo: "Topology") -> str:
+def _kind_of(topo: Topology) -> str:
     from ...profiles.schema import device_kind_of
 
     return "cuda" if device_kind_of(topo) in ("cuda", "rocm") else "cpu"
 
 
-def _topology(request: TuneRequest, device_kind: str) -> "Topology":
+def _topology(request: TuneRequest, device_kind: str) -> Topology:
     """The topology to tune: the file's, ``--world-size`` CPU ranks, or this machine's GPUs."""
     from ...launch.env import check_cpu_ranks
     from ...topology import host_topology, load_expected, probe_topology

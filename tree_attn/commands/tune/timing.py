@@ -183,8 +183,8 @@ def time_kernel_configs(
     CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
     interpreter, for tests) a host clock.
     """
-    from ...errors import ConfigError
     from ...cost.kernel import kv_bytes
+    from ...errors import ConfigError
     from ...kernels.triton_launch import TritonDecodeLaunch
     from ...timing import rotation_count, time_calls
 
@@ -335,13 +335,11 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         if options.device_kind != "cuda":
             return []
         device = "cuda:0"
-    from ...kernels.config import resolve_config
     from ...cost.devices import CPU_INTERPRETER, DeviceSpec
     from ...cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
+    from ...dtypes import parse_dtype, torch_dtype
+    from ...kernels.config import resolve_config
     from ...kernels.shapes import DecodeShape
-    from ...dtypes import torch_dtype
-
-    from ...dtypes import parse_dtype
 
     dtype = torch_dtype(options.dtype)  # the query's
     kv_name = parse_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
