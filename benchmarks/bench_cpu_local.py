@@ -81,7 +81,7 @@ def load_peer(path: str | None):
     sys.path.insert(0, str(Path(path).resolve()))
     try:
         from ring_attention_pytorch.tree_attn_decoding import tree_attn_decode
-    except Exception as exc:  # missing einops / jaxtyping / beartype, or an incompatible torch
+    except Exception as exc:  # noqa: BLE001 - missing einops / jaxtyping / beartype, or an incompatible torch
         return None, f"peer not available: import failed ({type(exc).__name__}: {exc})"
     return tree_attn_decode, "ok"
 

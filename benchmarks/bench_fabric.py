@@ -131,7 +131,7 @@ def measure(fab: Fabric, opts, rate: str, seq_len: int, strategy: str) -> dict:
     base = ["run", "--device", "cpu", "-n", str(seq_len), "--heads", str(opts.heads), "--kv-heads",
             str(opts.kv_heads), "--head-dim", str(opts.head_dim), "-s", strategy, "--timeout", str(opts.timeout),
             "--json"]
-    short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node, opts.job_timeout)
+    _short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node, opts.job_timeout)
     data, d_long = run_job(fab, base + ["--warmup", str(warmup), "--steps", str(steps)], opts.ranks_per_node,
                            opts.job_timeout)
     extra = warmup + steps - 1  # steps the measured job ran beyond the short one

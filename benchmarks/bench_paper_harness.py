@@ -160,7 +160,7 @@ def _measure(devices: int, tokens: int, strategy: str, mode: str, steady_calls: 
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, __file__, "--child", str(devices), str(tokens), strategy, mode,
            "--steady-calls", str(steady_calls)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{strategy} at {devices} devices failed ({proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

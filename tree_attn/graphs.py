@@ -300,7 +300,7 @@ class CapturedStep:
         # The last reference went: free the graph now, not whenever the collector would run.
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - nowhere to report from a finaliser
+        except Exception:  # noqa: BLE001, S110 - nowhere to report from a finaliser
             pass
 
 

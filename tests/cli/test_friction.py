@@ -109,6 +109,6 @@ def test_no_numpy_warning_without_numpy(tmp_path):
                CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "tree_attn", "run", "--device", "cpu", "-w", "2", "-n", "256", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "8", "--steps", "1", "--strategy", "tree", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "NumPy" not in proc.stderr

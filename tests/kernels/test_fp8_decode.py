@@ -133,14 +133,14 @@ def test_scales_per_kv_head(per_head, fp8_device):
     # The scales are used, per head: the same stored values with head 0's scales everywhere differ.
     wrong_k, wrong_v = ks[:1].expand(4).contiguous(), vs[:1].expand(4).contiguous()
     if per_head:
-        out_w, lse_w = run(q, k8, v8, wrong_k, wrong_v, fp8_device, lens=lens, config=config)
+        _out_w, lse_w = run(q, k8, v8, wrong_k, wrong_v, fp8_device, lens=lens, config=config)
         assert not torch.allclose(lse_w.cpu(), lse.cpu(), atol=1e-2)
 
 
 def test_v_scale_scales_out_only(fp8_device):
     """v_scale multiplies the normalised output at the end: doubling it doubles out bit for bit
     and leaves lse bit for bit (the weights do not depend on V); k_scale changes lse."""
-    q, k8, v8, ks, vs, k64, v64 = make_fp8(2, 1, 8, 2, 64, 40, torch.float32, FN, seed=7)
+    q, k8, v8, ks, vs, _k64, _v64 = make_fp8(2, 1, 8, 2, 64, 40, torch.float32, FN, seed=7)
     lens = torch.tensor([40, 13], dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, num_splits=2)
     out, lse = run(q, k8, v8, ks, vs, fp8_device, lens=lens, config=cfg)
@@ -218,7 +218,7 @@ def test_nan_in_the_cache_gives_nan_rows(fp8_device):
     """An fp8 NaN inside a row's length makes that row NaN (as any NaN data does), and only it."""
     q, k8, v8, ks, vs, _, _ = make_fp8(2, 1, 4, 1, 64, 40, torch.bfloat16, FN, seed=9)
     k8[0, 5, 0, 3] = float("nan")
-    out, lse = run(q, k8, v8, ks, vs, fp8_device, config=DecodeConfig(block_n=16, num_splits=2))
+    _out, lse = run(q, k8, v8, ks, vs, fp8_device, config=DecodeConfig(block_n=16, num_splits=2))
     assert torch.isnan(lse[0]).all() and torch.isfinite(lse[1]).all()
 
 

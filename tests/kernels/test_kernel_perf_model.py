@@ -3,6 +3,8 @@ under-filled machines penalised, candidates valid and ranked."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -123,7 +125,7 @@ def test_fp8_bytes_and_candidates():
 def test_monotonic_in_n(spec, config):
     times = [predict_time_us(config, llama(1, n), "bf16", spec) for n in (1, 100, 4096, 65536, 262144, 1 << 20, 4 << 20)]
     if config.num_splits is not None:
-        assert all(a <= b for a, b in zip(times, times[1:])), times
+        assert all(a <= b for a, b in itertools.pairwise(times)), times
     assert times[-1] > times[0]
 
 

@@ -168,7 +168,7 @@ def test_causal_token_i_is_single_token_decode_of_its_prefix():
 def test_gather_pages_roundtrip_and_unread_pages_are_zero():
     _, k, v = _inputs(3, 1, 2, 2, 8, 20, seed=1)
     lens = [20, 7, 0]
-    k, v, kp, vp, table = to_paged(k, v, lens, 6, seed=1, share=True)
+    k, v, kp, _vp, table = to_paged(k, v, lens, 6, seed=1, share=True)
     got = gather_pages(kp, table, torch.tensor(lens))
     assert got.shape == (3, table.shape[1] * 6, 2, 8)
     for row, n in enumerate(lens):

@@ -42,7 +42,7 @@ _WARP = {"cuda": 32, "hip": 64}
 
 def _run(ids: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(_SCRIPT), *ids], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, str(_SCRIPT), *ids], capture_output=True, text=True, env=env, timeout=900, check=False)
     if proc.returncode != 0:
         pytest.fail(f"AOT compile script failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -106,7 +106,7 @@ def test_launch_builds(compiled, cid):
 def test_spills_exactly_where_the_rule_says(compiled, cid):
     """ptxas spills stage one's registers iff :func:`stage1_spill_free` says so; never in a default."""
     result = _ok(compiled[cid])
-    target, launch = CASES[cid]
+    _target, launch = CASES[cid]
     facts = result["stage1"]
     if "spill_store_bytes" not in facts:
         pytest.fail(f"no ptxas report: {facts.get('ptxas_error')}")

@@ -13,6 +13,7 @@ import enum
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 # -- pynvml -----------------------------------------------------------------------------------------
 
@@ -63,12 +64,12 @@ def make_pynvml(
         setattr(m, f"NVML_ERROR_{name}", code)
 
     class NVMLError(Exception):
-        _valClassMapping: dict[int, type] = {}
+        _valClassMapping: ClassVar[dict[int, type]] = {}
 
         def __new__(cls, value):
-            if cls is NVMLError:
-                cls = NVMLError._valClassMapping.get(value, cls)
-            obj = Exception.__new__(cls)
+            # As pynvml does: NVMLError(code) makes the subclass registered for that code.
+            made = NVMLError._valClassMapping.get(value, cls) if cls is NVMLError else cls
+            obj = Exception.__new__(made)
             obj.value = value
             return obj
 

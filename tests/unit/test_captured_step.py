@@ -15,6 +15,7 @@ import gc
 import threading
 import time
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -143,8 +144,8 @@ class FakeStream:
 
 
 class FakeGraph:
-    made: list = []
-    log: list = []
+    made: ClassVar[list] = []
+    log: ClassVar[list] = []
 
     def __init__(self):
         self.replays = 0

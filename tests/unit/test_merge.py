@@ -1,5 +1,6 @@
 """The merge of partial states: exactness, empty states, and its algebra (hypothesis)."""
 
+import itertools
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from tree_attn.reduce.state import merge_two
 def _split_states(q, k, v, cuts):
     """States of the key ranges between consecutive ``cuts`` (float64 truth per range)."""
     outs, lses = [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         o, l = decode_attention_float64(q, k[:, a:b], v[:, a:b])
         outs.append(o.float())
         lses.append(l.float())

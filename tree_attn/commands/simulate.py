@@ -219,12 +219,12 @@ def memory_notes(rows: list[SimRow], mem: int) -> list[str]:
     shard = {r.seq_len: r.tree.peak_mem_bytes - r.tree.extra_mem_bytes for r in rows}  # the largest KV shard
     too_big = sorted(n for n, b in shard.items() if b > mem)
     if too_big:
-        return [f"{world} GPUs: from {too_big[0]:,} tokens the KV shard alone ({shard[too_big[0]] / 2**30:,.1f} GiB "
-                f"per rank) exceeds the device's {mem / 2**30:,.1f} GiB: no strategy runs there"]
+        return [(f"{world} GPUs: from {too_big[0]:,} tokens the KV shard alone ({shard[too_big[0]] / 2**30:,.1f} GiB "
+                 f"per rank) exceeds the device's {mem / 2**30:,.1f} GiB: no strategy runs there")]
     worst = max(rows, key=lambda r: r.ring.peak_mem_bytes)
     if worst.ring.peak_mem_bytes > mem:
         flying = min(2, world - 1)
-        return [f"{world} GPUs: ring's peak per rank (KV shard + {flying} block{'s' if flying > 1 else ''} in flight) "
-                f"reaches {worst.ring.peak_mem_bytes / 2**30:,.1f} GiB at {worst.seq_len:,} tokens, beyond the "
-                f"device's {mem / 2**30:,.1f} GiB"]
+        return [(f"{world} GPUs: ring's peak per rank (KV shard + {flying} block{'s' if flying > 1 else ''} in flight) "
+                 f"reaches {worst.ring.peak_mem_bytes / 2**30:,.1f} GiB at {worst.seq_len:,} tokens, beyond the "
+                 f"device's {mem / 2**30:,.1f} GiB")]
     return []

@@ -460,7 +460,7 @@ def stage2_launch(
 ) -> tuple:
     """Stage two's launch on these tensors as ``(jit function, grid, args, keyword args)`` (see
     :meth:`TritonDecodeLaunch.launches`): what :func:`merge_splits_triton` launches."""
-    b, h, s, d = o_part.shape
+    b, h, _s, d = o_part.shape
     args = (o_part, lse_part, out, lse,
             *_stage2_args(o_part, lse_part, (out.stride(0), out.stride(1)), (lse.stride(0), lse.stride(1))))
     kwargs = dict(

@@ -23,8 +23,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -143,7 +147,7 @@ class MemoryMonitor:
         #: How the CPU peak was taken: "high-water mark" (exact) or "sampled" (a thread).
         self.method = "cuda allocator" if device.startswith("cuda") else ""
 
-    def __enter__(self) -> MemoryMonitor:
+    def __enter__(self) -> Self:
         if self.device.startswith("cuda"):
             import torch
 

@@ -191,7 +191,7 @@ def _child(
             # After success: a barrier first (bounded by timeout_s), so this rank's teardown never
             # cuts a peer's last messages short; after a failure: at once.
             close_process_group(clean=ok, timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - the result is already queued for the parent; teardown is best effort
             pass
         if os.getppid() != parent_pid:  # the parent died while this rank was failing or finishing
             _remove_rendezvous(rdzv_dir)
@@ -298,7 +298,7 @@ def _quiet_ranks(beats, started: float, values: dict, limit: float) -> list[tupl
 
 
 def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
-    _, rank, kind, text, tb = msg
+    _, rank, _kind, text, tb = msg
     text = " ".join(text.split())  # one line: torch's messages span several
     text = text.removeprefix(f"rank {rank}: ")  # named below already (errors that name their rank)
     hint = ""

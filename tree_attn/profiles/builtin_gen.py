@@ -102,11 +102,11 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
         topology=_cpu_topology,
         device_spec=None,
         notes=(
-            "CPU ranks run the C decode kernel (kernels/cpu_native.py, compiled once per machine), or torch ops where "
-            "it cannot be built or TREE_ATTN_CPU_KERNEL=torch; `tree-attn run` names the one that ran (local_kernel "
-            "in --json). No Triton config applies, so there are no kernel buckets.",
-            "plan: the project's default binary tree (reduce.plan.default_plan); the candidates' model "
-            "predictions are listed for reference only, gloo message costs are rough guesses.",
+            ("CPU ranks run the C decode kernel (kernels/cpu_native.py, compiled once per machine), or torch ops where "
+             "it cannot be built or TREE_ATTN_CPU_KERNEL=torch; `tree-attn run` names the one that ran (local_kernel "
+             "in --json). No Triton config applies, so there are no kernel buckets."),
+            ("plan: the project's default binary tree (reduce.plan.default_plan); the candidates' model "
+             "predictions are listed for reference only, gloo message costs are rough guesses."),
         ),
         default_plan=True,
     ),
@@ -116,8 +116,8 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
         topology=_rtx4090_topology,
         device_spec="rtx4090",
         notes=(
-            "model-derived, not measured: peer-to-peer is assumed unsupported (stock GeForce drivers); "
-            "messages are priced as staged through host memory.",
+            ("model-derived, not measured: peer-to-peer is assumed unsupported (stock GeForce drivers); "
+             "messages are priced as staged through host memory."),
         ),
     ),
     BuiltinSpec(
@@ -135,8 +135,8 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
 )
 
 COMMON_NOTES = (
-    "built-in profile: derived from a recorded topology dump and the perf models, nothing was timed; "
-    "run `tree-attn tune` on the machine for a measured profile.",
+    ("built-in profile: derived from a recorded topology dump and the perf models, nothing was timed; "
+     "run `tree-attn tune` on the machine for a measured profile."),
 )
 
 

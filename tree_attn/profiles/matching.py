@@ -45,7 +45,7 @@ def driver_version() -> str | None:
             return v.decode() if isinstance(v, bytes) else str(v)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - any failure means "not an NVIDIA machine we can read"
+    except Exception:  # noqa: BLE001, S110 - any failure means "not an NVIDIA machine we can read"
         pass
     try:
         import amdsmi  # type: ignore[import-not-found]
@@ -59,7 +59,7 @@ def driver_version() -> str | None:
                 return str(v) if v else None
         finally:
             amdsmi.amdsmi_shut_down()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001, S110 - any failure means "not an AMD machine we can read"
         pass
     return None
 

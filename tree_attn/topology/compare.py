@@ -159,9 +159,9 @@ def _compare_models(expected: Topology, actual: Topology) -> CheckResult:
     e_nv, a_nv = _uniform_nvlinks(expected), _uniform_nvlinks(actual)
     if e_nv and a_nv and e_nv != a_nv and a_nv in FULL_NVLINK_SETS and e_nv in FULL_NVLINK_SETS:
         return CheckResult(name, "failed", "different GPU model (by its NVLinks)", [
-            f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
-            f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
-            f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}"])
+            (f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
+             f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
+             f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}")])
     side = ("neither side names its GPUs" if all(d.name == UNKNOWN for d in expected.devices)
             and all(d.name == UNKNOWN for d in actual.devices)
             else "the expected topology names no GPU" if all(d.name == UNKNOWN for d in expected.devices)

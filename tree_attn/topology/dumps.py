@@ -46,7 +46,7 @@ def _lines(text: str) -> list[_Line]:
     out = []
     for i, raw in enumerate(text.splitlines(), start=1):
         s = raw.strip()
-        if not s or s.startswith("#") or s.startswith("$ "):
+        if not s or s.startswith(("#", "$ ")):
             continue
         out.append(_Line(i, raw.rstrip("\n")))
     return out
@@ -262,8 +262,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
             links.append(Link(a, b, LinkKind.UNKNOWN, p2p=worst[0], p2p_reason=worst[1]))
     devices = [Device(index=i, vendor="nvidia") for i in range(n)]
     return Topology(devices=devices, links=links, source="dump:nvidia-smi-topo-p2p",
-                    notes=["nvidia-smi topo -p2p gives peer-to-peer status only, no link classes "
-                           "(add the output of `nvidia-smi topo -m` to --from)"])
+                    notes=[("nvidia-smi topo -p2p gives peer-to-peer status only, no link classes "
+                            "(add the output of `nvidia-smi topo -m` to --from)")])
 
 
 # -- device listings: nvidia-smi -L, rocm-smi --showproductname ----------------------------------
@@ -294,7 +294,7 @@ def parse_device_list(text: str) -> Topology:
             elif key == "gfx version" and val:
                 d["arch"] = val
             continue
-        if s.startswith("MIG ") or s.startswith("=") or s.startswith("Card"):
+        if s.startswith(("MIG ", "=", "Card")):
             continue  # MIG instance lines of nvidia-smi -L; rocm-smi banners
     if not found:
         raise TopologyError("no device lines found (expected 'GPU 0: <name> (UUID: ...)' or 'GPU[0] : Card Series: <name>')")
@@ -484,7 +484,7 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
     gpus: dict[int, tuple[str, float | None, str]] = {}
     for ln in lines[start + 2:]:
         s = ln.text.strip()
-        if s.startswith("Read") or s.startswith("Write"):
+        if s.startswith(("Read", "Write")):
             cells = s.split()
             if len(cells) < 1 + len(bdfs):
                 raise _err(ln, f"traffic row has fewer cells than the {len(bdfs)} devices (truncated)")
@@ -510,8 +510,8 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
             else:
                 links.append(Link(a, b, LinkKind.UNKNOWN))
     return Topology(devices=devices, links=links, source="dump:amd-smi-xgmi",
-                    notes=["amd-smi xgmi gives the link type and rate per GPU; pairs of xGMI GPUs are taken as "
-                           "one hive (the MI300X platform connects every GPU to every other)"])
+                    notes=[("amd-smi xgmi gives the link type and rate per GPU; pairs of xGMI GPUs are taken as "
+                            "one hive (the MI300X platform connects every GPU to every other)")])
 
 
 # -- detection -----------------------------------------------------------------------------------

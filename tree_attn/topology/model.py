@@ -308,7 +308,7 @@ def build_hierarchy(n: int, links: Iterable[Link]) -> list[HierarchyLevel]:
     for kind in present:
         parent = list(range(n))
 
-        def find(x: int) -> int:
+        def find(x: int, *, parent: list[int] = parent) -> int:  # this level's forest, bound here
             while parent[x] != x:
                 parent[x] = parent[parent[x]]
                 x = parent[x]
@@ -463,9 +463,9 @@ class Topology:
                     f"GPU{l.a}-GPU{l.b}: {self.source} says {l.label}, {other.source} says {o.label}: "
                     "the dumps disagree (are they of the same machine?)"
                 )
-            if l.p2p is P2PStatus.UNKNOWN or (l.p2p_reason or "").startswith("inferred"):
-                if o.p2p is not P2PStatus.UNKNOWN:
-                    vals["p2p"], vals["p2p_reason"] = o.p2p, o.p2p_reason
+            if ((l.p2p is P2PStatus.UNKNOWN or (l.p2p_reason or "").startswith("inferred"))
+                    and o.p2p is not P2PStatus.UNKNOWN):
+                vals["p2p"], vals["p2p_reason"] = o.p2p, o.p2p_reason
             if l.bandwidth_gbps is None and o.bandwidth_gbps is not None:
                 vals["bandwidth_gbps"], vals["bandwidth_source"] = o.bandwidth_gbps, o.bandwidth_source
             for f in ("hops", "weight", "latency_us"):

@@ -148,7 +148,7 @@ def probe_nvml(module: ModuleType | None = None, *, visible_devices: str | None 
     finally:
         try:
             nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down a library that works is best effort
+        except Exception:  # noqa: BLE001, S110 - shutting down a library that works is best effort
             pass
     if visible_devices is None and module is None:
         visible_devices = os.environ.get(ENV_VAR)

@@ -67,8 +67,8 @@ def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *
     chosen = visible_indices(topo, value, var, indices_only=indices_only)
     if chosen is None:
         what = "MIG instances" if "MIG-" in value.upper() else "GPUs by something other than their index"
-        return topo.replace(notes=topo.notes + [f"{var}={value!r} names {what}; the topology lists the machine's "
-                                                f"whole GPUs"])
+        return topo.replace(notes=topo.notes + [(f"{var}={value!r} names {what}; the topology lists the machine's "
+                                                 f"whole GPUs")])
     if chosen == list(range(len(topo))):
         return topo
     new_of = {old: new for new, old in enumerate(chosen)}

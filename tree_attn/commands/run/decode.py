@@ -160,18 +160,20 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 # The first call checks shapes and learns the shard lengths; timed calls are given them.
                 ring_decode(q_static, k, v, impl=spec.impl, config=config)
 
-                def step() -> tuple[torch.Tensor, torch.Tensor]:
-                    return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(), stats=stats)
+                # step and finish are called only in this iteration; the defaults bind its values.
+                def step(*, q_static=q_static, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
+                    return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(),
+                                       stats=stats)
             else:
                 # Collective: every rank builds its step here (shape check, warm-up, capture).
                 prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
                                           cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s)
                 why_eager = prepared.why_eager
 
-                def step() -> tuple[torch.Tensor, torch.Tensor]:
+                def step(*, prepared=prepared, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
                     return prepared(stats)
 
-            def finish(what: str, done=None) -> None:
+            def finish(what: str, done=None, *, prepared=prepared) -> None:
                 """Wait for the step just issued (``done``: an event recorded after it), at most the
                 job's timeout; on expiry the group is aborted and the error names rank and step."""
                 if not cuda:

@@ -131,8 +131,8 @@ def model_profile(topo: Topology, options: TuneOptions) -> Profile:
     )
     return _profile(topo, "model", "model", reduction, KernelSection(), current_versions(driver=None),
                     f"model-derived for {len(topo)} x {topo.devices[0].name} from {topo.source}",
-                    ["not measured: derived from the topology and the plan cost model; tune on the machine itself "
-                     "to measure"])
+                    [("not measured: derived from the topology and the plan cost model; tune on the machine itself "
+                      "to measure")])
 
 
 __all__ = ["TuneEvent", "build_profile", "measured_profile", "model_profile", "write_profile"]

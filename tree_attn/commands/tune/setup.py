@@ -139,8 +139,8 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         backend = resolve_backend(request.backend, device_kind)
         launch = LaunchSetup(world_size=world, device_kind=device_kind, backend=backend, timeout_s=request.timeout_s,
                              dtype=dtype)
-        notices = [*probed, f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
-                            "nothing can be timed here, so the profile is model-derived (origin: model)"]
+        notices = [*probed, (f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
+                             "nothing can be timed here, so the profile is model-derived (origin: model)")]
     options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
                           head_dim=request.head_dim, quick=request.quick)
     return TuneSetup(topology=topo, options=options, measurable=reason is None, output=output,
