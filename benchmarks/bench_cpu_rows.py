@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = sq * hq // hkv
             default = "C" if rows <= NATIVE_MAX_QUERY_ROWS else "torch"
             print(f"{name:5} {args.tokens:>7} {sq:>3} {rows:>5} {best[True]:>9.2f} {best[False]:>9.2f} "
-                  f"{best[False] / best[True]:>8.2f} {default:>8} {errors['c']:>8.1e} {errors['torch']:>8.1e}", flush=True)
+                  f"{best[False] / best[True]:>8.2f} {default:>8} {errors['c']:>8.1e} {errors['torch']:>8.1e}",
+                  flush=True)
             results.append({"shape": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "tokens": args.tokens,
                             "sq": sq, "rows": rows, "c_ms": best[True], "torch_ms": best[False],
                             "default": default, "max_error": errors})

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(f"B={b} N={n} splits={splits}: resolved per call {row['resolved_per_call_us']:.1f} us, "
-              f"public API {row['public_api_us']:.1f} us, prepared object {row['prepared_object_us']:.1f} us", file=sys.stderr)
+              f"public API {row['public_api_us']:.1f} us, prepared object {row['prepared_object_us']:.1f} us",
+              file=sys.stderr)
 
     # tree_decode on one gloo rank, torch kernel, tiny shapes: the collective wrapper's host cost.
     import torch.distributed as dist

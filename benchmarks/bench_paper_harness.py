@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     headline = _headline(one_off)
     if headline:
         print("\npaper headline (128 H100, 5.12M tokens): the cost model's steady step + a one-off cost measured above")
-        print(f"{'from':>8} {'added':>10} {'tree ms':>9} {'ring ms':>9} {'first-call ring/tree':>20} {'steady':>7} {'paper':>6}")
+        print(f"{'from':>8} {'added':>10} {'tree ms':>9} {'ring ms':>9} {'first-call ring/tree':>20} {'steady':>7} "
+              f"{'paper':>6}")
         for h in headline:
             print(f"{str(h['from_devices']) + ' dev':>8} {h['added'].removesuffix('_ms'):>10} "
                   f"{h['model_tree_ms'] + h['added_tree_ms']:>9.1f} {h['model_ring_ms'] + h['added_ring_ms']:>9.1f} "

@@ -88,7 +88,8 @@ def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.Compl
 
 
 def _tc(ns: str, *args: str) -> None:
-    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20, check=False)
+    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20,
+                          check=False)
     if proc.returncode != 0:
         raise FabricError(f"tc {' '.join(args)} (in {ns}): {proc.stderr.strip() or proc.returncode}")
 
@@ -484,7 +485,8 @@ class Fabric:
         burst = str(self.burst_bytes or tbf_burst_bytes(bps))
         # Both directions: out of the node (its fab0) and into it (the switch's port toward it).
         _tc(node.ns, "qdisc", verb, "dev", node.ifname, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
-        _tc(self.switch, "qdisc", verb, "dev", node.port, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+        _tc(self.switch, "qdisc", verb, "dev", node.port, "root", "tbf", "rate", rate, "burst", burst, "latency",
+            "50ms")
 
     def set_rate(self, node: int, rate: str | None) -> None:
         """Shape node ``node``'s link (both directions) to ``rate`` now; None removes the shaping.

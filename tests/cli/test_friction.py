@@ -97,7 +97,8 @@ def test_written_files_honour_the_umask(tmp_path, capsys):
     before = (tmp_path / "t.yaml").read_text()
     assert main(["probe", "--backend", "host", "--cpu-ranks", "3", "--output", str(tmp_path / "t.yaml")]) == 1
     assert (tmp_path / "t.yaml").read_text() == before
-    assert main(["probe", "--backend", "host", "--cpu-ranks", "3", "--output", str(tmp_path / "t.yaml"), "--force"]) == 0
+    assert main(["probe", "--backend", "host", "--cpu-ranks", "3", "--output", str(tmp_path / "t.yaml"),
+                 "--force"]) == 0
     assert (tmp_path / "t.yaml").read_text() != before
 
 

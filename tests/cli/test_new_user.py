@@ -168,7 +168,8 @@ def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
     actual = named(H200, "NVIDIA H200", tmp_path / "h200.yaml")
     assert main(["check", "--expect", str(expected), "--from", str(actual), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["differences"] == ["different GPU model: expected NVIDIA H100 80GB HBM3, found NVIDIA H200 (all 8 GPUs)"]
+    assert report["differences"] == [
+        "different GPU model: expected NVIDIA H100 80GB HBM3, found NVIDIA H200 (all 8 GPUs)"]
     assert report["checks"][0]["name"] == "device model"
     assert main(["check", "--expect", str(expected), "--from", str(expected)]) == 0
     out = capsys.readouterr().out
@@ -323,11 +324,13 @@ def test_run_footnote_says_how_eager_rows_device_time_was_taken(capsys):
 
     spec = {"world_size": 2, "seq_len": 1024}
     render_run(RunResult(spec=spec, device="GPU", backend="nccl",
-                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH), row("ring", "eager", DEVICE_TIME_HELD)]))
+                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH),
+                                  row("ring", "eager", DEVICE_TIME_HELD)]))
     out = " ".join(capsys.readouterr().out.split())
     assert ("device = CUDA-event time of the step (slowest rank); eager rows: extra steps queued behind a spin "
             "kernel (JSON device_time)") in out, out
-    render_run(RunResult(spec=spec, device="GPU", backend="nccl", results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH)]))
+    render_run(RunResult(spec=spec, device="GPU", backend="nccl",
+                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH)]))
     out = " ".join(capsys.readouterr().out.split())
     assert "device = CUDA-event time of the step (slowest rank)" in out and "eager rows" not in out
 

@@ -147,7 +147,8 @@ def test_help_explains():
 
 def test_run_under_torchrun_joins_the_job():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", "run",
-           "--device", "cpu", "--seq-len", "500", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps", "2", "--json"]
+           "--device", "cpu", "--seq-len", "500", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--steps",
+           "2", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)  # only rank 0 prints

@@ -60,7 +60,8 @@ def test_simulate_table_fits_80_columns(capsys):
     (["-n", "200M"], "sequence length '200M': expected 1 to 100,000,000 tokens"),
     (["-g", "0"], "--gpus-per-node must be an integer in 1..4096; got 0"),
     (["-w", "8,16", "-k", "100"], "--fanout 100 is larger than the largest world size 16"),
-    (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)], "give one source of parameters, not --profile and --topology"),
+    (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)],
+     "give one source of parameters, not --profile and --topology"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
     # (a length that is not a count, "32Q" or "0.3K", is the option parser's exit 2:
@@ -107,7 +108,8 @@ def test_run_sweep_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     assert main(["run", "--device", "cpu", "-w", "2", "--sweep", "1000,3001", "--heads", "4", "--kv-heads", "2",
-                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot", str(png)]) == 0
+                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot",
+                 str(png)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [r["config"]["seq_len"] for r in d["sweep"]] == [1000, 3001]
     for res in d["sweep"]:

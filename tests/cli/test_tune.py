@@ -159,14 +159,16 @@ def test_run_refuses_a_bad_profile_with_the_field_named(profile_dir, capsys, tmp
         text = good + "colour: red\n"
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", str(bad)])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile",
+                 str(bad)])
     err = capsys.readouterr().err
     assert code == 1 and field in err and "Traceback" not in err
     assert bad.read_text() == text
 
 
 def test_run_refuses_a_profile_for_another_machine(profile_dir, capsys):
-    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", "h100-8x-nvswitch"])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile",
+                 "h100-8x-nvswitch"])
     err = capsys.readouterr().err
     assert code == 1 and "another machine" in err and "tree-attn tune" in err
 
@@ -226,7 +228,8 @@ def test_tune_the_gpus_then_run_under_the_profile(profile_dir, capsys, tmp_path)
     assert profile.kernel.buckets and all(b.candidates_tried >= 1 for b in profile.kernel.buckets)
     for b in profile.kernel.buckets:  # "model" where every timing was host-bound (see commands.tune.timing)
         assert (b.chosen_by == "measured" and b.time_us > 0) or (b.chosen_by == "model" and b.time_us is None)
-    code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile", str(out), "--json"])
+    code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile",
+                 str(out), "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)

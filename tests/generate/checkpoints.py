@@ -29,7 +29,8 @@ def write_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
 
 
-def write_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+def write_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = False,
+                     **overrides) -> Path:
     """Build a tiny random model of ``model_type`` (llama, qwen2, mistral) and save it to ``folder``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -115,7 +115,8 @@ def test_one_process_row_needs_the_whole_cache(small_model):
     shape = ModelShape.from_config(small_model.config.to_dict())
 
     def decode(first_token: int) -> list[int]:
-        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32, device="cpu")
+        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32,
+                                      device="cpu")
         keep = range(first_token, pre.length)
         for layer in range(shape.layers):
             store.write(layer, 0, *pre.tokens(layer, keep.start, keep.stop))
@@ -250,7 +251,8 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
         "assert not torch.cuda.is_initialized(), 'kernel tuning initialised CUDA in the launching process'\n"
     )
     env = {**os.environ, "TREE_ATTN_PROFILE_DIR": str(tmp_path / "profiles")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env, check=False)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["dtype"] == "bfloat16" and result["device"] != "cpu"

@@ -108,7 +108,8 @@ def test_fp8_bytes_and_candidates():
     assert {c.block_n for c in cands} == {32, 64, 128}
     assert all(stage1_spill_free(c.block_n, c.num_warps, llama(1, 262144), fp8) for c in cands)
     # the fp8 rule prunes more: 128 keys x 4 warps spill over fp8, not over bf16
-    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in candidate_configs(llama(1, 262144), torch.bfloat16, H100)}
+    bf16_cands = candidate_configs(llama(1, 262144), torch.bfloat16, H100)
+    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in bf16_cands}
     for shape in (llama(64, 65536), llama(1, 1 << 20)):  # enough programs to stream at the card's rate
         t8 = predict(DecodeConfig(block_n=64), shape, fp8, H100)
         t16 = predict(DecodeConfig(block_n=64), shape, torch.bfloat16, H100)
@@ -123,7 +124,8 @@ def test_fp8_bytes_and_candidates():
     ids=lambda c: c.describe(),
 )
 def test_monotonic_in_n(spec, config):
-    times = [predict_time_us(config, llama(1, n), "bf16", spec) for n in (1, 100, 4096, 65536, 262144, 1 << 20, 4 << 20)]
+    lengths = (1, 100, 4096, 65536, 262144, 1 << 20, 4 << 20)
+    times = [predict_time_us(config, llama(1, n), "bf16", spec) for n in lengths]
     if config.num_splits is not None:
         assert all(a <= b for a, b in itertools.pairwise(times)), times
     assert times[-1] > times[0]

@@ -164,7 +164,8 @@ def test_timing_flags_a_host_bound_measurement():
     assert not CallTiming(device_us=60.0, host_us=40.0, method="cuda-events", samples=3).host_bound
     # issued while a spin kernel held the stream: the events saw device work only
     assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-events", samples=3, held=True).host_bound
-    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound  # replays: device time
+    # replays: device time
+    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound
     # rotated inputs: 3x L2 (50 MiB) in 4 MiB inputs -> 39 + 1, capped by 40% of free memory and by `cap`
     assert rotation_count(4 << 20, 50 << 20, 10 << 30) == 39
     assert rotation_count(4 << 20, 50 << 20, 40 << 20) == 4
@@ -198,4 +199,5 @@ def test_kernel_search_over_an_fp8_cache(device):
     out, lse = decode_attention_triton(q.to(device), k8.to(device), v8.to(device), config=r.chosen.config,
                                        k_scale=ks.to(device), v_scale=vs.to(device))
     ref_out, ref_lse = decode_attention_float64(q.float(), dequantize(k8, ks).float(), dequantize(v8, vs).float())
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device=device), what=r.chosen.config.describe())
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device=device),
+                        what=r.chosen.config.describe())

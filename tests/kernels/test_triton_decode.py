@@ -139,7 +139,8 @@ def test_mixed_dtypes_keep_the_query_precise(q_dtype, kv_dtype, device):
             assert_decode_close(r_out.to(q_dtype), r_lse, o64, l64, tol, what="q rounded to bf16")
 
 
-@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)], ids=["q_past_fp16_max", "q_below_fp16_normals"])
+@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)],
+                         ids=["q_past_fp16_max", "q_below_fp16_normals"])
 def test_bf16_query_outside_fp16_range_over_fp16_cache(q_scale, kv_scale, scale, device):
     """A bf16 query over an fp16 cache: q's values past fp16's largest (65504, they would become
     inf) or below its normals (2^-14, they would lose bits) are scaled into its range by a power of
@@ -188,7 +189,8 @@ def test_seq_lens_any_int_dtype_and_custom_scale(device):
     lens = torch.tensor([30, 7], dtype=torch.int64, device=device)
     out, lse = decode_attention_triton(q, k, v, seq_lens=lens, scale=0.3, config=DecodeConfig(block_n=16, num_splits=2))
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, scale=0.3)
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="int64 seq_lens, scale 0.3")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device),
+                        what="int64 seq_lens, scale 0.3")
 
 
 def test_amd_option_rejected_off_rocm(monkeypatch, device):

@@ -250,7 +250,8 @@ def test_closing_a_step_whose_last_replay_never_completes_gives_up_too(fake_cuda
     step = graphs.CapturedStep(lambda: None, CUDA0, communicates=True, timeout_s=0.1, abort=abort, rank=0)
     step()
     box = _bounded(step.close)
-    assert isinstance(box.get("error"), DistributedError) and "closing the decode step did not finish" in str(box["error"])
+    assert isinstance(box.get("error"), DistributedError)
+    assert "closing the decode step did not finish" in str(box["error"])
     assert step.closed and abort.calls == 1 and FakeGraph.made[0].resets == 1
 
 

@@ -291,7 +291,8 @@ def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
     links = [dataclasses.replace(l, bandwidth_gbps=2.0 + l.a, bandwidth_source="measured", latency_us=50.0 + l.b)
              for l in topo.links]
     meas = Measurement("gloo", 5, 4096, 8, 16512, 400.0, "cpu")
-    c = cluster_from_topology(topo.replace(links=links, measurement=meas), device=dataclasses.replace(DEV, collective_us=0.0))
+    c = cluster_from_topology(topo.replace(links=links, measurement=meas),
+                              device=dataclasses.replace(DEV, collective_us=0.0))
     assert c.link(0, 2).p2p_gbps == 2.0 and c.link(1, 2).p2p_latency_us == 52.0 and c.link(0, 1).kind == "host_loopback"
     assert c.link(0, 1).ar_step_us == pytest.approx(400.0 / (2 * 2))
     with pytest.raises(ConfigError, match="CPU ranks needs the CPU device"):
@@ -375,7 +376,8 @@ def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
     for c in (c1, c8):
         big = c.with_shape(16, 8)
         for strat in ("tree", "allreduce", "ring"):
-            assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us
+            assert (predict_step(big, Workload(5_120_000), strat).time_us
+                    > predict_step(c, Workload(32_768), strat).local_us)
 
 
 

@@ -151,7 +151,8 @@ def test_profile_buckets_keep_how_the_kernel_search_chose():
                           copy_fraction=0.3, method="cuda-graph")
     base = dict(dtype="bfloat16", head_dim=128, group=4, max_shard_len=16384, timings=[timing] * 3, chosen=timing)
     measured = _kernel_bucket(BucketResult(**base, copy_gbps=3000.0))
-    assert (measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried) == ("measured", 20.0, 900.0, 3)
+    assert ((measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried)
+            == ("measured", 20.0, 900.0, 3))
     assert (measured.copy_fraction, measured.host_us, measured.timing) == (0.3, 35.0, "cuda-graph")
     model = _kernel_bucket(BucketResult(**base, chosen_by="model"))  # every timing host-bound
     assert (model.chosen_by, model.time_us, model.gbps, model.predicted_us) == ("model", None, None, 18.0)

@@ -76,7 +76,8 @@ def int_list_option(*names: str, help: str) -> Any:
 # -- where and how the ranks run (run, generate, tune) ---------------------------------------------
 
 WorldSize = Annotated[int | None, typer.Option(
-    "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun).")]
+    "--world-size", "-w",
+    help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun).")]
 Device = Annotated[str, typer.Option(
     "--device", help="auto, cpu or cuda: where the ranks compute (auto: the GPUs if torch sees any, else CPU ranks).")]
 Backend = Annotated[str, typer.Option("--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU).")]

@@ -189,7 +189,8 @@ def render_run(result) -> None:
     cfg = result.config if hasattr(result, "config") else result.spec
     # Fits 80 columns: no vertical rules, units in the headers.
     table = Table(
-        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens {_over(cfg['world_size'])}, {result.device} ({result.backend})"),
+        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens {_over(cfg['world_size'])}, "
+                     f"{result.device} ({result.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
@@ -229,4 +230,5 @@ def render_run(result) -> None:
     if result.speedup_vs_ring is not None:
         x = result.speedup_vs_ring
         verdict = ((f"{x:.1f}x", "bold"), " faster") if x >= 1 else ((f"{1 / x:.1f}x", "bold"), " slower")
-        out_console.print(line(f"{result.compared}: ", *verdict, " per decode step than ring (median step, slowest rank)"))
+        out_console.print(line(f"{result.compared}: ", *verdict,
+                               " per decode step than ring (median step, slowest rank)"))

@@ -149,7 +149,8 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
         named = fit.device_for(topo.devices[0].name)
         device = named or base.device
         where = f"topology {path}" + ("" if named else f"; device from preset {base.name} (the topology names none)")
-        return fit.cluster_from_topology(topo, device=device, network=base.network), where + f"; network from preset {base.name}"
+        cluster = fit.cluster_from_topology(topo, device=device, network=base.network)
+        return cluster, where + f"; network from preset {base.name}"
     return base, f"built-in preset {base.name}"
 
 
@@ -193,7 +194,8 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
                           "would invent the rest: omit it")
     if g < max(worlds) and cluster.network is None:
         more = (f", or --gpus-per-node {max(worlds)}: ranks of one host beyond its {cluster.device.shared_cores} "
-                "cores share them, as the model prices" if cluster.device.shared_cores and not cluster.pair_links else "")
+                "cores share them, as the model prices"
+                if cluster.device.shared_cores and not cluster.pair_links else "")
         raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
                           f"use world sizes up to {g}{more}")
     workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype)

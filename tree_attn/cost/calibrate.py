@@ -210,7 +210,8 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     topo = measure_topology(host_topology(2), iterations=iterations)
     link = topo.links[0]
     meas = topo.measurement
-    res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo", device_kind="cpu")
+    res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo",
+                       device_kind="cpu")
     per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
     local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
     fixed_us, gbps = line_through(local, per_token)
@@ -313,6 +314,7 @@ def gpu_cluster(topo, dev: DeviceParams, *, fixed_us: float, gbps: float) -> Clu
             notes=like.notes + (measured, (f"one GPU here: no link was measured; the node's links and the "
                                            f"network are the {like.name} preset's")),
         )
-    cluster = cluster_from_topology(topo, device=dev, network=like.network, name=f"{len(topo)}x {dev.name} (calibrated)")
+    cluster = cluster_from_topology(topo, device=dev, network=like.network,
+                                    name=f"{len(topo)}x {dev.name} (calibrated)")
     return dataclasses.replace(cluster, step_overhead_us=0.0, notes=cluster.notes + (
         measured, f"the network between nodes is the {like.name} preset's (not measured)"))

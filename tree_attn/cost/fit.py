@@ -118,8 +118,8 @@ def cluster_from_profile(profile, **kw) -> ClusterSpec:
     pairs = cluster.pair_links
     if ar is not None and n > 1:
         step = max(0.0, ar.median_us / 2 - dev.collective_us) / (2 * (n - 1))  # two all-reduces per merge
-        pairs = {k: dataclasses.replace(l, ar_step_us=step, source=l.source + f"; all-reduce step from profile {profile.name}")
-                 for k, l in pairs.items()}
+        note = f"; all-reduce step from profile {profile.name}"
+        pairs = {k: dataclasses.replace(l, ar_step_us=step, source=l.source + note) for k, l in pairs.items()}
     return dataclasses.replace(cluster, device=dev, pair_links=pairs)
 
 
@@ -136,7 +136,8 @@ def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
              "hierarchy", "notes", "measured"}
     unknown = set(d) - known
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"expected some of {', '.join(sorted(known))}")
     try:
         dev = DeviceParams(**_mapping(d["device"], "device"))
         intra = LinkParams(**_mapping(d["intra"], "intra")) if d.get("intra") else None

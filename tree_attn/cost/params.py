@@ -113,7 +113,8 @@ class ClusterSpec:
         for name in ("ranks_per_node", "nodes"):
             check_int(getattr(self, name), name, minimum=1)
         if self.intra is None and self.ranks_per_node > 1 and not self.pair_links:
-            raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node need an intra-node link class")
+            raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node "
+                              "need an intra-node link class")
         if self.network is None and self.nodes > 1:
             raise ConfigError(f"cluster {self.name}: {self.nodes} nodes need a network link class (--network)")
         check_number(self.step_overhead_us, "step_overhead_us")
@@ -151,7 +152,8 @@ class ClusterSpec:
         """Every distinct link class in use, fastest (by latency) first."""
         seen: dict[str, LinkParams] = {}
         if self.ranks_per_node > 1:
-            for l in ([self.intra] if self.intra is not None and not self.pair_links else list(self.pair_links.values())):
+            node_links = [self.intra] if self.intra is not None and not self.pair_links else self.pair_links.values()
+            for l in node_links:
                 seen.setdefault(l.kind + l.source, l)
         if self.nodes > 1:
             seen.setdefault("network" + self.network.source, self.network)

@@ -87,7 +87,8 @@ class DecodeConfig:
         _check_int("num_splits", self.num_splits, 1, MAX_NUM_SPLITS, optional=True)
         _check_int("waves_per_eu", self.waves_per_eu, 0, MAX_WAVES_PER_EU, optional=True)
         # Configs key the prepared-launch cache on every eager call: hash the fields once.
-        object.__setattr__(self, "_hash", hash((self.block_n, self.num_warps, self.num_stages, self.num_splits, self.waves_per_eu)))
+        object.__setattr__(self, "_hash", hash((self.block_n, self.num_warps, self.num_stages, self.num_splits,
+                                                self.waves_per_eu)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -346,7 +347,8 @@ def default_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec, *, q
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
+    smem_budget = SMEM_HEADROOM * device_spec.smem_per_sm_bytes
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > smem_budget:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

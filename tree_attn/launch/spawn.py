@@ -342,7 +342,8 @@ def _collect(procs, results, world_size: int, beats, started: float, silence_s: 
         if silent:
             names = ", ".join(f"rank {r}" for r, _ in silent)
             raise DistributedError(
-                f"{names} sent no heartbeat for {silent[0][1]:.0f} s (the limit is the timeout, {silence_s - SILENCE_MARGIN_S:g} s, "
-                f"+ {SILENCE_MARGIN_S:g} s): stopped or hung; all ranks were stopped"
+                f"{names} sent no heartbeat for {silent[0][1]:.0f} s "
+                f"(the limit is the timeout, {silence_s - SILENCE_MARGIN_S:g} s, + {SILENCE_MARGIN_S:g} s): "
+                "stopped or hung; all ranks were stopped"
             )
     return [values[r] for r in range(world_size)]

@@ -181,7 +181,9 @@ def compare_topologies(
     The device model comes first: on another model (or without a GPU) the links differ because
     the machine is another one, so they are not compared pair by pair (an A100's NV12 read as
     "6 NVLinks down" against an H100's NV18 would send someone to reseat healthy cards)."""
-    link_checks = ["link classes", "nvlink counts", "peer-to-peer"] + (["bandwidth"] if min_bandwidth_ratio is not None else [])
+    link_checks = ["link classes", "nvlink counts", "peer-to-peer"]
+    if min_bandwidth_ratio is not None:
+        link_checks.append("bandwidth")
     model = _compare_models(expected, actual)
     results: list[CheckResult] = [model]
     ne, na = len(expected), len(actual)
@@ -190,7 +192,8 @@ def compare_topologies(
             results.append(CheckResult(name, "skipped", "no GPU to compare"))
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
-        what = "missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne else "more than expected"
+        what = ("missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne
+                else "more than expected")
         results.append(CheckResult("device count", "failed", f"expected {ne}, found {na}",
                                    [f"expected {ne} GPUs, found {na}: {abs(ne - na)} {what}"]))
     else:
@@ -199,7 +202,8 @@ def compare_topologies(
 
     if model.status == "failed":
         for name in link_checks:
-            results.append(CheckResult(name, "skipped", "another device model: its links are not compared pair by pair"))
+            results.append(CheckResult(name, "skipped",
+                                       "another device model: its links are not compared pair by pair"))
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
         # Indices shift when a GPU is missing: pair-by-pair comparisons would mislead.

@@ -156,11 +156,13 @@ def parse_nvidia_topo_m(text: str) -> Topology:
                 raise _err(ln, f"unknown link class {c!r} in row GPU{i}, column {dev_cols[j]}")
             if j < n:
                 if (c == "X") != (i == j):
-                    raise _err(ln, f"row GPU{i}, column GPU{j}: 'X' must be on the diagonal and only there, found {c!r}")
+                    raise _err(ln,
+                               f"row GPU{i}, column GPU{j}: 'X' must be on the diagonal and only there, found {c!r}")
                 cell[(i, j)] = (c, ln)
         extra = toks[len(dev_cols):]
         if len(extra) > len(extra_cols):
-            raise _err(ln, f"row GPU{i} has {len(dev_cols) + len(extra)} cells, more than the {len(cols)} columns of the header (not square)")
+            raise _err(ln, f"row GPU{i} has {len(dev_cols) + len(extra)} cells, "
+                           f"more than the {len(cols)} columns of the header (not square)")
         facts = {_EXTRA_COLUMNS[name]: val for name, val in zip(extra_cols, extra)}
         cpu = facts.get("cpu_affinity")
         devices.append(
@@ -186,7 +188,8 @@ def parse_nvidia_topo_m(text: str) -> Topology:
             c, ln_a = cell[(a, b)]
             c2, ln_b = cell[(b, a)]
             if c != c2:
-                raise _err(ln_b, f"GPU{b}-GPU{a} is {c2} but GPU{a}-GPU{b} is {c} (line {ln_a.no}): the matrix is not symmetric")
+                raise _err(ln_b, f"GPU{b}-GPU{a} is {c2} but GPU{a}-GPU{b} is {c} (line {ln_a.no}): "
+                                 "the matrix is not symmetric")
             links.append(_nv_link(a, b, c, devices))
     notes = [TOPO_M_GAPS]
     if nics:
@@ -207,7 +210,8 @@ def _is_topo_mp(text: str, lines: list[_Line], cells: list[str]) -> bool:
         return False
     body = [ln.text.strip() for ln in lines]
     has_legend = any(t.rstrip(":").endswith("Legend") for t in body)
-    return has_legend and any(t.startswith("PIX") and "=" in t for t in body) and not any(t.startswith("NV#") for t in body)
+    return (has_legend and any(t.startswith("PIX") and "=" in t for t in body)
+            and not any(t.startswith("NV#") for t in body))
 
 
 def _nv_link(a: int, b: int, c: str, devices: list[Device]) -> Link:
@@ -239,7 +243,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
     rows, end = _read_matrix(lines, h, cols, set(cols), stop=lambda ln: ln.text.strip().startswith("Legend"))
     missing = [c for c in cols if c not in rows]
     if missing:
-        raise _err(lines[end - 1], f"the matrix ends before the row(s) of {', '.join(missing)} (truncated dump); last line read")
+        raise _err(lines[end - 1], f"the matrix ends before the row(s) of {', '.join(missing)} (truncated dump); "
+                                   "last line read")
     status: dict[tuple[int, int], tuple[P2PStatus, str | None]] = {}
     for i in range(n):
         ln, toks = rows[f"GPU{i}"]
@@ -251,7 +256,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
                     raise _err(ln, f"row GPU{i}: expected X on the diagonal, found {c!r}")
                 continue
             if c not in _P2P_CELLS:
-                raise _err(ln, f"unknown peer-to-peer status {c!r} in row GPU{i}, column GPU{j}; expected one of {', '.join(_P2P_CELLS)}")
+                raise _err(ln, f"unknown peer-to-peer status {c!r} in row GPU{i}, column GPU{j}; "
+                               f"expected one of {', '.join(_P2P_CELLS)}")
             status[(i, j)] = _P2P_CELLS[c]
     links = []
     for a in range(n):
@@ -297,7 +303,8 @@ def parse_device_list(text: str) -> Topology:
         if s.startswith(("MIG ", "=", "Card")):
             continue  # MIG instance lines of nvidia-smi -L; rocm-smi banners
     if not found:
-        raise TopologyError("no device lines found (expected 'GPU 0: <name> (UUID: ...)' or 'GPU[0] : Card Series: <name>')")
+        raise TopologyError("no device lines found "
+                            "(expected 'GPU 0: <name> (UUID: ...)' or 'GPU[0] : Card Series: <name>')")
     n = max(found) + 1
     if sorted(found) != list(range(n)):
         raise TopologyError(f"device list skips indices: found GPUs {sorted(found)}")
@@ -338,10 +345,12 @@ def _amd_tables(lines: list[_Line], headers: dict[int, str]) -> tuple[list[str],
         missing = [c for c in cols if c not in rows]
         if missing:
             last = max((ln for ln, _ in rows.values()), key=lambda l: l.no, default=hdr)
-            raise _err(last, f"{name} table ends before the row(s) of {', '.join(missing)} (truncated dump); last line read")
+            raise _err(last, f"{name} table ends before the row(s) of {', '.join(missing)} (truncated dump); "
+                             "last line read")
         for label, (ln, toks) in rows.items():
             if len(toks) != len(cols):
-                raise _err(ln, f"row {label} of the {name} table has {len(toks)} cells, expected {len(cols)} (not square)")
+                raise _err(ln, f"row {label} of the {name} table has {len(toks)} cells, "
+                               f"expected {len(cols)} (not square)")
         tables[name] = {label: (ln, toks) for label, (ln, toks) in rows.items()}
     if labels is None:
         raise TopologyError("no topology tables found")
@@ -382,13 +391,15 @@ def _amd_links(labels: list[str], tables: dict[str, dict], devices: list[Device]
                     if val.upper() not in ("XGMI", "PCIE", "PCIEXPRESS", "N/A", "UNKNOWN"):
                         raise _err(line, f"unknown link type {val!r} between {x} and {y}; expected XGMI or PCIE")
                 if v2.upper() != v.upper():
-                    raise _err(ln2, f"link type {lb}-{la} is {v2!r} but {la}-{lb} is {v!r} (line {ln.no}): not symmetric")
+                    raise _err(ln2, f"link type {lb}-{la} is {v2!r} but {la}-{lb} is {v!r} (line {ln.no}): "
+                                    "not symmetric")
                 v = v.upper()
                 if v == "XGMI":
                     kind = LinkKind.XGMI
                 elif v in ("PCIE", "PCIEXPRESS"):
                     kind = amd_pcie_kind(devices[a], devices[b])
-            p2p, reason = (P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI else (P2PStatus.UNKNOWN, None)
+            p2p, reason = ((P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI
+                           else (P2PStatus.UNKNOWN, None))
             acc = cell("ACCESS")
             if acc is not None:
                 ln, v = acc
@@ -437,7 +448,8 @@ def parse_amd_smi_topology(text: str) -> Topology:
     headers = {i: _section_name(ln) for i, ln in enumerate(lines) if _section_name(ln)}
     headers = {i: s for i, s in headers.items() if s in _AMD_SECTIONS and lines[i].text.strip().endswith("TABLE:")}
     labels, tables = _amd_tables(lines, headers)
-    devices = [Device(index=i, vendor="amd", pci_bus_id=lab.lower() if ":" in lab else None) for i, lab in enumerate(labels)]
+    devices = [Device(index=i, vendor="amd", pci_bus_id=lab.lower() if ":" in lab else None)
+               for i, lab in enumerate(labels)]
     links = _amd_links(labels, tables, devices)
     return Topology(devices=devices, links=links, source="dump:amd-smi-topology",
                     notes=["amd-smi topology gives no device names and no NUMA nodes"])
@@ -458,7 +470,8 @@ def parse_rocm_smi_showtopo(text: str) -> Topology:
     for i, lab in enumerate(labels):
         if lab != f"GPU{i}":
             raise TopologyError(f"rocm-smi --showtopo: expected column GPU{i}, found {lab!r}")
-    devices = [Device(index=i, vendor="amd", numa_node=numa.get(i) if numa.get(i, -1) >= 0 else None) for i in range(len(labels))]
+    devices = [Device(index=i, vendor="amd", numa_node=numa.get(i) if numa.get(i, -1) >= 0 else None)
+               for i in range(len(labels))]
     links = _amd_links(labels, tables, devices)
     return Topology(devices=devices, links=links, source="dump:rocm-smi-showtopo",
                     notes=["rocm-smi --showtopo gives no device names and no peer-to-peer status"])
@@ -497,7 +510,8 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
         gpus[i] = (m.group(2).lower(), maxbw, m.group(5).upper())
     n = len(bdfs)
     if sorted(gpus) != list(range(n)):
-        raise TopologyError(f"amd-smi xgmi: expected rows GPU0..GPU{n - 1} for the {n} header devices, found {sorted(gpus)} (truncated?)")
+        raise TopologyError(f"amd-smi xgmi: expected rows GPU0..GPU{n - 1} for the {n} header devices, "
+                            f"found {sorted(gpus)} (truncated?)")
     devices = [Device(index=i, vendor="amd", pci_bus_id=gpus[i][0]) for i in range(n)]
     links = []
     for a in range(n):
@@ -536,7 +550,8 @@ def detect_format(text: str) -> str:
         return "amd-smi-topology"
     if re.search(r"between two GPUs|\(Topology\) Numa Node", body):
         return "rocm-smi-showtopo"
-    if re.search(r"^\s*GPU \d+: .+", body, re.MULTILINE) or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.MULTILINE):
+    if (re.search(r"^\s*GPU \d+: .+", body, re.MULTILINE)
+            or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.MULTILINE)):
         return "device-list"
     try:
         h = _find_gpu_header(lines)

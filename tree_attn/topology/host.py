@@ -36,7 +36,8 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
     check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built
     devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]
     links = [
-        Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED, p2p_reason="CPU ranks: messages go through host memory (gloo)")
+        Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED,
+             p2p_reason="CPU ranks: messages go through host memory (gloo)")
         for a in range(n)
         for b in range(a + 1, n)
     ]

@@ -24,7 +24,8 @@ class BackendUnavailable(TopologyError):
 
 # nvmlGpuTopologyLevel_t -> link class (the same mapping nvidia-smi topo -m prints).
 # INTERNAL = two GPUs on one board (e.g. K80): at most one bridge between them.
-_ANCESTOR_KIND = {0: LinkKind.PIX, 10: LinkKind.PIX, 20: LinkKind.PXB, 30: LinkKind.PHB, 40: LinkKind.NODE, 50: LinkKind.SYS}
+_ANCESTOR_KIND = {0: LinkKind.PIX, 10: LinkKind.PIX, 20: LinkKind.PXB, 30: LinkKind.PHB, 40: LinkKind.NODE,
+                  50: LinkKind.SYS}
 
 # nvmlGpuP2PStatus_t -> (status, reason); the codes nvidia-smi topo -p2p prints.
 _P2P_CODES = {
@@ -170,7 +171,8 @@ def _probe(api: _Nvml) -> Topology:
         except Exception as exc:  # NVMLError_GpuIsLost, NoPermission, ...
             if api.err is None or not isinstance(exc, api.err):
                 raise
-            raise TopologyError(f"NVML cannot open GPU {i}: {exc}; check `nvidia-smi` and the permissions of /dev/nvidia*") from None
+            raise TopologyError(f"NVML cannot open GPU {i}: {exc}; "
+                                "check `nvidia-smi` and the permissions of /dev/nvidia*") from None
     devices = [_device(api, i, h) for i, h in enumerate(handles)]
     bus_to_index = {d.pci_bus_id: d.index for d in devices if d.pci_bus_id}
 

@@ -387,12 +387,14 @@ def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callab
     rows = [_row(REFERENCE, 1, [ref], None)]
     say(f"{ONE_RANK}: decoding with tree-attn's paged kernel in one process")
     local = PagedKVShard.allocate(shape.layers, start + spec.new_tokens + 1, shape.kv_heads, shape.head_dim,
-                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size, seed=spec.seed)
+                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size,
+                                  seed=spec.seed)
     for layer in range(shape.layers):
         local.write(layer, 0, *pre.tokens(layer, 0, start))
     local.set_length(start)
     ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=spec.kernel_config)
-    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
+    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)],
+                     ref.tokens))
     return rows
 
 
@@ -484,5 +486,6 @@ def _generate_as_torchrun_rank(spec: GenerateSpec, progress: Callable[[str], Non
         return None
     local = one_process_rows(spec, model, pre, say)
     gathered = job.values
-    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens) for label in gathered[0]]
+    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens)
+                    for label in gathered[0]]
     return _result(spec, rows, prefill_s, job.device, env.backend, tokenizer)

@@ -101,7 +101,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
     A checkpoint folder must hold ``config.json`` of a supported architecture and safetensors
     weights; the error names what is missing. A preset must exist; ``layers`` must be >= 1.
     """
-    if source.layers is not None and (isinstance(source.layers, bool) or not isinstance(source.layers, int) or source.layers < 1):
+    if source.layers is not None and (isinstance(source.layers, bool) or not isinstance(source.layers, int)
+                                      or source.layers < 1):
         raise ConfigError(f"--layers must be an integer >= 1; got {source.layers!r}")
     if source.path is None:
         if source.preset not in PRESETS:
@@ -114,7 +115,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
         raise ConfigError("--layers applies to a preset, not to a checkpoint (a checkpoint keeps its layers)")
     folder = Path(source.path)
     if not folder.is_dir():
-        raise ConfigError(f"--model {source.path}: no such folder (a checkpoint folder with config.json and *.safetensors)")
+        raise ConfigError(f"--model {source.path}: no such folder "
+                          "(a checkpoint folder with config.json and *.safetensors)")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {source.path}: config.json is missing from the folder")

@@ -94,7 +94,8 @@ def _check_window(config: dict, total: int) -> None:
         window = None
     if window is not None and total > int(window):
         raise ConfigError(f"this model attends over a sliding window of {window} tokens and the context would reach "
-                          f"{total}; tree-attn generate attends over the whole cache: keep prompt + --new-tokens <= {window}")
+                          f"{total}; tree-attn generate attends over the whole cache: "
+                          f"keep prompt + --new-tokens <= {window}")
 
 
 def _param_bytes(config: dict, elem: int) -> int:

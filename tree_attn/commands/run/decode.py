@@ -222,7 +222,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     # A progress line every tenth of the steps, and at least every PROGRESS_S seconds;
                     # it counts steps done (s + 1) and always shows the last ("8/8").
                     done = s + 1
-                    if done == spec.steps or done % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S:
+                    if (done == spec.steps or done % max(1, spec.steps // 10) == 0
+                            or time.monotonic() - last_note > PROGRESS_S):
                         say_on_rank_0(env, f"{label}: step {done}/{spec.steps}")
                         last_note = time.monotonic()
             out, lse = out.cpu(), lse.cpu()  # before any further step overwrites the static outputs
@@ -230,7 +231,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             if cuda and why_eager is None:
                 device_time = DEVICE_TIME_GRAPH
             elif cuda:
-                device_times, device_time = _held_device_times(env, spec, label, step, q_static, max(issue_times), finish)
+                device_times, device_time = _held_device_times(env, spec, label, step, q_static,
+                                                               max(issue_times), finish)
             reports[label] = RankReport(
                 step_s=times,
                 bytes_sent_per_step=max(per_step_bytes),

@@ -170,7 +170,8 @@ class KernelTiming:
 
 
 def time_kernel_configs(
-    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int, copy_gbps: float | None = None,
+    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int,
+    copy_gbps: float | None = None,
     *, kv_dtype: torch.dtype | None = None,
 ) -> list[KernelTiming]:
     """Time the Triton kernel for each ranked config on one device.
@@ -217,7 +218,8 @@ def time_kernel_configs(
             calls = [functools.partial(launch, q, k, v, None, o, lse, **scales) for k, v in kvs]
             t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
         except ConfigError as exc:  # e.g. Triton's out-of-resources: this config cannot run here
-            out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None, error=str(exc)))
+            out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None,
+                                    error=str(exc)))
             continue
         gbps = nbytes / t.device_us / 1e3
         out.append(KernelTiming(
