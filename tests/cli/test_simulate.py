@@ -55,6 +55,7 @@ def test_simulate_table_fits_80_columns(capsys):
     (["-n", "0"], "sequence length '0': expected 1 to 100,000,000 tokens"),
     (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
     (["--dtype", "int8"], "--dtype 'int8'"),
+    (["--dtype", "float8_e4m3fn"], "--dtype 'float8_e4m3fn': expected fp32, fp16 or bf16"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
     (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds from 0 to 1e9"),
     (["-n", "200M"], "sequence length '200M': expected 1 to 100,000,000 tokens"),
@@ -82,6 +83,24 @@ def test_simulate_from_a_dump_and_from_a_parameters_file(capsys, tmp_path):
     assert main(["simulate", "--params", str(params), "-w", "8", "-n", "1M", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["source"] == f"parameters file {params}" and d["cluster"]["intra"]["kind"] == "pcie_host"
+
+
+def test_simulate_reads_every_dtype_spelling(capsys):
+    rows = {}
+    for dtype in ("bf16", "BF16", "bfloat16", "torch.bfloat16"):
+        assert main(["simulate", "--dtype", dtype, "-w", "8", "-n", "64K", "--json"]) == 0, capsys.readouterr().err
+        rows[dtype] = json.loads(capsys.readouterr().out)["rows"]
+    assert all(r == rows["bf16"] for r in rows.values())
+    assert main(["simulate", "--dtype", "fp32", "-w", "8", "-n", "64K", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] != rows["bf16"]  # twice the KV bytes
+
+
+def test_a_dump_naming_no_gpu_takes_the_device_of_the_preset_given(capsys):
+    assert main(["simulate", "--topology", str(DGX1), "--preset", "rtx4090-pcie", "-w", "8", "-n", "64K",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "device from preset rtx4090-pcie" in d["source"]
+    assert d["cluster"]["device"] == cluster_to_dict(preset("rtx4090-pcie"))["device"]
 
 
 def test_plots_without_matplotlib_say_how_to_install(tmp_path):

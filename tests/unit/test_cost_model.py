@@ -402,15 +402,16 @@ def test_the_allreduce_steps_at_its_slowest_link_whatever_the_cluster_shape():
     "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt", "mi300x_8gpu_amd-smi_topology.txt",
     "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt", "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt",
 ])
-def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
+def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys, tmp_path, monkeypatch):
     """tune's plan pricing (cost.plan: the built-in profiles, tune --topology) and simulate's step
     model read one link-class table and one merge: every candidate plan on a recorded topology costs
-    what `tree-attn simulate --topology` predicts for its merge."""
+    what `tree-attn simulate --topology` predicts for its merge, in the profile tune writes too."""
     import json
 
     from tree_attn.cli.app import main
     from tree_attn.cost import merge_us
     from tree_attn.cost.plan import plan_cluster, predict_plan_us
+    from tree_attn.profiles import load_profile
     from tree_attn.reduce.hier_plan import candidate_plans
     from tree_attn.topology.dumps import load_dump
 
@@ -433,3 +434,12 @@ def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
         step = predict_step(cluster, w, plan.strategy, plan if plan.strategy == "tree" else None)
         priced = predict_plan_us(plan, topo, msg, lse)
         assert priced == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label
+    # `tune --topology` (model-derived: nothing timed) writes those very prices, lse bytes included.
+    monkeypatch.setenv("TREE_ATTN_PROFILE_DIR", str(tmp_path / "saved"))
+    out = tmp_path / "tuned.yaml"
+    assert main(["tune", "--device", "cpu", "--topology", path, "--output", str(out)]) == 0, capsys.readouterr().err
+    tuned = load_profile(out)
+    assert tuned.origin == "model" and tuned.reduction.message_bytes == msg
+    by_label = {c.label: c.predicted_us for c in tuned.reduction.candidates}
+    assert by_label == {p.label: predict_plan_us(p, topo, msg, lse) for p in plans}
+    assert by_label["allreduce"] == row["allreduce"]["comm_us"]

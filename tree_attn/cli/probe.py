@@ -36,11 +36,12 @@ def probe_command(
         "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
         "(needs matplotlib).")),
 ) -> None:
-    from ..errors import ConfigError, TopologyError
+    from ..errors import TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings
+    from ..validate import check_int
 
-    if measure and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
-        raise ConfigError(f"--iterations must be an integer >= 1; got {iterations!r}")
+    if measure:
+        check_int(iterations, "--iterations", minimum=1, must=True)
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..launch.env import check_cpu_ranks
 

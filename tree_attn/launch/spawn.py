@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, DistributedError, TreeAttnError
+from ..validate import is_int
 from .env import DEFAULT_TIMEOUT_S, RankEnv, check_cpu_ranks, check_timeout, gpu_count, resolve_backend
 from .group import close_process_group, init_process_group
 
@@ -224,7 +225,7 @@ def launch_ranks(
     Raises:
         DistributedError: a rank raised, died or fell silent; the message names the rank and the cause.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ConfigError(f"world size must be at least 1; got {world_size}")
     check_timeout(timeout_s, "timeout_s")
     backend = resolve_backend(backend, device_kind)

@@ -114,13 +114,14 @@ def _kernel_bucket(b):
 
 def model_profile(topo: Topology, options: TuneOptions) -> Profile:
     """A profile derived from the topology and the plan cost model alone (nothing timed)."""
-    from ...cost.plan import decode_message_bytes, predict_plan_us
+    from ...cost.plan import decode_lse_bytes, decode_message_bytes, predict_plan_us
     from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...reduce.hier_plan import candidate_plans
 
     msg = decode_message_bytes(options.batch, options.q_heads, options.head_dim)
+    lse = decode_lse_bytes(options.batch, options.q_heads)  # the all-reduce form's lse, priced as simulate does
     cands = candidate_plans(len(topo), topo.hierarchy)
-    predicted = [predict_plan_us(p, topo, msg) for p in cands]
+    predicted = [predict_plan_us(p, topo, msg, lse) for p in cands]
     best = min(range(len(cands)), key=lambda i: predicted[i])
     reduction = Reduction(
         plan=cands[best],

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ProfileError, TopologyError
 from ...launch.setup import LaunchOptions
+from ...validate import check_int
 from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,8 +107,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     check_timeout(request.timeout_s)
     for option, value in (("--batch", request.batch), ("--heads", request.heads), ("--kv-heads", request.kv_heads),
                           ("--head-dim", request.head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{option} must be an integer >= 1; got {value!r}")
+        check_int(value, option, minimum=1, must=True)
     if request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
