@@ -135,7 +135,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     """The launching process computes nothing: the prefill, the reference and the one-rank row
     run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
     progress reaches the caller, and the prefill it saves is what the ranks split."""
-    from tree_attn.commands.generate.decode import PREFILL_FILE, _load_prefill, decode_in_one_process
+    from tree_attn.commands.generate.decode import PREFILL_FILE, decode_in_one_process, load_prefill
 
     prompt = _prompt(41, 4096, seed=4)
     spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=60.0), new_tokens=6)
@@ -146,7 +146,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     assert local.rows[0].tokens == local.rows[1].tokens == local.reference and len(local.reference) == 6
     assert local.device.startswith("CPU") and local.prefill_s > 0
     assert any(m.startswith("prefill: 40/40") for m in said) and any(m.startswith(REFERENCE) for m in said)
-    pre = _load_prefill(str(tmp_path))
+    pre = load_prefill(str(tmp_path))
     shape = ModelShape.from_config(build_model(SMALL, dtype=torch.float32, device="cpu").config.to_dict())
     assert (tmp_path / PREFILL_FILE).is_file() and pre.length == 40 and len(pre.k) == shape.layers
     assert pre.k[0].shape == (shape.kv_heads, 40, shape.head_dim)

@@ -313,7 +313,7 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
 PREFILL_FILE = "prefill.pt"
 
 
-def _save_prefill(pre: PrefillContext, folder: str) -> None:
+def save_prefill(pre: PrefillContext, folder: str) -> None:
     """Save the prefill KV to ``folder`` as ``{"k": [[Hkv, n, D] per layer], "v": ...}``, from
     which each rank maps its own slice (for any world size: the benchmark splits one prefill over
     several)."""
@@ -322,8 +322,8 @@ def _save_prefill(pre: PrefillContext, folder: str) -> None:
                os.path.join(folder, PREFILL_FILE))
 
 
-def _load_prefill(folder: str) -> PrefillContext:
-    """The prefill saved by :func:`_save_prefill`, memory-mapped: a rank reads only its slice."""
+def load_prefill(folder: str) -> PrefillContext:
+    """The prefill saved by :func:`save_prefill`, memory-mapped: a rank reads only its slice."""
     saved = torch.load(os.path.join(folder, PREFILL_FILE), mmap=True, weights_only=True)
     return PrefillContext(k=saved["k"], v=saved["v"], length=saved["k"][0].shape[1] if saved["k"] else 0)
 
@@ -332,7 +332,7 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, folder: str) -> dict[str, St
     """A spawned rank: load the model and this rank's slice of the prefill in ``folder``, decode."""
     model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=torch.device(env.device))
     use_tree_attention(model)
-    pre = _load_prefill(folder)
+    pre = load_prefill(folder)
     sizes = spec.shard_sizes()
     start, n = sum(sizes[:env.rank]), sizes[env.rank]
     mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
@@ -404,7 +404,7 @@ def one_process_work(spec: GenerateSpec, folder: str, say: Callable[[str], None]
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     model, pre, prefill_s = load_and_prefill(spec, device, say)
     rows = one_process_rows(spec, model, pre, say)
-    _save_prefill(pre, folder)
+    save_prefill(pre, folder)
     return OneProcess(prefill_s, rows, device_name(str(device)), os.getpid())
 
 

@@ -231,7 +231,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             if cuda and why_eager is None:
                 device_time = DEVICE_TIME_GRAPH
             elif cuda:
-                device_times, device_time = _held_device_times(env, spec, label, step, q_static,
+                device_times, device_time = held_device_times(env, spec, label, step, q_static,
                                                                max(issue_times), finish)
             reports[label] = RankReport(
                 step_s=times,
@@ -263,7 +263,7 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     return reports
 
 
-def _held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: torch.Tensor, issue_s: float,
+def held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: torch.Tensor, issue_s: float,
                        finish) -> tuple[list[float], str]:
     """Device time of eager steps, taken as the graph path takes it from its replays.
 
@@ -409,7 +409,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 ranks_agree_note=RING_ORDER_NOTE if name == "ring" and not agree else None,
                 execution=first.execution,
                 why_eager=first.why_eager,
-                **_device_summary(reps, spec.steps),
+                **device_summary(reps, spec.steps),
             )
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
@@ -426,7 +426,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
     return result
 
 
-def _device_summary(reps: list[RankReport], steps: int) -> dict:
+def device_summary(reps: list[RankReport], steps: int) -> dict:
     """``device_ms_median`` (the median over steps of the slowest rank's device time) and
     ``device_time`` (how it was taken) of one row; None and the reason when a rank has no device
     times (then the first such rank's reason), both None on CPU ranks."""

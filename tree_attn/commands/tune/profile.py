@@ -79,7 +79,7 @@ def measured_profile(topo: Topology, options: TuneOptions, progress: ProgressFn 
         ],
     )
     kernel = KernelSection(device_spec=topo.devices[0].name if buckets else None,
-                           buckets=[_kernel_bucket(b) for b in buckets])
+                           buckets=[kernel_bucket(b) for b in buckets])
     notes = [] if buckets else ["CPU ranks: no Triton kernel configs to tune (the CPU path has none)"]
     quick = " (--quick)" if options.quick else ""
     return _profile(topo, "tuned", "measured", reduction, kernel, current_versions(),
@@ -96,7 +96,7 @@ def _profile(topo: Topology, prefix: str, origin: str, reduction, kernel, versio
                    description=description, notes=notes, topology=topo)
 
 
-def _kernel_bucket(b):
+def kernel_bucket(b):
     """A profile's bucket from a :class:`~.timing.BucketResult`. Where every timing of the bucket
     measured the host rather than the kernel, tune_kernels keeps the model's choice
     (``chosen_by == "model"``), and the profile records no time for it."""
@@ -136,4 +136,4 @@ def model_profile(topo: Topology, options: TuneOptions) -> Profile:
                       "to measure")])
 
 
-__all__ = ["TuneEvent", "build_profile", "measured_profile", "model_profile", "write_profile"]
+__all__ = ["TuneEvent", "build_profile", "kernel_bucket", "measured_profile", "model_profile", "write_profile"]
