@@ -26,23 +26,7 @@ from .step import (
 )
 
 __all__ = [
-    "LINK_CLASSES",
-    "LINK_COSTS",
-    "PRESETS",
-    "ClusterSpec",
-    "DeviceParams",
-    "LinkParams",
-    "StepPrediction",
-    "Workload",
-    "allreduce_us",
-    "cluster_hierarchy",
-    "cluster_plan",
-    "decode_message_bytes",
-    "local_attention_us",
-    "merge_us",
-    "predict_allreduce",
-    "predict_ring",
-    "predict_step",
-    "predict_tree",
-    "preset",
+    "LINK_CLASSES", "LINK_COSTS", "PRESETS", "ClusterSpec", "DeviceParams", "LinkParams", "StepPrediction", "Workload",
+    "allreduce_us", "cluster_hierarchy", "cluster_plan", "decode_message_bytes", "local_attention_us", "merge_us",
+    "predict_allreduce", "predict_ring", "predict_step", "predict_tree", "preset",
 ]

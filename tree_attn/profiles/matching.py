@@ -163,14 +163,6 @@ def describe_topology(topology: Topology) -> dict[str, Any]:
 
 
 __all__ = [
-    "RETUNE_HINT",
-    "check_profile_for",
-    "current_versions",
-    "describe_topology",
-    "device_kind_of",
-    "device_name_of",
-    "driver_version",
-    "machine_differences",
-    "profile_matches",
-    "version_warnings",
+    "RETUNE_HINT", "check_profile_for", "current_versions", "describe_topology", "device_kind_of", "device_name_of",
+    "driver_version", "machine_differences", "profile_matches", "version_warnings",
 ]

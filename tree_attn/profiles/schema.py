@@ -627,25 +627,7 @@ def shard_bucket(shard_len: int) -> int:
 
 
 __all__ = [
-    "CHOSEN_BY",
-    "DEVICE_KINDS",
-    "DTYPES",
-    "ORIGINS",
-    "SCHEMA_VERSION",
-    "KernelBucket",
-    "KernelSection",
-    "Machine",
-    "PlanCandidate",
-    "Profile",
-    "Reduction",
-    "Versions",
-    "config_from_dict",
-    "device_kind_of",
-    "device_name_of",
-    "hierarchy_text",
-    "normalize_created",
-    "normalize_dtype",
-    "plan_from_dict",
-    "shard_bucket",
-    "utc_now",
+    "CHOSEN_BY", "DEVICE_KINDS", "DTYPES", "ORIGINS", "SCHEMA_VERSION", "KernelBucket", "KernelSection", "Machine",
+    "PlanCandidate", "Profile", "Reduction", "Versions", "config_from_dict", "device_kind_of", "device_name_of",
+    "hierarchy_text", "normalize_created", "normalize_dtype", "plan_from_dict", "shard_bucket", "utc_now",
 ]
