@@ -75,7 +75,7 @@ def _bounded(fn, limit_s: float = 30.0):
     def target():
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - returned to the test, which asserts on it
             box["error"] = exc
 
     t = threading.Thread(target=target, daemon=True)
