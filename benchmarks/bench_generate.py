@@ -43,13 +43,13 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.dtypes import parse_dtype  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup, default_dtype  # noqa: E402
-from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
+from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks
+from tree_attn.commands.generate.models import PRESETS, ModelSource
+from tree_attn.dtypes import parse_dtype
+from tree_attn.launch.setup import LaunchSetup, default_dtype
+from tree_attn.reduce.plan import ReductionPlan
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2),
          "deep-30": None}
@@ -79,7 +79,6 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> di
     from tree_attn.commands.generate.kv_store import PagedKVShard
     from tree_attn.commands.generate.models import build_model
     from tree_attn.commands.generate.token_step import TokenStep
-
     from tree_attn.dtypes import torch_dtype
 
     device = torch.device("cuda", 0)

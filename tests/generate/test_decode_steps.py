@@ -14,22 +14,22 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.generate.checkpoints import transformers_greedy  # noqa: E402
-from tests.generate.counting import counting_calls  # noqa: E402
-from tree_attn.commands.generate.decode import (  # noqa: E402
+from tests.generate.checkpoints import transformers_greedy
+from tests.generate.counting import counting_calls
+from tree_attn.commands.generate.decode import (
     GenerateSpec,
     ModelShape,
     _save_prefill,
     decode_tokens,
     prefill,
 )
-from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContext, use_tree_attention  # noqa: E402
-from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
-from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
-from tree_attn.commands.generate.token_step import GRAPHS_OFF, TokenStep, graph_blocker  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup  # noqa: E402
-from tree_attn.launch.spawn import launch_ranks  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContext, use_tree_attention
+from tree_attn.commands.generate.kv_store import PagedKVShard
+from tree_attn.commands.generate.models import ModelSource, build_model
+from tree_attn.commands.generate.token_step import GRAPHS_OFF, TokenStep, graph_blocker
+from tree_attn.launch.setup import LaunchSetup
+from tree_attn.launch.spawn import launch_ranks
+from tree_attn.reduce.plan import ReductionPlan
 
 SOURCE = ModelSource(preset="small", layers=3, seed=5)
 PROMPT_LEN, NEW = 150, 10
