@@ -19,9 +19,9 @@ from tests.generate.counting import counting_calls
 from tree_attn.commands.generate.decode import (
     GenerateSpec,
     ModelShape,
-    _save_prefill,
     decode_tokens,
     prefill,
+    save_prefill,
 )
 from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContext, use_tree_attention
 from tree_attn.commands.generate.kv_store import PagedKVShard
@@ -87,7 +87,7 @@ def prefill_folder(model):
     use_tree_attention(model)
     pre = prefill(model, _prompt(PROMPT_LEN), 64, lambda t: None)
     folder = tempfile.mkdtemp(prefix="tree-attn-test-decode-steps-")
-    _save_prefill(pre, folder)
+    save_prefill(pre, folder)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
