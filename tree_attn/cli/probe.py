@@ -48,17 +48,33 @@ def probe_command(
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
     check_plot(plot)
+    import os
+
+    torchrun = measure and not from_ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
         topo = load_dumps(from_)
+    elif torchrun:
+        topo = _torchrun_topology(backend)
     else:
         topo = probe_topology(backend, cpu_ranks=cpu_ranks)
     if measure:
         from ..topology.measure import measure_topology
 
-        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...", markup=False)
-        topo = measure_topology(topo, iterations=iterations)
+        if not torchrun or os.environ.get("RANK") == "0":
+            err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...",
+                              markup=False)
+        topo = measure_topology(topo, iterations=iterations, join_torchrun=torchrun)
+        if topo is None:  # another rank of the torchrun job: rank 0 reports
+            return
+        if torchrun:
+            from ..topology.islands import with_measured_hierarchy
+
+            topo = with_measured_hierarchy(topo, topo.measurement.copy_bytes)
+            notice(f"hierarchy from {topo.hierarchy_source}: "
+                   + ("the measured pair costs disagree with the node layout; plans follow the measurement"
+                      if topo.hierarchy_source == "measured" else "the measured pair costs agree with the node layout"))
     for n in topo.notes:
         notice(n)
     for w in topology_warnings(topo):
@@ -69,6 +85,23 @@ def probe_command(
     from ..plots import plot_topology
 
     report(topo, render_topology, json_out, plot, plot_topology)
+
+
+def _torchrun_topology(backend: str):
+    """The topology of the torchrun job this process is a rank of, from its node layout (each
+    node's devices, the network between nodes), to be measured pair by pair."""
+    from ..launch.env import torchrun_env, torchrun_layout
+    from ..launch.plans import layout_topology
+
+    device_kind = "cpu" if backend in ("host", "auto") and not _gpus() else "cuda"
+    env = torchrun_env(device_kind)
+    return layout_topology(torchrun_layout(env), device_kind)
+
+
+def _gpus() -> bool:
+    from ..launch.env import gpu_count
+
+    return gpu_count() > 0
 
 
 def kind_style(kind: str) -> str:
@@ -123,7 +156,7 @@ def render_topology(topo) -> None:
             known += 1
     if known:
         out_console.print()
-    out_console.print(line(("hierarchy", "bold"), " (fastest first):"))
+    out_console.print(line(("hierarchy", "bold"), f" (fastest first; from {topo.hierarchy_source}):"))
     for k, lv in enumerate(topo.hierarchy, 1):
         groups = "  ".join(f"[{format_ranges(g)}]" for g in lv.groups)
         out_console.print(line(f"  {k}. ", (lv.kind, kind_style(lv.kind)), f": {groups}"))

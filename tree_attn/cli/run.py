@@ -9,8 +9,8 @@ import typer
 from ..commands.run.setup import RunOptions
 from .common import (announce_setup, check_plot, err_console, error, fmt_bytes, line, notice, out_console, plan_name,
                      print_json, ranks, report, styled)
-from .options import (Backend, Batch, Device, Fanout, HeadDim, Heads, Json, KvHeads, Profile, Strategy, Timeout,
-                      WorldSize, count_list_option, count_option)
+from .options import (Backend, Batch, Device, Fanout, HeadDim, Heads, Json, KvHeads, Plan, Profile, Strategy,
+                      Timeout, WorldSize, count_list_option, count_option)
 
 DEFAULTS = RunOptions()
 
@@ -42,6 +42,7 @@ def run_command(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per strategy.")] = DEFAULTS.warmup,
     strategy: Strategy = DEFAULTS.strategy,
     fanout: Fanout = DEFAULTS.fanout,
+    plan: Plan = DEFAULTS.plan,
     backend: Backend = DEFAULTS.backend,
     device: Device = DEFAULTS.device,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random query and KV cache.")] = DEFAULTS.seed,
@@ -70,8 +71,8 @@ def run_command(
                           + (" (an empty cache: nothing to time or check)" if seq_len == 0 else ""))
     options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
-        seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
+        dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, plan=plan, backend=backend,
+        device=device, seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     )
     if plot:
         if sweep is None:
