@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, report, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, print_json, report, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -84,6 +84,12 @@ def probe_command(
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
     from ..plots import plot_topology
 
+    if json_out:  # which source the hierarchy (and so the plans) came from, always said here
+        print_json({**topo.to_dict(), "hierarchy_source": topo.hierarchy_source})
+        if plot:
+            plot_topology(topo, plot)
+            notice(f"wrote {plot}")
+        return
     report(topo, render_topology, json_out, plot, plot_topology)
 
 

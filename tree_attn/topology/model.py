@@ -500,8 +500,10 @@ class Topology:
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON/YAML-ready) in a stable key order."""
-        return {
+        """A plain dict (JSON/YAML-ready) in a stable key order. ``hierarchy_source`` is written
+        where it is not ``probe`` (the link classes of one machine: every file before it existed),
+        ``measured_hierarchy`` where a measurement set it."""
+        d = {
             "schema_version": self.schema_version,
             "fingerprint": self.fingerprint,
             "source": self.source,
@@ -509,12 +511,14 @@ class Topology:
             "devices": [d.to_dict() for d in self.devices],
             "links": [l.to_dict() for l in self.links],
             "hierarchy": [h.to_dict() for h in self.hierarchy],
-            "hierarchy_source": self.hierarchy_source,
-            "measured_hierarchy": [h.to_dict() for h in self.measured_hierarchy]
-            if self.measured_hierarchy is not None else None,
-            "measurement": self.measurement.to_dict() if self.measurement else None,
-            "notes": list(self.notes),
         }
+        if self.hierarchy_source != "probe":
+            d["hierarchy_source"] = self.hierarchy_source
+        if self.measured_hierarchy is not None:
+            d["measured_hierarchy"] = [h.to_dict() for h in self.measured_hierarchy]
+        d["measurement"] = self.measurement.to_dict() if self.measurement else None
+        d["notes"] = list(self.notes)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Topology":
