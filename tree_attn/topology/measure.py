@@ -141,7 +141,8 @@ def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, ba
                                           activity="measuring"))
     if launch.world_size != n:
         raise TopologyError(f"the torchrun job has {launch.world_size} ranks, the topology {n} devices")
-    job = run_ranks(_rank_measure, launch, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes))
+    job = run_ranks(_rank_measure, launch, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes,
+                                                 join_torchrun))
     if job is None:  # a torchrun rank other than 0
         return None
     results = job.values
@@ -152,8 +153,12 @@ def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, ba
     return merged
 
 
-def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes) -> dict[str, Any]:
-    """Runs in each rank: ping-pong per pair (the other ranks wait at a barrier), then all-reduce."""
+def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes,
+                  barrier_started=False) -> dict[str, Any]:
+    """Runs in each rank: ping-pong per pair (the other ranks wait at a barrier), then all-reduce:
+    back to back, or (``barrier_started``, across a torchrun job's nodes) each one right after a
+    barrier, as a decode step's all-reduce starts (back to back, consecutive all-reduces overlap
+    their steps across the ranks and each looks cheaper than one a step runs)."""
     import torch
     import torch.distributed as dist
 
@@ -194,6 +199,8 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     msg = torch.ones(max(1, allreduce_bytes // 4), dtype=torch.float32, device=dev)
     ts = []
     for it in range(WARMUP + iterations):
+        if barrier_started:
+            barrier(env)
         sync()
         t0 = time.perf_counter()
         dist.all_reduce(msg)
