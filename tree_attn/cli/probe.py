@@ -27,7 +27,7 @@ def probe_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
-    measure: bool = typer.Option(False, "--measure", help="Measure per-pair bandwidth and latency and the decode all-reduce."),
+    measure: bool = typer.Option(False, "--measure", help="Measure per-pair bandwidth and latency and the decode all-reduce. Under torchrun (one probe per node) every pair of the job's ranks is measured across the nodes, and the hierarchy follows the measured costs where they disagree with the node layout (--json: hierarchy_source)."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
     cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
