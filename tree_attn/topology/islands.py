@@ -16,6 +16,7 @@ blur a loopback with a gigabit link). Pure Python, no torch.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 from .model import HierarchyLevel, LinkKind, Topology, build_hierarchy
@@ -38,12 +39,12 @@ def _single_linkage(members: list[list[int]], cost, gap: float) -> list[list[lis
     m = len(members)
     costs = {(i, j): cost(i, j) for i in range(m) for j in range(i + 1, m)}
     ordered = sorted(set(costs.values()))
-    cuts = [lo for lo, hi in zip(ordered, ordered[1:]) if hi > gap * lo] + ordered[-1:]
+    cuts = [lo for lo, hi in itertools.pairwise(ordered) if hi > gap * lo] + ordered[-1:]
     out: list[list[list[int]]] = []
     for cut in cuts:
         parent = list(range(m))
 
-        def find(x: int) -> int:
+        def find(x: int, *, parent: list[int] = parent) -> int:  # this level's forest, bound here
             while parent[x] != x:
                 parent[x] = parent[parent[x]]
                 x = parent[x]
