@@ -150,12 +150,19 @@ def measure(fab: Fabric, opts, rate: str, seq_len: int, strategy: str) -> dict:
     base = ["run", "--device", "cpu", "-n", str(seq_len), "--heads", str(opts.heads), "--kv-heads",
             str(opts.kv_heads), "--head-dim", str(opts.head_dim), "-s", run_strategy, "--timeout", str(opts.timeout),
             "--json"] + (["--plan", "flat"] if strategy == "flat" else [])
-    _short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node, opts.job_timeout)
+    if opts.no_wire:  # no short job: the links' counters are not differenced (saves a job per row)
+        d_short = None
+    else:
+        _short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node,
+                                  opts.job_timeout)
     data, d_long = run_job(fab, base + ["--warmup", str(warmup), "--steps", str(steps)], opts.ranks_per_node,
                            opts.job_timeout)
     extra = warmup + steps - 1  # steps the measured job ran beyond the short one
     row = data["results"][0]
     cross = crossing_payload(data["config"], run_strategy, row, opts.ranks_per_node)
+    if d_short is None:
+        extra = 0  # nothing to difference against: no wire figures
+        d_short = d_long
     tx = sum(d.tx_bytes for d in d_long) - sum(d.tx_bytes for d in d_short)
     rx = sum(d.rx_bytes for d in d_long) - sum(d.rx_bytes for d in d_short)
     pk = sum(d.tx_packets for d in d_long) - sum(d.tx_packets for d in d_short)
@@ -257,9 +264,23 @@ def main() -> int:
                     help="rates the plot's model lines are drawn over (the network's latency as measured; its "
                          "bandwidth the rate)")
     ap.add_argument("--plot", help="write step time against link rate per strategy to this PNG (needs matplotlib)")
+    ap.add_argument("--plot-from", help="comma list of JSON files this script wrote (same nodes): draw --plot from "
+                                        "their rows and model lines together, and run nothing")
+    ap.add_argument("--no-wire", action="store_true",
+                    help="skip the 1-step job per row whose counters the measured job's are differenced against "
+                         "(no wire bytes; half the jobs)")
     ap.add_argument("--json", dest="json_out", help="write the results here")
     opts = ap.parse_args()
 
+    if opts.plot_from:
+        if not opts.plot:
+            ap.error("--plot-from needs --plot FILE.png")
+        parts = [json.loads(Path(f).read_text()) for f in opts.plot_from.split(",") if f.strip()]
+        merged = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
+                      model_lines=[m for p in parts for m in p.get("model_lines", [])])
+        plot_rates(merged, opts.plot)
+        print(f"wrote {opts.plot}", file=sys.stderr)
+        return 0
     reason = unavailable_reason()
     if reason is not None:
         print(f"bench_fabric: {reason}", file=sys.stderr)
