@@ -265,7 +265,7 @@ def main() -> int:
                          "bandwidth the rate)")
     ap.add_argument("--plot", help="write step time against link rate per strategy to this PNG (needs matplotlib)")
     ap.add_argument("--plot-from", help="comma list of JSON files this script wrote (same nodes): draw --plot from "
-                                        "their rows and model lines together, and run nothing")
+                                        "their rows together (the model's lines of the first), and run nothing")
     ap.add_argument("--no-wire", action="store_true",
                     help="skip the 1-step job per row whose counters the measured job's are differenced against "
                          "(no wire bytes; half the jobs)")
@@ -276,8 +276,9 @@ def main() -> int:
         if not opts.plot:
             ap.error("--plot-from needs --plot FILE.png")
         parts = [json.loads(Path(f).read_text()) for f in opts.plot_from.split(",") if f.strip()]
-        merged = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
-                      model_lines=[m for p in parts for m in p.get("model_lines", [])])
+        # The model's lines of the first file (each run draws them over every rate from its own
+        # calibrations: one set, not several on top of each other).
+        merged = dict(parts[0], rows=[r for p in parts for r in p["rows"]])
         plot_rates(merged, opts.plot)
         print(f"wrote {opts.plot}", file=sys.stderr)
         return 0
