@@ -516,7 +516,8 @@ def plot_rates(out: dict, path: str) -> None:
         ax.set_title(f"{fab['nodes']} nodes x {fab['ranks_per_node']} CPU ranks, {n:,} tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Decode step vs link rate ({fab['tbf']}); one 2-core host", fontsize=10)
+    fig.suptitle(f"Decode step vs link rate; nodes are network namespaces of one {out['machine']['cores']}-core "
+                 f"host\ntbf {fab['tbf']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
