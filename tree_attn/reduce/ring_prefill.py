@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..cost.capacity import MERGE_ROWS
 from ..errors import ConfigError, ShapeError
 from ..kernels.prefill import attention_with_lse
 from ..merge import merge_states
@@ -47,9 +48,9 @@ from . import comm
 from .comm import CommStats
 from .zigzag import Run, SequenceShards
 
-# Query rows per partial state merged into the running state: bounds the float32 temporaries of
-# a block's call (its partial and the merge's) to this many rows, whatever the rank's share.
-MERGE_ROWS = 1024
+# MERGE_ROWS: query rows per partial state merged into the running state; it bounds the float32
+# temporaries of a block's call (its partial and the merge's), whatever the rank's share. The
+# capacity arithmetic counts it, so it is defined there.
 
 __all__ = ["BlockCall", "PrefillTiming", "RingPlan", "plan_block", "plan_ring", "ring_prefill_attention"]
 
