@@ -10,9 +10,11 @@
 #   tests  replay-timeout (the bounded wait on a hung CUDA-graph replay, on its own so its result
 #          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
 #          runs them alone)
-#   bench  bench-kernel, bench-step, bench-host, bench-paged
+#   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged
 #   cli    probe, probe-measure, tune, run, run-eager, generate, calibrate-costmodel, simulate-calibrated
-# With no group or step named, every group runs in turn (about 30 minutes).
+#   fp8    fp8-tests (the fp8 kernel tests, compiled on this GPU), bench-kernel-fp8 (fp8 rows beside
+#          bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes)
+# With no group or step named, every group runs in turn (about 40 minutes).
 set -u
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
@@ -25,16 +27,17 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(replay-timeout whole-suite bench-kernel bench-step bench-host bench-paged probe probe-measure tune run run-eager
-           generate calibrate-costmodel simulate-calibrated)
+all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged probe
+           probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated)
 selected=()
-for arg in "${@:-tests bench cli}"; do
+for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
     case $word in
       tests) selected+=(replay-timeout whole-suite) ;;
-      bench) selected+=(bench-kernel bench-step bench-host bench-paged) ;;
+      bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated) ;;
-      gpu-tests|replay-timeout|whole-suite|bench-kernel|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|calibrate-costmodel|simulate-calibrated)
+      fp8) selected+=(fp8-tests bench-kernel-fp8) ;;
+      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -61,11 +64,16 @@ step gpu-tests 540 python3 -m pytest -q -m gpu -rs
 # hand: unverified until this step has passed on one.
 step replay-timeout 120 python3 -m pytest -q -rs tests/dist/test_replay_timeout_gpu.py
 step whole-suite 560 python3 -m pytest -q -rs
+# fp8 KV: the kernel tests (interpreter-sized shapes and Llama-sized ones), compiled on this GPU;
+# skipped with a reason on GPUs without e4m3 (NVIDIA below sm_89).
+step fp8-tests 300 python3 -m pytest -q -rs tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py
 if [ "$quick" = "--quick" ]; then
-  step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --out "$out/bench_kernel.json"
+  step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --kv-dtypes bf16 --out "$out/bench_kernel.json"
+  step bench-kernel-fp8 200 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 16k,64k,256k --out "$out/bench_kernel_fp8.json"
   step bench-step 200 python3 benchmarks/bench_step.py --lens 4k,64k,1m --steps 30 --out "$out/bench_step.json"
 else
-  step bench-kernel 900 python3 benchmarks/bench_kernel.py --out "$out/bench_kernel.json"
+  step bench-kernel 900 python3 benchmarks/bench_kernel.py --kv-dtypes bf16 --out "$out/bench_kernel.json"
+  step bench-kernel-fp8 600 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,4,16 --lens 16k,64k,256k,1m --out "$out/bench_kernel_fp8.json"
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
 step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"

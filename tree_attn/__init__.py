@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "decode_attention": ".kernels.dispatch",
-    "merge_partials": ".merge",
+    "merge_partials": ".reduce.state",
     "tree_decode": ".reduce.collectives",
     "ring_decode": ".reduce.ring",
     "ReductionPlan": ".reduce.plan",
@@ -76,7 +76,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kernels.dispatch import decode_attention
     from .kernels.prepared import DecodeStep
-    from .merge import merge_partials
+    from .reduce.state import merge_partials
     from .reduce.collectives import TreeDecodeStep, tree_decode
     from .reduce.plan import ReductionPlan
     from .reduce.ring import ring_decode

@@ -1,28 +1,52 @@
 """The one dtype vocabulary of tree-attn: canonical names, the aliases users type, sizes.
 
 Canonical names are torch's (``float32``, ``float16``, ``bfloat16``); profiles, run specs and the
-CLI store and print those. No torch import at module level: profiles and the CLI's help use this.
+CLI store and print those. Every fact about a dtype is one row of :data:`TABLE` (a new dtype is a
+new row); the lookups below are derived from it. No torch import at module level: profiles and the
+CLI's help use this.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
 
+
+@dataclass(frozen=True)
+class DType:
+    """One dtype: its canonical (torch) ``name``, bytes per element, the ``short`` name tables and
+    labels print, and the other spellings users type (``aliases``)."""
+
+    name: str
+    itemsize: int
+    short: str
+    aliases: tuple[str, ...] = ()
+
+
+# In the order tables list them.
+TABLE: tuple[DType, ...] = (
+    DType("float32", 4, "fp32", ("fp32", "float")),
+    DType("float16", 2, "fp16", ("fp16", "half")),
+    DType("bfloat16", 2, "bf16", ("bf16",)),
+    # KV-cache dtypes only (with dequantization scales): OCP e4m3, and AMD CDNA3's e4m3 variant
+    # "fnuz" (bias 8, no -0 or inf).
+    DType("float8_e4m3fn", 1, "fp8"),
+    DType("float8_e4m3fnuz", 1, "fp8_fnuz"),
+)
+
 # Canonical names, in the order tables list them.
-NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+NAMES: tuple[str, ...] = tuple(d.name for d in TABLE)
 
-ALIASES: dict[str, str] = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
+ALIASES: dict[str, str] = {alias: d.name for d in TABLE for alias in (d.name, *d.aliases)}
 
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE: dict[str, int] = {d.name: d.itemsize for d in TABLE}
 
 # Short names for tables and labels.
-SHORT: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+SHORT: dict[str, str] = {d.name: d.short for d in TABLE}
+
+FP8: frozenset[str] = frozenset({"float8_e4m3fn", "float8_e4m3fnuz"})
 
 
 def canonical(dtype: Any) -> str | None:
@@ -37,7 +61,8 @@ def parse_dtype(dtype: Any) -> str:
     """Canonical name of ``dtype``; :class:`ConfigError` naming the accepted spellings otherwise."""
     name = canonical(dtype)
     if name is None:
-        raise ConfigError(f"dtype must be one of fp32, fp16, bf16 (or float32, float16, bfloat16); got {dtype!r}")
+        shorts, names = ", ".join(SHORT[n] for n in NAMES), ", ".join(NAMES)
+        raise ConfigError(f"dtype must be one of {shorts} (or {names}); got {dtype!r}")
     return name
 
 
@@ -51,3 +76,8 @@ def torch_dtype(dtype: Any):
 def itemsize(dtype: Any) -> int:
     """Bytes per element of a name, alias or torch dtype."""
     return ITEMSIZE[parse_dtype(dtype)]
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether a name, alias or torch dtype is one of the fp8 KV-cache dtypes."""
+    return canonical(dtype) in FP8

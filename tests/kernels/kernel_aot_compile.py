@@ -4,8 +4,9 @@ Run as a script (``python kernel_aot_compile.py [case ids...]``) in a process wh
 ``TRITON_INTERPRET`` is unset: Triton decides at import time whether its own library functions are
 interpreted, so compiling in the same process as interpreter tests is not possible. Prints one JSON
 object: case id -> the launch's config and, per kernel it launches, the build's facts (shared
-memory bytes, whether the PTX has scalar 2-byte global loads, whether K/V go through 16-byte
-cp.async, and for NVIDIA targets the registers and spill bytes ptxas reported), or the error.
+memory bytes; for NVIDIA targets whether the PTX has scalar 2-byte or 1-byte global loads, whether
+K/V go through 16-byte cp.async, and the registers and spill bytes ptxas reported; for AMD ones the
+hardware fp8 conversions and vector instructions in the code), or the error.
 
 Every case is a real launch: CPU tensors with the shapes, dtypes and strides of the call, planned
 by the launcher itself (``TritonDecodeLaunch(..., backend=...)``, or the merge's own views) and
@@ -156,13 +157,44 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-q-fp32-kv-fp16-mqa-bn64-spills": ("h100", Launch("fp32", "fp16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
     "h100-q-fp16-kv-bf16-mqa-bn64-spills": ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
     "mi300x-bf16-d96-bn64-s2": ("mi300x", Launch("bf16", "bf16", 1, 8, 8, 96, 8192, config=cfg(block_n=64, num_stages=2, waves_per_eu=0))),
+    # fp8 caches (e4m3, tiles widened to fp16): defaults over bf16 / fp16 / fp32 queries, many
+    # splits and one (which writes the caller's out), head dims, an MQA-like group (wgmma on
+    # Hopper), paged with whole tiles per page and gathered, several query tokens, and explicit
+    # configs on both sides of the fp8 spill boundary. On gfx942: AMD's fnuz format (hardware
+    # conversions) and e4m3 (converted in software by Triton).
+    "h100-fp8-llama-b1-64k": ("h100", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
+    "rtx4090-fp8-llama-b1-64k": ("rtx4090", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
+    "h100-fp8-q-fp16-llama-b64-1split": ("h100", Launch("fp16", "fp8", 64, n=4096, **LLAMA)),
+    "rtx4090-fp8-llama-b64-1split": ("rtx4090", Launch("bf16", "fp8", 64, n=4096, **LLAMA)),
+    "h100-fp8-q-fp32-llama": ("h100", Launch("fp32", "fp8", 1, n=16384, **LLAMA)),
+    "rtx4090-fp8-q-fp32-llama-1split": ("rtx4090", Launch("fp32", "fp8", 64, n=4096, **LLAMA)),
+    "h100-fp8-llama-packed": ("h100", Launch("bf16", "fp8", 1, n=16384, packed=True, **LLAMA)),
+    "h100-fp8-d64": ("h100", Launch("bf16", "fp8", 2, 16, 2, 64, 8192)),
+    "rtx4090-fp8-d80": ("rtx4090", Launch("fp16", "fp8", 2, 32, 32, 80, 4000)),
+    "h100-fp8-d256": ("h100", Launch("bf16", "fp8", 1, 8, 8, 256, 8192)),
+    "h100-fp8-d128-mqa": ("h100", Launch("bf16", "fp8", 1, 64, 1, 128, 32768)),
+    "rtx4090-fp8-d128-mqa": ("rtx4090", Launch("bf16", "fp8", 1, 64, 1, 128, 32768)),
+    "h100-fp8-paged16": ("h100", Launch("bf16", "fp8", 4, n=8192, page=16, **LLAMA)),
+    "rtx4090-fp8-paged16-1split": ("rtx4090", Launch("fp16", "fp8", 64, n=2048, page=16, **LLAMA)),
+    "h100-fp8-paged1": ("h100", Launch("bf16", "fp8", 2, n=2048, page=1, **LLAMA)),
+    "rtx4090-fp8-paged17": ("rtx4090", Launch("bf16", "fp8", 2, n=2040, page=17, **LLAMA)),
+    "h100-fp8-sq4-causal": ("h100", Launch("bf16", "fp8", 2, sq=4, causal=True, n=8192, **LLAMA)),
+    "rtx4090-fp8-sq16-causal-1split": ("rtx4090", Launch("bf16", "fp8", 64, sq=16, causal=True, n=2048, **LLAMA)),
+    "h100-fp8-sq8-paged16-causal": ("h100", Launch("bf16", "fp8", 2, sq=8, causal=True, n=8192, page=16, **LLAMA)),
+    "h100-fp8-bn128-w8": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128, num_warps=8), **LLAMA)),
+    "rtx4090-fp8-bn64-s3": ("rtx4090", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
+    "h100-fp8-bn128-spills": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128), **LLAMA)),
+    "h100-fp8-q-fp16-bn64-w2-spills": ("h100", Launch("fp16", "fp8", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
+    "mi300x-fp8fnuz-llama-b1-64k": ("mi300x", Launch("bf16", "fp8fnuz", 1, n=65536, **LLAMA)),
+    "mi300x-fp8-llama-b1-64k": ("mi300x", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
+    "mi300x-fp8fnuz-sq4-paged16-causal": ("mi300x", Launch("fp16", "fp8fnuz", 2, sq=4, causal=True, n=8192, page=16, **LLAMA)),
     # The tree merge (stage two on the stacked messages of a node with 1 and 3 children).
     "h100-tree-merge-2": ("h100", Merge(1, 1, 32, 128)),
     "h100-tree-merge-4-d80": ("h100", Merge(3, 4, 32, 80)),
     "mi300x-tree-merge-2": ("mi300x", Merge(1, 1, 32, 128)),
 }
 
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp8fnuz": "float8_e4m3fnuz"}
 
 
 class _TargetDriver:
@@ -202,26 +234,30 @@ def _tensors(launch: Launch):
         k = torch.empty(b * blocks, launch.page, hkv, d, dtype=kd)
     else:
         k = torch.empty(b, launch.n, hkv, d, dtype=kd)
-    return q, k, torch.empty_like(k), (lens if launch.lens or launch.page else None), table
+    scales = None
+    if launch.kv.startswith("fp8"):
+        scales = (torch.ones(hkv, dtype=torch.float32), torch.ones(hkv, dtype=torch.float32))
+    return q, k, torch.empty_like(k), (lens if launch.lens or launch.page else None), table, scales
 
 
 def plan(target_name: str, launch: Launch):
     """The launcher's plan of this call on the target: ``(TritonDecodeLaunch, launches)``."""
     from tree_attn.kernels.config import DecodeConfig
     from tree_attn.kernels.layout import PACKED, OutLayout
-    from tree_attn.kernels.perf_model import KNOWN_DEVICES
+    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.triton_launch import TritonDecodeLaunch
 
     target, spec_name = TARGETS[target_name]
-    q, k, v, lens, table = _tensors(launch)
+    q, k, v, lens, table, scales = _tensors(launch)
+    k_scale, v_scale = scales or (None, None)
     layout = PACKED if launch.packed else OutLayout(q.dtype)
     config = None if launch.config is None else DecodeConfig(**dict(launch.config))
     tl = TritonDecodeLaunch(
         q, k, v, lens, config=config, device_spec=KNOWN_DEVICES[spec_name], out_layout=layout,
-        block_table=table, causal=launch.causal, backend=target[0],
+        block_table=table, causal=launch.causal, backend=target[0], k_scale=k_scale, v_scale=v_scale,
     )
     out, lse = tl.new_outputs()
-    return tl, tl.launches(q, k, v, lens, out, lse, table)
+    return tl, tl.launches(q, k, v, lens, out, lse, table, k_scale=k_scale, v_scale=v_scale)
 
 
 def merge_launch(merge: Merge):
@@ -229,7 +265,7 @@ def merge_launch(merge: Merge):
     import torch
 
     from tree_attn.kernels.triton_launch import stage2_launch
-    from tree_attn.reduce.merges import tree_merge_views
+    from tree_attn.reduce.exchange import tree_merge_views
 
     states = torch.empty(1 + merge.children, merge.b, merge.hq, merge.d + 1, dtype=torch.float32)
     merged = torch.empty(merge.b, merge.hq, merge.d + 1, dtype=torch.float32)
@@ -259,11 +295,17 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
     if target[0] == "cuda":
         ptx = compiled.asm["ptx"]
         facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))
+        facts["scalar_b8_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx))
         facts["cp_async_16"] = bool(re.search(r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b", ptx))
         # A build another case already made comes from Triton's caches, without running ptxas.
         if buf.getvalue():
             _PTXAS[compiled.hash] = _ptxas_facts(buf.getvalue())
         facts.update(_PTXAS.get(compiled.hash, {"ptxas_error": "no ptxas log for this build"}))
+    else:
+        gcn = compiled.asm["amdgcn"]
+        # CDNA3's fp8 conversions (its "fnuz" formats) and the vector instructions in all.
+        facts["fp8_hw_cvt"] = len(re.findall(r"\bv_cvt_(?:pk_)?f32_fp8", gcn))
+        facts["valu"] = len(re.findall(r"^\s+v_", gcn, re.M))
     return facts
 
 

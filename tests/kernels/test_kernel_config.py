@@ -25,7 +25,7 @@ from tree_attn.kernels.config import (
     stage1_smem_bytes,
     stage1_spill_free,
 )
-from tree_attn.kernels.perf_model import KNOWN_DEVICES
+from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -142,11 +142,18 @@ def test_default_config_and_resolve():
         resolve_config({"block_n": 64}, shape, "bf16", H100)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("q_dtype,dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp16", "bf16"), ("fp32", "bf16"), ("bf16", "fp16")])
+FP8 = "float8_e4m3fn"
+
+
+@pytest.mark.parametrize("q_dtype,dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp16", "bf16"), ("fp32", "bf16"),
+                                           ("bf16", "fp16"), ("bf16", FP8), ("fp16", FP8), ("fp32", FP8)])
 def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype):
     """On every device, for every dtype mix, head dim, group and paged layout, the default config is
     one the spill rule passes (tests/kernels/test_triton_compile.py checks the rule against ptxas)."""
+    from tree_attn.dtypes import itemsize
+
     elem, parts = dot_math(q_dtype, dtype)
+    kv = itemsize(dtype)
     for d, group, page, spec in itertools.product(
         (64, 80, 96, 128, 256), (1, 4, 8, 16, 32, 64), (0, 1, 16, 17, 256), (H100, MI300X, KNOWN_DEVICES["rtx4090"])
     ):
@@ -157,11 +164,11 @@ def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype)
         where = (spec.name, d, group, page, c)
         assert stage1_spill_free(c.block_n, c.num_warps, shape, dtype, spec.warp_size, q_dtype=q_dtype), where
         limit = 0.85 * spec.smem_per_sm_bytes
-        fits = stage1_smem_bytes(c.block_n, c.num_stages, d, elem, group_block(group), parts) <= limit
+        fits = stage1_smem_bytes(c.block_n, c.num_stages, d, elem, group_block(group), parts, kv) <= limit
         # The q tiles alone fill the LDS / shared memory: 64 query rows at fp32 D=256, or an fp32
         # query's 3 parts at D=256 with 32 rows (MI300X's 64 KiB) or 64 rows (RTX 4090's 100 KiB);
         # the default shrinks as far as it goes (the launch then fails with a ConfigError that says so).
-        smallest = stage1_smem_bytes(16, 1, d, elem, group_block(group), parts)
+        smallest = stage1_smem_bytes(16, 1, d, elem, group_block(group), parts, kv)
         assert fits or ((c.block_n, c.num_stages) == (16, 1) and smallest > limit), where
         if not fits:
             assert spec is MI300X or (parts == 3 and group_block(group) == 64), where
@@ -190,6 +197,13 @@ def test_spill_rule_boundaries():
     assert not spill_free(32, 4, 128, 4, 32) and spill_free(16, 4, 128, 4, 32)  # 32-row fp32: 1,148 B / 190 registers
     assert spill_free(32, 4, 128, 4, 16) and not spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
     assert spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
+    # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query).
+    assert spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 default: 176 registers
+    assert spill_free(128, 4, 128, 2, 16) and not spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # fp8: 16 B spilled
+    assert spill_free(128, 8, 128, 2, 16, kv_bytes=1)  # 149 registers
+    assert not spill_free(64, 2, 128, 2, 16, kv_bytes=1)  # fp16 query: 44 B spilled
+    assert spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows: 212 registers (255, no spill, on sm_89)
+    assert spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 178 registers
 
 
 def test_dot_math_and_paged_gather():
@@ -201,6 +215,29 @@ def test_dot_math_and_paged_gather():
     assert dot_math("fp16", "fp32") == (4, 1) and dot_math("bf16", "fp32") == (4, 1)
     assert not paged_gather(0, 64) and not paged_gather(16, 16) and not paged_gather(256, 64)
     assert paged_gather(16, 32) and paged_gather(1, 16) and paged_gather(17, 16)
+    # fp8 tiles widen to fp16: the dots of an fp16 cache.
+    for q in ("bf16", "fp16", "fp32"):
+        assert dot_math(q, FP8) == dot_math(q, "fp16") == dot_math(q, "float8_e4m3fnuz")
+
+
+def test_fp8_shared_memory_estimate():
+    """fp8 K/V tiles are staged as fp8: what Triton 3.9 allocates for sm_89/sm_90 (D=128, 16 rows,
+    64 keys: 1 / 2 / 3 stages 12 / 22 / 38 KiB; an fp32 query's 3 parts 34 KiB), within the
+    estimate, which is exact (plus its 1 KiB of scratch) from 2 stages."""
+    assert stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1) == 22528 + 1024
+    assert stage1_smem_bytes(64, 3, 128, 2, 16, 1, kv_bytes=1) == 38912 + 1024
+    assert stage1_smem_bytes(64, 2, 128, 2, 16, 3, kv_bytes=1) == 34816 + 1024
+    assert stage1_smem_bytes(64, 1, 128, 2, 16, 1, kv_bytes=1) >= 12288
+    assert stage1_smem_bytes(64, 2, 128, 2, 16, 1) == 38912 + 1024  # a bf16 cache
+
+
+def test_fp8_defaults():
+    """fp8 keeps the 16-bit tiles (the same keys per tile, half the bytes), whatever q's dtype."""
+    for d, bn in ((64, 128), (128, 64), (256, 32)):
+        shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
+        for q in ("bf16", "fp16", "fp32"):
+            c = default_config(shape, FP8, H100, q_dtype=q)
+            assert (c.block_n, c.num_warps, c.num_stages) == (bn, 4, 2), (d, q, c)
 
 
 def test_mixed_and_paged_defaults():

@@ -8,19 +8,16 @@ import torch
 
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig, default_config
-from tree_attn.kernels.perf_model import (
-    CPU_INTERPRETER,
-    KNOWN_DEVICES,
-    DeviceSpec,
+from tree_attn.cost.devices import CPU_INTERPRETER, KNOWN_DEVICES, DeviceSpec, lookup_known_device
+from tree_attn.cost.kernel import (
     best_predicted_config,
     candidate_configs,
-    dtype_bytes,
     kv_bytes,
-    lookup_known_device,
     predict,
     predict_time_us,
     rank_candidates,
 )
+from tree_attn.dtypes import itemsize as dtype_bytes
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -92,6 +89,28 @@ def test_bytes_counted_right():
     # stage one: KV + q per split + fp32 partials; stage two: partials again + final out/lse.
     assert eight.bytes_moved == eight.kv_bytes + 8 * q + partials + partials + out_lse
     assert eight.programs == 2 * 8 * 8 and one.programs == 2 * 8
+
+
+def test_fp8_bytes_and_candidates():
+    """An fp8 cache is 1 byte per element in memory (half of bf16's bytes and time at long N),
+    fp16 operands once loaded; its candidates are the 16-bit tiles that pass the fp8 spill rule."""
+    from tree_attn.kernels.config import stage1_spill_free
+    from tree_attn.cost.kernel import element_sizes
+
+    fp8 = torch.float8_e4m3fn
+    assert element_sizes(fp8) == (1, 2) and element_sizes("float8_e4m3fnuz") == (1, 2)
+    assert element_sizes(torch.bfloat16) == (2, 2) and element_sizes(torch.float32) == (4, 4)
+    shape = llama(2, 10000)
+    assert kv_bytes(shape, fp8) * 2 == kv_bytes(shape, torch.bfloat16)
+    cands = candidate_configs(llama(1, 262144), fp8, H100)
+    assert {c.block_n for c in cands} == {32, 64, 128}
+    assert all(stage1_spill_free(c.block_n, c.num_warps, llama(1, 262144), fp8) for c in cands)
+    # the fp8 rule prunes more: 128 keys x 4 warps spill over fp8, not over bf16
+    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in candidate_configs(llama(1, 262144), torch.bfloat16, H100)}
+    for shape in (llama(64, 65536), llama(1, 1 << 20)):  # enough programs to stream at the card's rate
+        t8 = predict(DecodeConfig(block_n=64), shape, fp8, H100)
+        t16 = predict(DecodeConfig(block_n=64), shape, torch.bfloat16, H100)
+        assert t8.bound == t16.bound == "memory" and 0.45 < t8.total_us / t16.total_us < 0.51
 
 
 @pytest.mark.parametrize("spec", [H100, MI300X, RTX4090], ids=lambda s: s.name)

@@ -105,8 +105,9 @@ def test_the_timed_configs_span_split_counts_and_include_the_default():
     """The model's time saturates (dozens of configs tie, one split count): the survivors must
     still cover several split counts, and the default config (what runs without a profile)."""
     from tree_attn.kernels.config import default_config
-    from tree_attn.kernels.perf_model import (KNOWN_DEVICES, RankedConfig, candidate_configs, predict_time_us,
-                                              rank_candidates, tuning_survivors)
+    from tree_attn.cost.devices import KNOWN_DEVICES
+    from tree_attn.cost.kernel import (RankedConfig, candidate_configs, predict_time_us, rank_candidates,
+                                       tuning_survivors)
     from tree_attn.kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES["h100-sxm"]
@@ -164,3 +165,32 @@ def test_timing_flags_a_host_bound_measurement():
     assert rotation_count(4 << 20, 50 << 20, 40 << 20) == 4
     assert rotation_count(1 << 30, 50 << 20, 80 << 30) == 2
     assert rotation_count(1 << 10, 50 << 20, 80 << 30, cap=256) == 256
+
+
+def test_kernel_search_over_an_fp8_cache(device):
+    """``tune`` with an fp8 KV cache: the bucket is the cache's dtype (the name profiles store), the
+    timed configs come from the fp8 space and run over fp8 caches with scales (bandwidth counts 1
+    byte per element), and the chosen config computes the attention of the dequantized cache."""
+    from tests.fp8_inputs import dequantize, quantize
+    from tree_attn.cost.kernel import kv_bytes
+    from tree_attn.kernels.shapes import DecodeShape
+    from tree_attn.kernels.triton_launch import decode_attention_triton, fp8_unsupported_reason
+
+    if device.type == "cuda" and torch.version.hip is None:
+        reason = fp8_unsupported_reason(torch.float8_e4m3fn, "cuda", torch.cuda.get_device_capability(device))
+        if reason:
+            pytest.skip(reason)
+    options = TuneOptions(LaunchSetup(world_size=1, device_kind=device.type, dtype="bfloat16"), q_heads=8, kv_heads=2,
+                          head_dim=32, kv_dtype="float8_e4m3fn", quick=True, buckets=(96,))
+    (r,) = tune_kernels(options, device=_tuning_device(device))
+    assert r.dtype == "float8_e4m3fn" and r.group == 4 and len(r.timings) == options.kernel_survivors
+    fp8_bytes = kv_bytes(DecodeShape(1, 8, 2, 32, 96), torch.float8_e4m3fn)
+    assert all(abs(t.gbps * t.median_us * 1e3 / fp8_bytes - 1) < 1e-9 for t in r.timings)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 32, generator=g).to(torch.bfloat16)
+    k8, ks = quantize(torch.randn(1, 90, 2, 32, generator=g))
+    v8, vs = quantize(torch.randn(1, 90, 2, 32, generator=g))
+    out, lse = decode_attention_triton(q.to(device), k8.to(device), v8.to(device), config=r.chosen.config,
+                                       k_scale=ks.to(device), v_scale=vs.to(device))
+    ref_out, ref_lse = decode_attention_float64(q.float(), dequantize(k8, ks).float(), dequantize(v8, vs).float())
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device=device), what=r.chosen.config.describe())

@@ -92,7 +92,7 @@ def test_paged_fp32_with_the_h100_default_config(block_size, block_n, device):
     tiles in 16-token pages read one block id per tile (32-key tiles gathered key by key spilled
     registers), per-key gathers at 1 and 17 tokens, 32-key tiles in 32-token pages; against float64."""
     from tree_attn.kernels.config import default_config
-    from tree_attn.kernels.perf_model import KNOWN_DEVICES
+    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.shapes import DecodeShape
 
     b, hq, hkv, d, n = 2, 8, 2, 128, 90

@@ -5,10 +5,11 @@ rejects (a non-constexpr global read inside @jit, say) and says nothing about th
 Triton can compile for targets it does not have (it ships ptxas and the AMDGPU backend), so
 ``kernel_aot_compile.py`` builds real launches (the launcher's own arguments, hence the
 specialisations a launch derives from them) in fresh processes without the interpreter, and these
-tests check what matters for bandwidth: no scalar 2-byte loads, K/V pipelined through 16-byte
-cp.async when num_stages > 1, shared memory under the estimate that filters tuning candidates, and
-(ptxas -v) register spills exactly where the rule that prunes tuning candidates says: never in a
-default config.
+tests check what matters for bandwidth: no scalar 2-byte (fp8: 1-byte) global loads, K/V
+pipelined through 16-byte cp.async when num_stages > 1, shared memory under the estimate that
+filters tuning candidates, (ptxas -v) register spills exactly where the rule that prunes tuning
+candidates says (never in a default config), and on MI300 an fp8 cache widened by the hardware's
+conversions where it has them.
 
 These are compile-time facts of the installed Triton; none of these builds runs here.
 """
@@ -33,7 +34,8 @@ from tree_attn.kernels.shapes import DecodeShape  # noqa: E402
 _SCRIPT = Path(__file__).resolve().parent / "kernel_aot_compile.py"
 # The compile processes run side by side (Triton compiles in one thread): the CI machine has 2 cores.
 _PROCESSES = 2
-_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp8fnuz": "float8_e4m3fnuz"}
+_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1, "fp8fnuz": 1}
 _WARP = {"cuda": 32, "hip": 64}
 
 
@@ -83,9 +85,11 @@ def test_launch_builds(compiled, cid):
     s1 = _ok(result["stage1"])
     elem, parts = dot_math(_DTYPE[launch.q], _DTYPE[launch.kv])
     rows = group_block(_shape(launch).query_rows)
-    assert s1["shared"] <= stage1_smem_bytes(cfg.block_n, cfg.num_stages, launch.d, elem, rows, parts), (s1, cfg)
+    kv_bytes = _BYTES[launch.kv]
+    assert s1["shared"] <= stage1_smem_bytes(cfg.block_n, cfg.num_stages, launch.d, elem, rows, parts, kv_bytes), (s1, cfg)
     if target != "mi300x" and launch.kv != "fp32":
         assert not s1["scalar_b16_loads"], "unvectorised 2-byte global loads"
+        assert not s1["scalar_b8_loads"], "unvectorised 1-byte global loads"
         if cfg.num_stages > 1:
             assert s1["cp_async_16"], "K/V loads not pipelined through 16-byte cp.async"
     # One split writes the caller's out (16-bit, or the packed message) directly; several add stage two.
@@ -116,6 +120,17 @@ def test_spills_exactly_where_the_rule_says(compiled, cid):
     assert predicted == (not cid.endswith("-spills")), "case name and rule disagree"
     if launch.config is None:
         assert facts["spill_store_bytes"] == 0, "a default config spills"
+
+
+def test_amd_fp8_formats(compiled):
+    """On gfx942 (MI300) the kernel takes both fp8 formats: its own "fnuz" e4m3 widens with the
+    hardware's conversions, OCP e4m3 (torch.float8_e4m3fn) without them: Triton converts it in
+    software, several times the vector instructions (a compile fact; neither has run on an MI300)."""
+    fnuz = _ok(compiled["mi300x-fp8fnuz-llama-b1-64k"])["stage1"]
+    ocp = _ok(compiled["mi300x-fp8-llama-b1-64k"])["stage1"]
+    assert fnuz["fp8_hw_cvt"] > 0 and ocp["fp8_hw_cvt"] == 0, (fnuz, ocp)
+    assert _ok(compiled["mi300x-fp8fnuz-sq4-paged16-causal"])["stage1"]["fp8_hw_cvt"] > 0
+    assert ocp["valu"] > 2 * fnuz["valu"], (fnuz["valu"], ocp["valu"])
 
 
 @pytest.mark.parametrize("cid", MERGES)

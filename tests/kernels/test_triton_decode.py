@@ -229,10 +229,10 @@ def test_random_shapes(b, hkv, group, d, n, block_n, splits, dtype, data, device
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter: NaN * 0 inside where
 def test_stage_two_is_the_merge_algebra(device):
-    """Stage two alone against tree_attn.merge.merge_partials, with empty states (-inf), faulty ones
+    """Stage two alone against tree_attn.reduce.state.merge_partials, with empty states (-inf), faulty ones
     (+inf, NaN) carrying garbage outputs, an all-empty row, and more splits than one loop tile."""
     from tree_attn.kernels.triton_launch import merge_splits_triton
-    from tree_attn.merge import merge_partials
+    from tree_attn.reduce.state import merge_partials
 
     g = torch.Generator().manual_seed(21)
     b, h, s, d = 2, 3, 37, 80
@@ -256,8 +256,8 @@ def test_stage_two_on_the_tree_merges_views(children, d, device):
     place (strides of D + 1, lse at an offset of D) and writing the packed result, against the
     merge algebra. With one child the kernel merges two states; an empty state (-inf) included."""
     from tree_attn.kernels.triton_launch import merge_splits_triton
-    from tree_attn.merge import merge_states
-    from tree_attn.reduce.merges import tree_merge_views
+    from tree_attn.reduce.state import merge_states
+    from tree_attn.reduce.exchange import tree_merge_views
 
     g = torch.Generator().manual_seed(23 + children)
     b, h = 2, 4

@@ -10,7 +10,8 @@ from tests.tolerances import assert_decode_close, tol_for
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
-from tree_attn.kernels.perf_model import DeviceSpec, candidate_configs, rank_candidates
+from tree_attn.cost.devices import DeviceSpec
+from tree_attn.cost.kernel import candidate_configs, rank_candidates
 from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
 from tree_attn.kernels.shapes import DecodeShape
 from tree_attn.kernels.triton_launch import decode_attention_triton

@@ -13,7 +13,8 @@ import pytest
 from tree_attn.cost import (
     PRESETS, ClusterSpec, DeviceParams, LinkParams, Workload, cluster_plan, predict_step, preset,
 )
-from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology, link_class
+from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology
+from tree_attn.cost.links import link_class
 from tree_attn.errors import ConfigError
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -299,7 +300,7 @@ def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
 
 
 def test_calibration_line_through_two_points():
-    from tree_attn.cost.calibrate import _line
+    from tree_attn.cost.calibrate import line_through as _line
 
     # 10 us fixed + 2 GB/s: 1,000 tokens of 1,000 B = 1 MB -> 510 us; 4,000 tokens -> 2,010 us.
     fixed, gbps = _line({1000: 510e-6, 4000: 2010e-6}, 1000)
@@ -368,3 +369,58 @@ def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
         big = c.with_shape(16, 8)
         for strat in ("tree", "allreduce", "ring"):
             assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us
+
+
+
+def test_the_allreduce_steps_at_its_slowest_link_whatever_the_cluster_shape():
+    """A node of mixed classes (DGX-1: PCIe switches, host bridges, sockets) prices its all-reduce
+    at the largest per-step alpha of its pairs, before and after with_shape (which fills in the
+    node's class for pairs it no longer describes)."""
+    from tree_attn.topology.dumps import load_dump
+
+    dgx1 = load_dump("tests/fixtures/topology/dgx1_v100_8gpu_nvidia-smi_topo_mp.txt")
+    c = cluster_from_topology(dgx1, device=DEV)
+    slowest = max(c.pair_links.values(), key=lambda l: l.ar_step_us)
+    assert slowest.kind == "pcie_host"  # PCIe of unknown P2P status: host-staged, the slowest step
+    w = Workload(65536)
+    same = predict_step(c, w, "allreduce")
+    assert predict_step(c.with_shape(1, 8), w, "allreduce").comm_us == same.comm_us
+    step = 5.0 + 2 * 7 * slowest.ar_step_us  # collective_us + 2 (g - 1) steps, plus the byte terms
+    assert same.comm_us > 2 * step
+
+
+@pytest.mark.parametrize("dump", [
+    "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt", "mi300x_8gpu_amd-smi_topology.txt",
+    "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt", "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt",
+])
+def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
+    """tune's plan pricing (cost.plan: the built-in profiles, tune --topology) and simulate's step
+    model read one link-class table and one merge: every candidate plan on a recorded topology costs
+    what `tree-attn simulate --topology` predicts for its merge."""
+    import json
+
+    from tree_attn.cli.app import main
+    from tree_attn.cost import merge_us
+    from tree_attn.cost.plan import plan_cluster, predict_plan_us
+    from tree_attn.reduce.hier_plan import candidate_plans
+    from tree_attn.topology.dumps import load_dump
+
+    path = f"tests/fixtures/topology/{dump}"
+    topo = load_dump(path)
+    assert main(["simulate", "--topology", path, "-w", "8", "-n", "64K", "-k", "4", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    row = sim["rows"][0]
+    w = Workload(65536)  # simulate's default shape (Llama-3.1-8B attention, batch 1)
+    msg, lse = w.message_bytes, w.lse_bytes
+    assert predict_plan_us(ReductionPlan("allreduce"), topo, msg, lse) == row["allreduce"]["comm_us"]
+    tree = cluster_plan(plan_cluster(topo), fanout=4)  # the topology-aware tree simulate predicts
+    assert row["tree"]["plan"] == tree.label
+    assert predict_plan_us(tree, topo, msg, lse) == row["tree"]["comm_us"]
+    # Every plan tune prices, on the very cluster simulate resolved from the dump.
+    cluster = cluster_from_dict(sim["cluster"])
+    plans = candidate_plans(len(topo), topo.hierarchy)
+    assert len(plans) >= 4
+    for plan in plans:
+        step = predict_step(cluster, w, plan.strategy, plan if plan.strategy == "tree" else None)
+        priced = predict_plan_us(plan, topo, msg, lse)
+        assert priced == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tree_attn import ShapeError, merge_partials
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.merge import merge_two
+from tree_attn.reduce.state import merge_two
 from tests.tolerances import assert_state_close, random_decode_inputs
 
 

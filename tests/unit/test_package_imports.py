@@ -21,7 +21,7 @@ def test_import_and_help_do_not_import_torch():
 def test_public_names_resolve_on_first_use():
     code = (
         "import tree_attn\n"
-        "from tree_attn.merge import merge_partials\n"
+        "from tree_attn.reduce.state import merge_partials\n"
         "assert tree_attn.merge_partials is merge_partials\n"
         "print(sorted(n for n in tree_attn.__all__ if not hasattr(tree_attn, n)))"
     )

@@ -43,7 +43,7 @@ def test_custom_scale():
 
 def test_chunking_keeps_memory_bounded_shape_independent():
     # The chunk size adapts to B * Hkv * D so one float32 chunk is at most ~16 MiB.
-    from tree_attn.kernels.reference import CHUNK_ELEMENTS, _chunk_tokens
+    from tree_attn.kernels.reference import CHUNK_ELEMENTS, chunk_tokens_for as _chunk_tokens
 
     assert _chunk_tokens(1, 8, 128) * 8 * 128 <= CHUNK_ELEMENTS
     assert _chunk_tokens(16, 8, 128) * 16 * 8 * 128 <= CHUNK_ELEMENTS

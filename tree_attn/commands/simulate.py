@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
-from ..cost.model import DTYPE_BYTES
+from ..dtypes import ALIASES as DTYPE_BYTES  # every spelling of a dtype
 from ..errors import ConfigError
 from .defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS, parse_tokens
 

@@ -26,7 +26,10 @@ import statistics
 import time
 from typing import Any
 
-from .params import ClusterSpec, DeviceParams, LinkParams
+from ..dtypes import itemsize
+from .links import LinkParams
+from .params import ClusterSpec, DeviceParams
+from .step import decode_message_bytes
 
 # The calibration shape: Llama-3.1-8B attention (32 query heads, 8 KV heads, D 128), batch 1.
 SHAPE = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128)
@@ -43,7 +46,7 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
 
     from ..dtypes import torch_dtype
     from ..reduce.collectives import TreeDecodeStep
-    from ..merge import merge_states
+    from ..reduce.state import merge_states
 
     dev = torch.device(env.device)
     dt = torch_dtype(dtype_name)
@@ -78,7 +81,7 @@ def _time_local(env, tokens: tuple[int, ...], dtype_name: str, repeats: int) -> 
 
 
 # The decode message all-reduced: a packed state of the calibration shape, float32 [B, Hq, D + 1].
-ALLREDUCE_BYTES = 4 * SHAPE["batch"] * SHAPE["q_heads"] * (SHAPE["head_dim"] + 1)
+ALLREDUCE_BYTES = decode_message_bytes(SHAPE["batch"], SHAPE["q_heads"], SHAPE["head_dim"])
 
 
 def _allreduce_after_barrier(env, sync, dev, repeats: int) -> float:
@@ -178,7 +181,7 @@ def _ping_pong(env, sync, dev, repeats: int) -> dict[int, float]:
     return out
 
 
-def _line(points: dict[int, float], bytes_per_token: int) -> tuple[float, float]:
+def line_through(points: dict[int, float], bytes_per_token: int) -> tuple[float, float]:
     """(fixed us, GB/s) of the line through the two (bytes, seconds) points."""
     (n1, t1), (n2, t2) = sorted(points.items())
     b1, b2 = n1 * bytes_per_token, n2 * bytes_per_token
@@ -201,7 +204,6 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     from ..launch.spawn import launch_ranks
     from ..topology.host import host_topology
     from ..topology.measure import measure_topology
-    from .model import DTYPE_BYTES
 
     cores = usable_cores()
     n = ranks or cores
@@ -209,9 +211,9 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     link = topo.links[0]
     meas = topo.measurement
     res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo", device_kind="cpu")
-    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
     local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
-    fixed_us, gbps = _line(local, per_token)
+    fixed_us, gbps = line_through(local, per_token)
     merge_us = max(r["merge"] for r in res) * 1e6
     # A run's step starts at a barrier, and a gloo barrier is a small all-reduce: its latency is
     # the step overhead (the ranks leave it at different times). Measured as a step sees it, right
@@ -234,7 +236,7 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     if n > 1:  # the slowest rank's exchange at each length, a line through the two
         sizes = sorted(res[0]["bulk"])
         wall = {nb: max(r["bulk"][nb][0] for r in res) for nb in sizes}
-        bulk_fixed_us, bulk = _line(wall, 1)
+        bulk_fixed_us, bulk = line_through(wall, 1)
         # The part of the long exchange spent on a core, over the ranks (clamped to (0, 1]).
         long = sizes[-1]
         bulk_cpu = min(1.0, max(0.01, sum(r["bulk"][long][1] for r in res) / sum(r["bulk"][long][0] for r in res)))
@@ -269,7 +271,6 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     from ..topology.measure import measure_topology
     from ..topology.probe import probe_topology
     from .fit import device_for
-    from .model import DTYPE_BYTES
 
     if not torch.cuda.is_available():
         from ..errors import ConfigError
@@ -281,8 +282,8 @@ def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations
     base = device_for(topo.devices[0].name) or device_for(torch.cuda.get_device_name(0))
     tokens = (long_tokens // 8, long_tokens)
     res = launch_ranks(_time_local, 1, args=(tokens, dtype, repeats), backend="nccl", device_kind="cuda")[0]
-    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * DTYPE_BYTES[dtype]
-    fixed_us, gbps = _line(res["local"], per_token)
+    per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
+    fixed_us, gbps = line_through(res["local"], per_token)
     mem = base.mem_gbps if base is not None else gbps
     dev = DeviceParams(
         torch.cuda.get_device_name(0), mem_gbps=mem, kernel_fraction=min(1.0, gbps / mem), kernel_fixed_us=fixed_us,

@@ -11,7 +11,7 @@ How measured numbers map onto the model:
 - A profile's measured plan candidates time the merge alone at n ranks; its kernel buckets'
   ``gbps`` give the kernel's achieved bandwidth (``kernel_fraction`` = gbps / the device's).
 Everything a source does not measure comes from the preset of the same device, else the
-class defaults below (the presets' figures), and the parameters say which in ``source``.
+link-class table (:data:`tree_attn.cost.links.LINK_COSTS`), and the parameters say which in ``source``.
 """
 
 from __future__ import annotations
@@ -23,62 +23,39 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .params import ClusterSpec, DeviceParams, LinkParams
-from .presets import (
-    ETH_100G, GRAPH_STEP_US, H100_SXM, IB_NDR_400G, MI300X, NVSWITCH_H100, PCIE_HOST_4090, RTX_4090, XGMI_MI300X,
-)
+from ..validate import check_int, is_int
+from .links import LINK_COSTS, LinkParams, link_class
+from .params import ClusterSpec, DeviceParams
+from .presets import CPU_RANK, GRAPH_STEP_US, H100_SXM, MI300X, RTX_4090, preset, preset_for_device
 
-# Class defaults where nothing was measured (the presets' figures; PCIe with P2P and the
-# cross-socket path from NCCL's PCI hop latency, [NCCL] in presets, and PCIe 4.0 x16 rates).
-CLASS_DEFAULTS: dict[str, LinkParams] = {
-    "nvlink": NVSWITCH_H100,
-    "xgmi": XGMI_MI300X,
-    "pcie_p2p": LinkParams("pcie_p2p", 6.0, 22.0, 1.0, 20.0, source="assumed: PCIe 4.0 x16 with P2P, ~70% of 31.5 GB/s"),
-    "pcie_host": PCIE_HOST_4090,
-    "cross_socket": LinkParams("cross_socket", 10.0, 10.0, 3.0, 8.0,
-                               source="assumed: PCIe across the CPU sockets' interconnect, staged"),
-    "host_loopback": LinkParams("host_loopback", 50.0, 2.0, 50.0, 2.0,
-                                source="assumed: gloo over loopback TCP (measure with probe --measure)"),
-    "network": IB_NDR_400G,
-}
-
-DEVICE_DEFAULTS = {"h100": H100_SXM, "mi300x": MI300X, "4090": RTX_4090}
-NETWORKS = {"ib-400g": IB_NDR_400G, "eth-100g": ETH_100G}
-
-
-def link_class(link, cpu: bool) -> str:
-    """The cost-model class of a topology :class:`Link`."""
-    from ..topology.model import LinkKind, P2PStatus
-
-    if cpu:
-        return "host_loopback"
-    kind = link.kind
-    if kind is LinkKind.NVLINK:
-        return "nvlink"
-    if kind is LinkKind.XGMI:
-        return "xgmi"
-    if kind is LinkKind.NET:
-        return "network"
-    if kind is LinkKind.SYS:
-        return "cross_socket"
-    return "pcie_p2p" if link.p2p is P2PStatus.OK else "pcie_host"
+# The presets' devices by their catalogue name.
+PRESET_DEVICES = {d.name: d for d in (H100_SXM, MI300X, RTX_4090)}
 
 
 def device_for(name: str) -> DeviceParams | None:
-    """The preset device matching a device name, else a generic one from the perf model's table,
+    """The preset device matching a device name, else a generic one from the device catalogue,
     else None (a recorded dump names no device)."""
-    from ..kernels.perf_model import lookup_known_device
+    from .devices import lookup_known_device
 
     spec = lookup_known_device(name)
-    low = name.lower()
-    for key, dev in DEVICE_DEFAULTS.items():
-        if key in low and (spec is None or spec.mem_bandwidth_gbps == dev.mem_gbps):
-            return dataclasses.replace(dev, name=name)
     if spec is None:
         return None
-    return DeviceParams(name, mem_gbps=spec.mem_bandwidth_gbps, kernel_fraction=0.85, kernel_fixed_us=5.0,
-                        merge_us=8.0, collective_us=5.0,
-                        source=f"memory bandwidth from the perf model's table ({spec.bandwidth_source}); the rest as the H100 preset")
+    if spec.name in PRESET_DEVICES:
+        return dataclasses.replace(PRESET_DEVICES[spec.name], name=name)
+    return DeviceParams.from_spec(spec, name=name, kernel_fraction=0.85, merge_us=8.0, collective_us=5.0,
+                                  source=f"memory bandwidth from the device catalogue ({spec.bandwidth_source}); "
+                                         "the rest as the H100 preset")
+
+
+def topology_device(topo) -> DeviceParams:
+    """The device a topology's ranks are priced with where nothing better is given: the
+    catalogue's for its device name, else (a recorded dump names none) the device of the preset
+    of its kind of GPU (:func:`presets.preset_for_device`, as ``simulate --topology`` takes it);
+    CPU ranks :data:`presets.CPU_RANK` (merges only: their local attention needs calibrating)."""
+    dev = topo.devices[0]
+    if dev.vendor == "cpu":
+        return CPU_RANK
+    return device_for(dev.name) or preset(preset_for_device(f"{dev.name} {dev.vendor}")).device
 
 
 def cluster_from_topology(topo, *, device: DeviceParams | None = None, nodes: int = 1,
@@ -103,7 +80,7 @@ def cluster_from_topology(topo, *, device: DeviceParams | None = None, nodes: in
     pairs: dict[tuple[int, int], LinkParams] = {}
     for l in topo.links:
         cls = link_class(l, cpu)
-        base = CLASS_DEFAULTS[cls]
+        base = LINK_COSTS[cls]
         measured = l.bandwidth_source == "measured"
         lat = l.latency_us if measured and l.latency_us is not None else base.p2p_latency_us
         bw = l.bandwidth_gbps if l.bandwidth_gbps else base.p2p_gbps
@@ -113,7 +90,7 @@ def cluster_from_topology(topo, *, device: DeviceParams | None = None, nodes: in
                                        min(bw, base.ar_gbps) if not measured else bw, source=src)
     hierarchy = tuple((lvl.kind, [list(g) for g in lvl.groups]) for lvl in topo.hierarchy) if n > 1 else None
     if nodes > 1 and network is None:
-        network = CLASS_DEFAULTS["network"]
+        network = LINK_COSTS["network"]
     return ClusterSpec(
         name or f"{n}x {topo.devices[0].name}", device, ranks_per_node=n, nodes=nodes,
         intra=None, network=network, step_overhead_us=GRAPH_STEP_US if not cpu else 0.0,
@@ -164,8 +141,7 @@ def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
         dev = DeviceParams(**_mapping(d["device"], "device"))
         intra = LinkParams(**_mapping(d["intra"], "intra")) if d.get("intra") else None
         net = LinkParams(**_mapping(d["network"], "network")) if d.get("network") else None
-        n = d["ranks_per_node"]
-        _whole(n, "ranks_per_node", 1)
+        n = _whole(d["ranks_per_node"], "ranks_per_node", 1)
         pairs = {}
         pair_list = d.get("pair_links") or []
         if not isinstance(pair_list, list):
@@ -199,10 +175,8 @@ def _mapping(v: Any, where: str) -> dict:
     return v
 
 
-def _whole(v: Any, where: str, lo: int, hi: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ConfigError(f"{where}: expected a whole number {rng}, got {v!r}")
+def _whole(v: Any, where: str, lo: int, hi: int | None = None) -> int:
+    return check_int(v, where, minimum=lo, maximum=hi, noun="a whole number")
 
 
 def _hierarchy(h: Any, n: int) -> tuple | None:
@@ -218,7 +192,7 @@ def _hierarchy(h: Any, n: int) -> tuple | None:
         lvl = _mapping(lvl, f"hierarchy[{i}]")
         kind, groups = lvl.get("kind"), lvl.get("groups")
         if not isinstance(kind, str) or not isinstance(groups, list) or not all(
-                isinstance(g, list) and g and all(isinstance(r, int) and not isinstance(r, bool) for r in g)
+                isinstance(g, list) and g and all(is_int(r) for r in g)
                 for g in groups):
             raise ConfigError(f"hierarchy[{i}]: expected {{kind: text, groups: [[rank, ...], ...]}}, got {lvl!r}")
         levels.append((kind, [list(g) for g in groups]))

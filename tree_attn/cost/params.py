@@ -1,4 +1,5 @@
-"""Parameters of the decode-step cost model: link classes, devices, a cluster. Pure data.
+"""Parameters of the decode-step cost model: a rank's device and a cluster (the link classes are
+in :mod:`tree_attn.cost.links`). Pure data.
 
 A cluster is ``nodes`` x ``ranks_per_node`` ranks, rank r on node ``r // ranks_per_node``. Ranks
 of one node talk over the node's link class (or, for a node described by a probed topology, over
@@ -12,90 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
-
-# The link classes of the model, fastest first. ``host_loopback`` is CPU ranks on one host
-# talking gloo over loopback TCP (this project's CI machines); the others are GPU fabrics.
-LINK_CLASSES = (
-    "nvlink",  # NVLink, directly or through NVSwitch
-    "xgmi",  # AMD Infinity Fabric between the GPUs of one hive
-    "pcie_p2p",  # PCIe with GPU peer-to-peer (a switch, or the host bridge)
-    "pcie_host",  # PCIe without peer-to-peer: every message staged through host memory (GeForce)
-    "cross_socket",  # PCIe paths crossing the SMP interconnect between CPU sockets (SYS)
-    "host_loopback",  # CPU ranks on one host: gloo over loopback TCP
-    "network",  # another node: InfiniBand / RoCE, one NIC per GPU
-)
-
-
-def _positive(where: str, value: Any, *, zero_ok: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    if ok and value != float("inf") and (value > 0 or (zero_ok and value == 0)):
-        return float(value)
-    want = "a number >= 0" if zero_ok else "a positive number"
-    raise ConfigError(f"{where}: expected {want}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LinkParams:
-    """One link class.
-
-    Attributes:
-        kind: one of :data:`LINK_CLASSES`.
-        p2p_latency_us: alpha of one point-to-point message (posting it, the wire, the wake-up at
-            the receiver), microseconds.
-        p2p_gbps: beta of point-to-point messages, GB/s one direction (what one rank's link
-            sustains: a GPU's NVLink ports, its NIC).
-        ar_step_us: alpha of one step of an all-reduce over this class (NCCL's per-hop latency
-            of the LL protocol; gloo's per-step round trip on CPU ranks).
-        ar_gbps: all-reduce bus bandwidth over this class, GB/s.
-        bulk_gbps: bandwidth of a ring round's KV-block exchange (every rank sends and receives a
-            whole block at once, into buffers allocated for the round), GB/s; None = ``p2p_gbps``.
-        bulk_latency_us: the fixed cost of that exchange, microseconds; None = ``p2p_latency_us``.
-        bulk_cpu_fraction: CPU ranks only: the part of the exchange's time its rank spends on a
-            core (gloo's copies, its socket calls); the rest is waiting, which other ranks' work
-            can fill when ranks outnumber cores. None = 1 (all of it).
-        source: where the numbers come from, in words (a datasheet, a measurement...).
-    """
-
-    kind: str
-    p2p_latency_us: float
-    p2p_gbps: float
-    ar_step_us: float
-    ar_gbps: float
-    bulk_gbps: float | None = None
-    bulk_latency_us: float | None = None
-    bulk_cpu_fraction: float | None = None
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if self.bulk_gbps is not None:
-            object.__setattr__(self, "bulk_gbps", _positive(f"{self.kind}.bulk_gbps", self.bulk_gbps))
-        if self.bulk_latency_us is not None:
-            object.__setattr__(self, "bulk_latency_us",
-                               _positive(f"{self.kind}.bulk_latency_us", self.bulk_latency_us, zero_ok=True))
-        if self.bulk_cpu_fraction is not None:
-            f = _positive(f"{self.kind}.bulk_cpu_fraction", self.bulk_cpu_fraction)
-            if f > 1:
-                raise ConfigError(f"{self.kind}.bulk_cpu_fraction: expected a number in (0, 1], got {f!r}")
-            object.__setattr__(self, "bulk_cpu_fraction", f)
-        if self.kind not in LINK_CLASSES:
-            raise ConfigError(f"link class {self.kind!r}: expected one of {', '.join(LINK_CLASSES)}")
-        for name in ("p2p_latency_us", "ar_step_us"):
-            object.__setattr__(self, name, _positive(f"{self.kind}.{name}", getattr(self, name), zero_ok=True))
-        for name in ("p2p_gbps", "ar_gbps"):
-            object.__setattr__(self, name, _positive(f"{self.kind}.{name}", getattr(self, name)))
-
-    def p2p_us(self, nbytes: float) -> float:
-        """Time of one point-to-point message of ``nbytes``: alpha + bytes / beta."""
-        return self.p2p_latency_us + nbytes / (self.p2p_gbps * 1e3)
-
-    def bulk_us(self, nbytes: float) -> float:
-        """Time of a ring round's exchange of ``nbytes`` each way: alpha + bytes / bulk beta."""
-        alpha = self.p2p_latency_us if self.bulk_latency_us is None else self.bulk_latency_us
-        return alpha + nbytes / ((self.bulk_gbps or self.p2p_gbps) * 1e3)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+from ..validate import check_int, check_number
+from .devices import DeviceSpec
+from .links import LINK_CLASSES, LinkParams
 
 @dataclass(frozen=True)
 class DeviceParams:
@@ -132,15 +52,22 @@ class DeviceParams:
     source: str = ""
 
     def __post_init__(self) -> None:
-        _positive("device.mem_gbps", self.mem_gbps)
-        frac = _positive("device.kernel_fraction", self.kernel_fraction)
-        if frac > 1:
-            raise ConfigError(f"device.kernel_fraction: expected a fraction in (0, 1], got {self.kernel_fraction!r}")
+        check_number(self.mem_gbps, "device.mem_gbps", positive=True)
+        check_number(self.kernel_fraction, "device.kernel_fraction", positive=True, maximum=1.0)
         for name in ("kernel_fixed_us", "merge_us", "collective_us"):
-            _positive(f"device.{name}", getattr(self, name), zero_ok=True)
-        if self.shared_cores is not None and (isinstance(self.shared_cores, bool) or not isinstance(self.shared_cores, int)
-                                              or self.shared_cores < 1):
-            raise ConfigError(f"device.shared_cores: expected an integer >= 1 or null, got {self.shared_cores!r}")
+            check_number(getattr(self, name), f"device.{name}")
+        check_int(self.shared_cores, "device.shared_cores", minimum=1, optional=True)
+
+    @classmethod
+    def from_spec(cls, spec: DeviceSpec, *, kernel_fraction: float, merge_us: float, collective_us: float,
+                  kernel_fixed_us: float | None = None, name: str | None = None, **kw: Any) -> "DeviceParams":
+        """A catalogued card's parameters: its name, memory bandwidth and memory from ``spec`` (the
+        catalogue, :mod:`tree_attn.cost.devices`), the local attention's fixed cost by default the
+        two launches of the split-KV kernel (2 x ``spec.launch_gap_us``)."""
+        fixed = 2 * spec.launch_gap_us if kernel_fixed_us is None else kernel_fixed_us
+        return cls(name or spec.name, mem_gbps=spec.mem_bandwidth_gbps, kernel_fraction=kernel_fraction,
+                   kernel_fixed_us=fixed, merge_us=merge_us, collective_us=collective_us,
+                   memory_bytes=spec.memory_bytes, **kw)
 
     @property
     def kernel_gbps(self) -> float:
@@ -183,14 +110,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for name in ("ranks_per_node", "nodes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+            check_int(getattr(self, name), name, minimum=1)
         if self.intra is None and self.ranks_per_node > 1 and not self.pair_links:
             raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node need an intra-node link class")
         if self.network is None and self.nodes > 1:
             raise ConfigError(f"cluster {self.name}: {self.nodes} nodes need a network link class (--network)")
-        _positive("step_overhead_us", self.step_overhead_us, zero_ok=True)
+        check_number(self.step_overhead_us, "step_overhead_us")
 
     @property
     def world_size(self) -> int:

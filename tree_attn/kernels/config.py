@@ -3,7 +3,7 @@
 Configs are plain data, chosen before launch: there is no ``@triton.autotune`` anywhere, because in
 a multi-GPU decode every rank must run the same config (ranks that each benchmark at run time can
 pick different winners, and timing noise then turns into run-to-run differences in rounding).
-``tune`` searches :func:`tree_attn.kernels.perf_model.candidate_configs` once and writes the winner
+``tune`` searches :func:`tree_attn.cost.kernel.candidate_configs` once and writes the winner
 into a profile; without one, :func:`default_config` picks a config from the shape and the device.
 """
 
@@ -13,10 +13,11 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .. import validate
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .perf_model import DeviceSpec
+    from ..cost.devices import DeviceSpec
     from .shapes import DecodeShape
 
 # tl.dot needs every block dimension >= 16; above 512 keys per tile the K and V tiles of one
@@ -42,21 +43,21 @@ TARGET_PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 HEURISTIC_MAX_SPLITS = 128
 
+# Stage two folds this many splits per loop iteration (the launcher's SPLIT_TILE; the cost model
+# prices stage two's passes over the splits with it).
+STAGE2_SPLIT_TILE = 16
+# The fraction of an SM's shared memory a config's pipelined K/V tiles may claim (the default
+# config and the tuning candidates): Triton also stages layout conversions and the P tile there.
+SMEM_HEADROOM = 0.85
+
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int, *, pow2: bool = False, optional: bool = False) -> None:
-    if value is None:
-        if optional:
-            return
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got None")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"DecodeConfig.{name} must be an integer; got {value!r} ({type(value).__name__})")
-    if not lo <= value <= hi:
-        raise ConfigError(f"DecodeConfig.{name} must lie in {lo}..{hi}; got {value}")
-    if pow2 and not _is_pow2(value):
+    validate.check_int(value, f"DecodeConfig.{name}", minimum=lo, maximum=hi, optional=optional, must=True)
+    if pow2 and value is not None and not _is_pow2(value):
         raise ConfigError(f"DecodeConfig.{name} must be a power of two; got {value}")
 
 
@@ -132,11 +133,14 @@ def dot_math(q_dtype: Any, kv_dtype: Any) -> tuple[int, int]:
       (see ``triton_decode``): over bf16, 2 for an fp16 query (exact) and 3 for fp32 (fp32's
       precision); over fp16, 1 for a bf16 query (exact, after a power-of-two prescale into fp16's
       range) and 3 for fp32;
-    - an fp32 cache: ``(4, 1)``, the query is converted to fp32.
+    - an fp32 cache: ``(4, 1)``, the query is converted to fp32;
+    - an fp8 cache: as an fp16 cache, to which its tiles widen exactly (see ``triton_decode``).
     """
     from .. import dtypes as _dtypes  # local: keeps this module free of imports at load time
 
     q, kv = _dtypes.parse_dtype(q_dtype), _dtypes.parse_dtype(kv_dtype)
+    if kv in _dtypes.FP8:
+        kv = "float16"  # the tiles widen to fp16 (exactly)
     if q == kv or kv == "float32":
         return _dtypes.ITEMSIZE[kv], 1
     if q == "float32":
@@ -150,7 +154,8 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def stage1_smem_bytes(
-    block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16, dot_parts: int = 1
+    block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16, dot_parts: int = 1,
+    kv_bytes: int | None = None,
 ) -> int:
     """Shared memory (LDS) one stage-one program needs: an upper bound over the two ways Triton
     3.9 lowers the kernel's dots, fitted exactly to what it allocates for sm_80/89/90.
@@ -165,11 +170,14 @@ def stage1_smem_bytes(
       and the query tile (each of its parts); the weights stay in registers, unless they come in
       parts. (64 rows, D=128, block_n 128, 3 stages: 208 KiB; 16 keys, 2 stages, 2 parts: 52 KiB.)
 
-    ``group_rows`` is the padded query-head rows per program (:func:`group_block`). Plus 1 KiB for
-    reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
+    ``group_rows`` is the padded query-head rows per program (:func:`group_block`); ``elem_bytes``
+    the dots' operand size, ``kv_bytes`` the cache's element size if it differs: an fp8 cache's
+    tiles are staged as fp8 and widened after the shared-memory read (sm_89/90, D=128, 16 rows,
+    block_n 64, 1 / 2 / 3 stages: 12 / 22 / 38 KiB; 34 KiB with an fp32 query's 3 parts). Plus 1
+    KiB for reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
     """
     d = padded_head_dim(head_dim)
-    kv_tile = block_n * d * elem_bytes
+    kv_tile = block_n * d * (elem_bytes if kv_bytes is None else kv_bytes)
     q_tile = group_rows * d * elem_bytes
     p_tile = group_rows * block_n * elem_bytes
     kv = (num_stages - 1) * 2 * kv_tile if num_stages > 1 else kv_tile
@@ -189,6 +197,12 @@ def stage1_smem_bytes(
 #   bf16 query over fp16) and a per-key paged gather add nothing. No build the rule passes spills;
 #   it also prunes some that fill all 255 registers without spilling (D=128, 64 keys, 2 warps: 255
 #   registers on sm_89, 4 B spilled on sm_90).
+# - fp8 caches (tiles widened to fp16 in registers, the dots as for an fp16 cache): the same counts
+#   below 144, not 160: the tiles' fp8 bytes and their fp16 widening are live together (D=128, 64
+#   keys, 4 warps, 2 stages: 176 registers, against 134 for fp16). Fitted to 648 builds (sm_89 and
+#   sm_90; D 64/128/256; 16/32/64 rows; 32-128 keys; 2/4/8 warps; fp16, bf16 and fp32 queries;
+#   contiguous and gathered); the one build it passes that spills is an fp32 query's (D=64, 16
+#   rows, 32 keys, 4 warps: 4 B at 80 registers on sm_90), a ptxas choice no count predicts.
 # - fp32 (FMA dots, in IEEE fp32): ptxas's register use is not monotonic in these counts (32 rows,
 #   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
 #   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
@@ -199,6 +213,7 @@ def stage1_smem_bytes(
 #   registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count predicts; no
 #   default picks them.
 MAX_MMA_STATE_PER_THREAD = 160
+MAX_MMA_STATE_PER_THREAD_FP8 = 144
 MAX_FMA_PER_THREAD = 512
 MAX_FMA_PER_THREAD_GATHERED = 256  # with fewer than GATHER_WIDE_WARPS warps
 GATHER_WIDE_WARPS = 8
@@ -206,7 +221,7 @@ GATHER_WIDE_WARPS = 8
 
 def spill_free(
     block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32,
-    *, gather: bool = False, dot_parts: int = 1,
+    *, gather: bool = False, dot_parts: int = 1, kv_bytes: int | None = None,
 ) -> bool:
     """Whether a stage-one program keeps its state in registers (see ``MAX_MMA_STATE_PER_THREAD``).
 
@@ -218,6 +233,7 @@ def spill_free(
         warp_size: threads per warp (32 NVIDIA, 64 AMD CDNA).
         gather: the tiles are gathered key by key from a paged cache (:func:`paged_gather`).
         dot_parts: q and p enter the dots in this many parts (:func:`dot_math`).
+        kv_bytes: the cache's element size if it differs from ``elem_bytes`` (1: fp8, widened).
     """
     d = padded_head_dim(head_dim)
     threads = num_warps * warp_size
@@ -228,7 +244,8 @@ def spill_free(
     state = acc / 2 + kv + scores
     if dot_parts > 1:
         state += 1.5 * acc + 2 * scores
-    return state < MAX_MMA_STATE_PER_THREAD * threads
+    limit = MAX_MMA_STATE_PER_THREAD_FP8 if kv_bytes == 1 else MAX_MMA_STATE_PER_THREAD
+    return state < limit * threads
 
 
 def paged_gather(block_size: int, block_n: int) -> bool:
@@ -243,10 +260,12 @@ def stage1_spill_free(
     """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
     query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
     query rows and whether the tiles are gathered key by key (:func:`paged_gather`)."""
+    from .. import dtypes as _dtypes
+
     elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
     return spill_free(
         block_n, num_warps, shape.head_dim, elem, group_block(shape.query_rows), warp_size,
-        gather=paged_gather(shape.block_size, block_n), dot_parts=parts,
+        gather=paged_gather(shape.block_size, block_n), dot_parts=parts, kv_bytes=_dtypes.itemsize(dtype),
     )
 
 
@@ -304,8 +323,11 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", 
     NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
     ``waves_per_eu=2``.
     """
+    from .. import dtypes as _dtypes
+
     d = shape.head_dim
     elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
+    kv_bytes = _dtypes.itemsize(dtype)
     block_n = 128 if d <= 64 else (64 if d <= 128 else 32)
     group_rows = group_block(shape.query_rows)
     warp = device_spec.warp_size
@@ -323,7 +345,7 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts) > 0.85 * device_spec.smem_per_sm_bytes:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

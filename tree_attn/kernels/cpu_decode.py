@@ -90,16 +90,9 @@ def cpu_chunk_tokens(kv_heads: int, head_dim: int, element_size: int = 4) -> int
 
 
 def decode_attention_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_tokens: int | None = None,
-    block_tokens: int | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
+    block_tokens: int | None = None, causal: bool = False, block_table: torch.Tensor | None = None,
     native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from ..merge import merge_states
+from ..reduce.state import merge_states
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 ENV_SWITCH = "TREE_ATTN_CPU_KERNEL"
@@ -286,7 +286,7 @@ def decode_native(
         tokens that see no key give out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and
         long rows, each row's keys are split into contiguous ranges, one per thread (the call
         releases the GIL), and the ranges' states merged exactly
-        (:func:`tree_attn.merge.merge_states`).
+        (:func:`tree_attn.reduce.state.merge_states`).
     """
     b, sq, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     hkv = k.shape[2]

@@ -7,7 +7,8 @@ import functools
 
 import torch
 
-from .perf_model import CPU_INTERPRETER, DeviceSpec
+from ..cost.devices import CPU_INTERPRETER, DeviceSpec
+from ..cost.probe import probe_device_spec
 
 
 def is_rocm() -> bool:
@@ -17,7 +18,7 @@ def is_rocm() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _spec_for_index(index: int) -> DeviceSpec:
-    return DeviceSpec.from_torch_device(index)
+    return probe_device_spec(index)
 
 
 def device_spec_for(device: torch.device) -> DeviceSpec:

@@ -5,19 +5,12 @@ from __future__ import annotations
 import torch
 
 from .impl import IMPLS, resolve_impl, triton_interpreter_enabled  # noqa: F401 - re-exported
-from .prepared import prepared_decode
+from .prepared import DecodeOptions, prepared_decode
 
 def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    impl: str = "auto",
-    config=None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, impl: str = "auto", config=None,
+    block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one or several query tokens per row against a KV cache, with its log-sum-exp.
 
@@ -45,7 +38,6 @@ def decode_attention(
         lse -inf.
     """
     # Resolved once per signature (checks, config, workspace), then only launched: see prepared.py.
-    prepared = prepared_decode(
-        q, k, v, seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=causal
-    )
+    prepared = prepared_decode(q, k, v, seq_lens, block_table=block_table,
+                               options=DecodeOptions(scale, impl, config, causal=causal))
     return prepared(q, k, v, seq_lens, block_table=block_table)

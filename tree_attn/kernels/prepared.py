@@ -19,10 +19,10 @@ step; the kernel clamps block ids into the pool).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,11 +31,56 @@ from ..graphs import CapturedStep, StaticStep
 from .config import DecodeConfig
 from .impl import resolve_impl, triton_interpreter_enabled
 from .layout import OutLayout
-from .shapes import DecodeShape, check_arg_types, check_decode_inputs, check_seq_lens_range
+from .shapes import DecodeShape, check_arg_types, check_decode_inputs, check_seq_lens_range, resolve_scale
 
 # Prepared objects kept per process: a decode loop uses one or two signatures (one per shard
 # length and layer shape); the bound keeps a long-running server from growing without limit.
 CACHE_SIZE = 64
+
+
+class DecodeOptions(NamedTuple):
+    """How a local decode call computes, apart from its tensors: what a prepared object is resolved
+    from together with the tensors' metadata, and part of its cache key. A named tuple rather than
+    a frozen dataclass: the public functions build and hash one on every call, and a tuple is
+    cheap there (built, hashed and compared in ~0.4 us against ~1.3 us; measured on this 2-core
+    EPYC VM). :meth:`checked` is its validation.
+
+    Attributes:
+        scale: softmax scale, default ``D ** -0.5``.
+        impl: "auto" | "torch" | "triton".
+        config: a ``DecodeConfig`` for the Triton kernel (ignored by torch).
+        out_layout: where outputs go (default: contiguous out in q's dtype, lse float32); a packed
+            layout writes the ``[B, Hq, D + 1]`` float32 message a reduction sends.
+        causal: Sq new tokens are the row's last Sq valid keys; token i sees those ``<= i``.
+    """
+
+    scale: float | None = None
+    impl: str = "auto"
+    config: DecodeConfig | None = None
+    out_layout: OutLayout | None = None
+    causal: bool = False
+
+    def checked(self) -> DecodeOptions:
+        """These options with config and scale checked (before anything hashes them: a dict config
+        would raise TypeError) and a tensor scale read by value (a fresh tensor each call would be
+        a new signature every time). Cheap: no tensor data is read but a scale tensor's."""
+        scale, config = self.scale, self.config
+        _check_config(config)
+        if scale is None or type(scale) is float:  # the usual case first: one call per decode step
+            return self
+        if isinstance(scale, torch.Tensor):
+            return self._replace(scale=float(scale))
+        _check_scale(scale)
+        return self
+
+    @classmethod
+    def of(cls, options: DecodeOptions | None, fields: dict[str, Any]) -> DecodeOptions:
+        """``options``, or options built from their fields given as keywords (not both), checked."""
+        if options is None:
+            return cls(**fields).checked()
+        if fields:
+            raise TypeError(f"give DecodeOptions or its fields as keywords, not both (got {', '.join(fields)} too)")
+        return options.checked()
 
 
 class PreparedDecode:
@@ -47,39 +92,24 @@ class PreparedDecode:
             ``[B]`` integer or None (required when paged) (example tensors: later calls pass
             tensors of the same signature).
         block_table: int32 ``[B, max_blocks]`` for a paged cache (see ``kernels.paged``), or None.
-        causal: Sq new tokens are the row's last Sq valid keys; token i sees those ``<= i``.
-        scale: softmax scale, default ``D ** -0.5``.
-        impl: "auto" | "torch" | "triton".
-        config: a ``DecodeConfig`` for the Triton kernel (ignored by torch).
-        out_layout: where outputs go (default: contiguous out in q's dtype, lse float32); a packed
-            layout writes the ``[B, Hq, D + 1]`` float32 message a reduction sends.
+        options: a :class:`DecodeOptions`, or its fields as keywords (``scale``, ``impl``,
+            ``config``, ``out_layout``, ``causal``).
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        scale: float | None = None,
-        impl: str = "auto",
-        config: DecodeConfig | None = None,
-        out_layout: OutLayout | None = None,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
     ) -> None:
-        _check_config(config)
-        self.impl = resolve_impl(impl, q.device)
+        opts = self.options = DecodeOptions.of(options, fields)
+        config, causal = opts.config, opts.causal
+        self.impl = resolve_impl(opts.impl, q.device)
         self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
         self.causal = causal
         self.tokens = q.dim() == 4  # outputs [B, Sq, Hq, ...] rather than [B, Hq, ...]
         if self.shape.head_dim == 0:
             raise ConfigError("head dim D must be at least 1")
-        self.scale = self.shape.head_dim**-0.5 if scale is None else float(scale)
-        if not math.isfinite(self.scale):
-            raise ConfigError(f"scale must be a finite number; got {scale}")
-        self.out_layout = out_layout or OutLayout(q.dtype)
+        self.scale = resolve_scale(opts.scale, self.shape.head_dim)
+        self.out_layout = opts.out_layout or OutLayout(q.dtype)
         self.device = q.device
         # Value checks of seq_lens need its values on the host: only for CPU tensors (free there);
         # on GPUs the kernel clamps lengths to 0..N instead of syncing.
@@ -172,13 +202,9 @@ def signature(
     k: torch.Tensor,
     v: torch.Tensor,
     seq_lens: torch.Tensor | None,
-    scale: float | None,
-    impl: str,
-    config: DecodeConfig | None,
-    out_layout: OutLayout | None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
-) -> tuple:
+    block_table: torch.Tensor | None,
+    options: DecodeOptions,
+) -> tuple | None:
     """The cache key of a call: everything :class:`PreparedDecode` resolves from (cheap to build:
     tensor metadata only, no value read). Sq is q's shape and the block size the pool's. None
     inside a CUDA-graph capture: nothing is cached there (see :func:`prepared_decode`)."""
@@ -198,7 +224,7 @@ def signature(
         q.shape, q.stride(), q.dtype, q.device,
         k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device,
-        lens, table, causal, scale, impl, config, out_layout, where, threading.get_ident(),
+        lens, table, options, where, threading.get_ident(),
     )
 
 
@@ -210,35 +236,23 @@ _CACHE: OrderedDict[tuple, PreparedDecode] = OrderedDict()
 
 
 def prepared_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_lens: torch.Tensor | None = None,
-    *,
-    scale: float | None = None,
-    impl: str = "auto",
-    config: DecodeConfig | None = None,
-    out_layout: OutLayout | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+    *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
 ) -> PreparedDecode:
-    """The cached :class:`PreparedDecode` for this call's signature (built on first use).
+    """The cached :class:`PreparedDecode` for this call's signature (built on first use), with
+    :class:`PreparedDecode`'s arguments.
 
     Inside a CUDA-graph capture a fresh, uncached one is built: its workspace is then allocated
     from the graph's private memory pool and lives as long as the graph, where a cached one's
     could be evicted (freed, reused) while the graph still writes to it. (Capturing a loop is
     what :class:`DecodeStep` does for you.)
     """
-    _check_config(config)  # before hashing it into the key (a dict would raise TypeError)
-    _check_scale(scale)
-    check_arg_types(q, k, v, seq_lens, block_table, causal)  # before the key reads their attributes
-    if isinstance(scale, torch.Tensor):  # by value: a fresh tensor each call would miss every time
-        scale = float(scale)
-    key = signature(q, k, v, seq_lens, scale, impl, config, out_layout, block_table, causal)  # None: capturing
+    opts = options.checked() if options is not None and not fields else DecodeOptions.of(options, fields)
+    check_arg_types(q, k, v, seq_lens, block_table, opts.causal)  # before the key reads their attributes
+    key = signature(q, k, v, seq_lens, block_table, opts)  # None: capturing
     hit = None if key is None else _CACHE.get(key)
     if hit is None:
-        hit = PreparedDecode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=out_layout,
-                             block_table=block_table, causal=causal)
+        hit = PreparedDecode(q, k, v, seq_lens, block_table=block_table, options=opts)
         if key is not None:
             _CACHE[key] = hit
             while len(_CACHE) > CACHE_SIZE:
@@ -271,24 +285,14 @@ class DecodeStep(StaticStep):
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        scale: float | None = None,
-        impl: str = "auto",
-        config: DecodeConfig | None = None,
-        cuda_graph: bool = True,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, scale: float | None = None, impl: str = "auto", config: DecodeConfig | None = None,
+        cuda_graph: bool = True, block_table: torch.Tensor | None = None, causal: bool = False,
     ) -> None:
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
-        self.prepared = PreparedDecode(
-            q, k, v, seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=causal
-        )
+        self.prepared = PreparedDecode(q, k, v, seq_lens, block_table=block_table,
+                                       options=DecodeOptions(scale, impl, config, causal=causal))
         self.out, self.lse = self.prepared.new_outputs()
         # The graph's function holds the step's parts, not the step: a bound method would make a
         # cycle (step -> graph -> step), and the graph would outlive `del step` until the

@@ -5,7 +5,7 @@
   go to :func:`tree_attn.kernels.cpu_decode.decode_attention_cpu` (tuned for one core's read
   bandwidth); other devices to the device-agnostic chunked form below, which processes the KV
   sequence in chunks and merges each chunk's state into a running state with the exact merge of
-  ``tree_attn.merge``, without host synchronisation.
+  ``tree_attn.reduce.state``, without host synchronisation.
 
 Both forms convert only one chunk to float32 at a time, so memory stays bounded however long N is.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..merge import merge_two
+from ..reduce.state import merge_two
 from .cpu_decode import decode_attention_cpu
 from .shapes import check_decode_inputs
 
@@ -24,7 +24,9 @@ from .shapes import check_decode_inputs
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunk_tokens(batch: int, kv_heads: int, head_dim: int) -> int:
+def chunk_tokens_for(batch: int, kv_heads: int, head_dim: int) -> int:
+    """KV positions per chunk of :func:`decode_attention_chunked` by default: a float32 K chunk of
+    at most :data:`CHUNK_ELEMENTS` elements, and at least 64 positions."""
     per_token = max(1, batch * kv_heads * head_dim)
     return max(64, CHUNK_ELEMENTS // per_token)
 
@@ -57,15 +59,9 @@ def _contiguous_kv(k, v, seq_lens, block_table):
 
 
 def decode_attention_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_tokens: int | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
+    block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache.
 
@@ -106,13 +102,8 @@ def decode_attention_torch(
 
 
 def decode_attention_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_tokens: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The device-agnostic chunked form of :func:`decode_attention_torch` (same contract, contiguous
@@ -128,7 +119,7 @@ def decode_attention_chunked(
     g = shape.group
     if scale is None:
         scale = d**-0.5
-    step = chunk_tokens or _chunk_tokens(b, hkv, d)
+    step = chunk_tokens or chunk_tokens_for(b, hkv, d)
     qf = (_as_tokens(q).float() * scale).view(b, sq, hkv, g, d)
     out = torch.zeros(b, sq, hkv, g, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, sq, hkv, g), float("-inf"), dtype=torch.float32, device=q.device)
@@ -155,13 +146,8 @@ def decode_attention_chunked(
 
 
 def decode_attention_float64(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    block_table: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, block_table: torch.Tensor | None = None,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Straightforward float64 decode attention on CPU, unchunked: the ground truth for tests.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from ..errors import ConfigError, ShapeError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# fp8 caches (with dequantization scales): OCP e4m3, and AMD CDNA3's e4m3 "fnuz" variant.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 # Query tokens per row: 1 to 16, the range the feature request for speculative decoding's verify
 # step names (a linear draft checked in one call; tree-shaped drafts need a tree mask, which the
@@ -52,6 +55,15 @@ class DecodeShape:
         return self.block_size > 0
 
 
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale of a call: ``scale`` as a float, default ``D ** -0.5``; a ConfigError
+    unless it is finite."""
+    value = head_dim**-0.5 if scale is None else float(scale)
+    if not math.isfinite(value):
+        raise ConfigError(f"scale must be a finite number; got {value}")
+    return value
+
+
 def check_arg_types(q, k, v, seq_lens, block_table=None, causal=False) -> None:
     """Raise :class:`ShapeError` unless q, k, v are tensors, seq_lens and block_table tensors or
     None, and causal a bool (cheap: run on every call, before anything reads their attributes)."""
@@ -73,6 +85,8 @@ def check_decode_inputs(
     seq_lens: torch.Tensor | None,
     block_table: torch.Tensor | None = None,
     causal: bool = False,
+    *,
+    fp8_kv: bool = False,
 ) -> DecodeShape:
     """Check shapes, dtypes and devices of a decode call; return its sizes.
 
@@ -81,6 +95,8 @@ def check_decode_inputs(
     ``k, v [num_blocks, block_size, Hkv, D]`` with ``seq_lens`` required. For CPU tensors the
     values of seq_lens (0..N) and of the block table (every entry a row reads inside the pool) are
     checked too (free there; see ``kernels.paged`` for GPU tensors).
+
+    ``fp8_kv``: K/V may also be fp8 (:data:`FP8_DTYPES`; the caller checks their scales).
 
     Raises :class:`ShapeError` naming the offending tensor and its shape, :class:`ConfigError`
     for a block size the kernels cannot take.
@@ -127,8 +143,9 @@ def check_decode_inputs(
     if hkv == 0 or hq % hkv != 0:
         raise ShapeError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in FLOAT_DTYPES:
-            raise ShapeError(f"{name} must be float16, bfloat16 or float32; got {t.dtype}")
+        if t.dtype not in FLOAT_DTYPES and not (fp8_kv and name != "q" and t.dtype in FP8_DTYPES):
+            kinds = "float16, bfloat16, float32 or fp8 (float8_e4m3fn)" if fp8_kv and name != "q" else "float16, bfloat16 or float32"
+            raise ShapeError(f"{name} must be {kinds}; got {t.dtype}")
     if k.dtype != v.dtype:
         raise ShapeError(f"k and v must share a dtype; got k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):

@@ -35,8 +35,21 @@ and an fp32 value in 3, but not their range: with ``Q_PRESCALE`` q is first mult
 of two that puts its largest element in [2^14, 2^15) (exact, as is undoing it on the scores).
 A few more tensor-core dots cost nothing in a kernel bound by reading K and V.
 
+An fp8 cache (``KV_FP8``: ``float8_e4m3fn``, or ``float8_e4m3fnuz`` on AMD, with float32
+dequantization scales per KV head): K/V tiles are loaded as fp8, one byte per element, and widened
+in registers to fp16, as if the cache were fp16: an fp16 query enters the dots as it is, a bf16 or
+fp32 one in fp16 parts (the ``MIXED`` path above, prescaled). fp16, not bf16: every e4m3 value
+(4 significant bits, exponents 2^-9..2^8; fnuz 2^-10..2^7) is exact in either, but e4m3 -> fp16 is
+one hardware conversion per two elements on sm_89+ and CDNA3 (bf16 takes a second one per
+element), and the softmax weights enter the P @ V dot with 11 significant bits instead of 8. Each
+fp8 x fp16 product is exact in the fp32 accumulator, so the scores are those of the stored values.
+Nothing is dequantized in memory: ``k_scale[h]`` multiplies the softmax scale (one scalar per
+program, which handles one KV head) and ``v_scale[h]`` the normalised output at the end (the
+weights do not depend on it, so neither does lse). The split-KV partials and stage two are the
+same as for any other cache.
+
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
-algebra as ``tree_attn.merge.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
+algebra as ``tree_attn.reduce.state.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
 makes the row NaN, or with ``FAULTY_IS_EMPTY`` counts as empty, as the public ``merge_partials``).
 """
@@ -93,6 +106,8 @@ def split_kv_stage1_kernel(
     V,  # as K
     SEQ_LENS,  # [B] int32 (read only if HAS_SEQ_LENS)
     BLOCK_TABLE,  # [B, max_blocks] int32 (read only if PAGED)
+    K_SCALE,  # [Hkv] float32 dequantization scales of an fp8 cache (read only if KV_FP8)
+    V_SCALE,  # as K_SCALE
     O_PART,  # [B, (Sq,) Hq, S, D] (fp32 partials, or the final output when S == 1); D stride 1
     LSE_PART,  # [B, (Sq,) Hq, S] fp32, natural log
     stride_qb,
@@ -137,6 +152,7 @@ def split_kv_stage1_kernel(
     DOT_PARTS: tl.constexpr,  # MIXED: q and p enter the dots as this many parts (1 to 3) in the cache's dtype
     Q_PRESCALE: tl.constexpr,  # MIXED over an fp16 cache: scale q into fp16's range first
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (tf32 would lose ~3 decimal digits)
+    KV_FP8: tl.constexpr,  # K/V are fp8 with per-KV-head scales (see above)
 ):
     pid_bhg = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -168,7 +184,13 @@ def split_kv_stage1_kernel(
 
     q_ptrs = Q + b64 * stride_qb + row_q[:, None] + offs_d[None, :] * STRIDE_QD
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    # The dots' operand type: the cache's, or for an fp8 cache the 16-bit type its tiles widen to.
     qk_scale = qk_scale_log2
+    if KV_FP8:
+        dot_t = tl.float16
+        qk_scale = qk_scale_log2 * tl.load(K_SCALE + h)  # this program's KV head
+    else:
+        dot_t = K.dtype.element_ty
     if MIXED:
         qf = q.to(tl.float32)
         if Q_PRESCALE:
@@ -178,8 +200,8 @@ def split_kv_stage1_kernel(
             e = (q_max.to(tl.int32, bitcast=True) >> 23) - 127 - 14
             e = tl.minimum(tl.maximum(e, -100), 113)  # 2^-e and 2^e stay normal fp32 numbers
             qf = qf * ((127 - e) << 23).to(tl.float32, bitcast=True)
-            qk_scale = qk_scale_log2 * ((127 + e) << 23).to(tl.float32, bitcast=True)
-        q0, q1, q2 = _split_parts(qf, K.dtype.element_ty, DOT_PARTS)
+            qk_scale = qk_scale * ((127 + e) << 23).to(tl.float32, bitcast=True)
+        q0, q1, q2 = _split_parts(qf, dot_t, DOT_PARTS)
     elif UPCAST:
         q = q.to(tl.float32)
 
@@ -242,6 +264,8 @@ def split_kv_stage1_kernel(
         k = tl.load(kt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(dot_t)  # exact (see above)
         if MIXED:
             qk = _dot_parts(q0, q1, q2, tl.trans(k), DOT_PARTS, UPCAST, DOT_PRECISION)
         elif UPCAST:
@@ -263,8 +287,10 @@ def split_kv_stage1_kernel(
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if KV_FP8 and not UPCAST:
+            v = v.to(dot_t)
         if MIXED:
-            p0, p1, p2 = _split_parts(p, V.dtype.element_ty, DOT_PARTS)
+            p0, p1, p2 = _split_parts(p, dot_t, DOT_PARTS)
             if UPCAST:
                 v = v.to(tl.float32)
             pv = _dot_parts(p0, p1, p2, v, DOT_PARTS, UPCAST, DOT_PRECISION)
@@ -284,7 +310,10 @@ def split_kv_stage1_kernel(
     # rather than read as empty: "l_i > 0" would drop that split silently.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]  # acc is 0 for an empty split, so o is 0 there
+    if KV_FP8:
+        o = acc * (tl.load(V_SCALE + h) / l_safe)[:, None]  # acc is 0 for an empty split, so o is 0 there
+    else:
+        o = acc / l_safe[:, None]  # acc is 0 for an empty split, so o is 0 there
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = O_PART + b64 * stride_ob + row_o[:, None] + pid_split * stride_os + offs_d[None, :]
@@ -326,7 +355,7 @@ def split_kv_stage2_kernel(
     o_base = O_PART + b64 * stride_pb + h64 * stride_ph
 
     # Pass 1: the largest lse. With FAULTY_IS_EMPTY (states handed in by callers, whose kernels
-    # may mark an empty state with +inf or NaN) those are treated as empty, as in merge.py;
+    # may mark an empty state with +inf or NaN) those are treated as empty, as in reduce/state.py;
     # otherwise (our own splits and ranks, where NaN can only come from NaN data) any NaN or +inf
     # makes the row NaN, as torch SDPA does.
     m_vec = tl.full([SPLIT_TILE], float("-inf"), tl.float32)

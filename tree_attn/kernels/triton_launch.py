@@ -11,12 +11,13 @@ import math
 import torch
 
 from ..errors import ConfigError, KernelUnavailableError
-from .config import DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim, resolve_config, split_len
+from .config import (STAGE2_SPLIT_TILE, DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim,
+                     resolve_config, split_len)
 from .device_info import device_spec_for, is_rocm
-from .perf_model import STAGE2_SPLIT_TILE, DeviceSpec
+from ..cost.devices import DeviceSpec
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
-from .shapes import check_decode_inputs
+from .shapes import FP8_DTYPES, check_decode_inputs, resolve_scale
 
 # The kernel works in base 2 (exp2 is the native instruction): the launcher folds log2(e) into the scale.
 LOG2E = math.log2(math.e)
@@ -53,31 +54,29 @@ class TritonDecodeLaunch:
             ``TRITON_INTERPRET``; ``"cuda"`` or ``"hip"`` plan a GPU launch from tensors on any
             device (ahead-of-time compiles: the arguments, hence Triton's specialisations, are
             the ones a launch on that GPU derives), ``"interpreter"`` Triton's CPU interpreter.
+        k_scale, v_scale: for an fp8 cache (``torch.float8_e4m3fn``; ``float8_e4m3fnuz`` on
+            ROCm), its float32 dequantization scales ``[Hkv]`` (contiguous, on q's device; the
+            stored value times its head's scale is the cache's value); None for any other cache.
+            Their values are read by the kernel at every call (never here), so a caller may
+            update them in place between calls, CUDA-graph replays included.
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None,
-        *,
-        scale: float | None = None,
-        config: DecodeConfig | None = None,
-        device_spec: DeviceSpec | None = None,
-        out_layout: OutLayout | None = None,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
+        *, scale: float | None = None, config: DecodeConfig | None = None, device_spec: DeviceSpec | None = None,
+        out_layout: OutLayout | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
         backend: str | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
+        self.fp8 = k.dtype in FP8_DTYPES
+        _check_scales(self.fp8, k, q.device, shape.kv_heads, k_scale, v_scale)
         self.shape = shape
         b, hq, hkv, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len
         if d == 0:
             raise ConfigError("head dim D must be at least 1")
-        scale = d**-0.5 if scale is None else float(scale)
-        if not math.isfinite(scale):
-            raise ConfigError(f"scale must be a finite number; got {scale}")
+        scale = resolve_scale(scale, d)
         spec = device_spec if device_spec is not None else device_spec_for(q.device)
         cfg = resolve_config(config, shape, k.dtype, spec, q_dtype=q.dtype)
         planned_only = backend is not None  # a plan for a build, not necessarily run on q's device
@@ -85,6 +84,8 @@ class TritonDecodeLaunch:
             backend = "interpreter" if triton_interpreter_enabled() else ("hip" if is_rocm() else "cuda")
         elif backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or None; got {backend!r}")
+        if self.fp8:
+            _check_fp8_backend(k.dtype, backend, None if planned_only else q.device)
         rocm = backend == "hip"
         interpret = backend == "interpreter"
         if cfg.waves_per_eu is not None and not rocm and not interpret:
@@ -121,7 +122,10 @@ class TritonDecodeLaunch:
         # tensor-core dots, q and the weights entering them in parts (see triton_decode).
         dot_bytes, dot_parts = dot_math(q.dtype, k.dtype)
         upcast = interpret or dot_bytes == 4
-        mixed = q.dtype != k.dtype and dot_bytes == 2
+        # An fp8 cache's tiles widen to fp16: a bf16 or fp32 query enters the dots in fp16 parts,
+        # prescaled into fp16's range, as over an fp16 cache (see triton_decode).
+        dot_dtype = torch.float16 if self.fp8 else k.dtype
+        mixed = q.dtype != dot_dtype and dot_bytes == 2
         if num_splits > 1:
             # The split partials: workspace owned by this launch, reused by every call (calls are
             # ordered on one stream; kernels.prepared keys its cache on the stream too).
@@ -164,8 +168,9 @@ class TritonDecodeLaunch:
             UPCAST=upcast,
             MIXED=mixed,
             DOT_PARTS=dot_parts,
-            Q_PRESCALE=mixed and k.dtype == torch.float16,
+            Q_PRESCALE=mixed and dot_dtype == torch.float16,
             DOT_PRECISION="ieee",
+            KV_FP8=self.fp8,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -194,23 +199,27 @@ class TritonDecodeLaunch:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
         out: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None,
+        *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> None:
         """Write the attention of ``q`` over ``k, v`` into ``out`` and ``lse`` (laid out as this
         launch's :class:`OutLayout`, e.g. from :meth:`new_outputs`). ``seq_lens`` and
         ``block_table`` must be contiguous int32 tensors (or None iff they were at construction);
-        out-of-range lengths and block ids are clamped by the kernel."""
+        out-of-range lengths and block ids are clamped by the kernel. ``k_scale``/``v_scale``:
+        an fp8 cache's scales, tensors like those at construction (None for other caches)."""
         if self.trivial:
             out.zero_()
             lse.fill_(float("-inf"))
             return
         try:
             with self._guard:
-                for kernel, grid, args, kwargs in self.launches(q, k, v, seq_lens, out, lse, block_table):
+                for kernel, grid, args, kwargs in self.launches(
+                    q, k, v, seq_lens, out, lse, block_table, k_scale=k_scale, v_scale=v_scale
+                ):
                     kernel[grid](*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
             if type(exc).__name__ == "OutOfResources":
                 hint = "use a smaller block_n or fewer num_stages"
-                if q.dtype != k.dtype:
+                if q.dtype != k.dtype and not self.fp8:
                     hint += f", or a query in the cache's dtype (q.to({k.dtype}): a {q.dtype} query enters the dots in parts)"
                 raise ConfigError(
                     f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
@@ -221,6 +230,7 @@ class TritonDecodeLaunch:
     def launches(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,
         out: torch.Tensor, lse: torch.Tensor, block_table: torch.Tensor | None = None,
+        *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> list[tuple]:
         """The kernel launches of one call, in order: ``(jit function, grid, args, keyword args)``
         (stage one; stage two when there are several splits). :meth:`__call__` runs them; an
@@ -229,15 +239,22 @@ class TritonDecodeLaunch:
         if self.trivial:
             return []
         kernels = _kernels()  # lazy: triton is imported only when the kernel runs
-        # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it.
+        # Without seq_lens any tensor serves as the pointer: HAS_SEQ_LENS=False never reads it;
+        # likewise the scales' pointers without an fp8 cache (KV_FP8=False).
         lens = seq_lens if self.has_lens else lse
         table = block_table if self.paged else lse
+        if self.fp8:
+            if k_scale is None or v_scale is None:
+                raise ConfigError("this launch is for an fp8 cache: pass its k_scale and v_scale (float32 [Hkv]) at every call")
+            scales = (k_scale, v_scale)
+        else:
+            scales = (lse, lse)
         if self.num_splits == 1:
             return [(kernels.split_kv_stage1_kernel, self.grid1,
-                     (q, k, v, lens, table, out, lse, *self._stage1_scalars), self._stage1_constexprs)]
+                     (q, k, v, lens, table, *scales, out, lse, *self._stage1_scalars), self._stage1_constexprs)]
         return [
             (kernels.split_kv_stage1_kernel, self.grid1,
-             (q, k, v, lens, table, self.o_part, self.lse_part, *self._stage1_scalars), self._stage1_constexprs),
+             (q, k, v, lens, table, *scales, self.o_part, self.lse_part, *self._stage1_scalars), self._stage1_constexprs),
             (kernels.split_kv_stage2_kernel, self._grid2,
              (self.o_part, self.lse_part, out, lse, *self._stage2_args), self._stage2_constexprs),
         ]
@@ -257,16 +274,10 @@ _KERNELS = None
 
 
 def decode_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    config: DecodeConfig | None = None,
-    device_spec: DeviceSpec | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, config: DecodeConfig | None = None,
+    device_spec: DeviceSpec | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention with the Triton kernel, resolved afresh on every call (tests,
     tuning of one config). Decode loops use ``kernels.prepared``, which resolves once.
@@ -274,22 +285,77 @@ def decode_attention_triton(
     Args:
         q: ``[B, Hq, D]`` or ``[B, Sq, Hq, D]`` fp16/bf16/fp32, any strides.
         k, v: ``[B, N, Hkv, D]`` (same dtype, any strides, e.g. slices of a larger cache), ``Hq % Hkv == 0``;
-            with ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``.
+            with ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``. fp16/bf16/fp32, or
+            fp8 (``torch.float8_e4m3fn``; ``float8_e4m3fnuz`` on ROCm) with ``k_scale``/``v_scale``.
         seq_lens: optional integer ``[B]`` on q's device, valid keys per row (0..N; clamped to that range).
-        scale, config, device_spec, block_table, causal: see :class:`TritonDecodeLaunch`.
+        scale, config, device_spec, block_table, causal, k_scale, v_scale: see :class:`TritonDecodeLaunch`.
 
     Returns:
         ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``, natural log);
         query tokens without keys give out 0 and lse -inf.
     """
     launch = TritonDecodeLaunch(
-        q, k, v, seq_lens, scale=scale, config=config, device_spec=device_spec, block_table=block_table, causal=causal
+        q, k, v, seq_lens, scale=scale, config=config, device_spec=device_spec, block_table=block_table, causal=causal,
+        k_scale=k_scale, v_scale=v_scale,
     )
     out, lse = launch.new_outputs()
     lens = None if seq_lens is None else seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
     table = None if block_table is None else block_table.to(device=q.device, dtype=torch.int32).contiguous()
-    launch(q, k, v, lens, out, lse, table)
+    launch(q, k, v, lens, out, lse, table, k_scale=k_scale, v_scale=v_scale)
     return out, lse
+
+
+# What an fp8 cache needs from the GPU: Triton's NVIDIA backend has e4m3 (fp8e4nv) from sm_89
+# (Ada, Hopper: hardware conversions) and no "fnuz" variant; its AMD backend converts fnuz
+# (fp8e4b8) in hardware on CDNA3 (gfx942) and e4m3 in software before CDNA4.
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def fp8_unsupported_reason(kv_dtype: torch.dtype, backend: str, capability: tuple[int, int] | None = None) -> str | None:
+    """Why the Triton kernel cannot take a ``kv_dtype`` (fp8) cache on ``backend`` ("cuda", "hip",
+    "interpreter") with CUDA compute ``capability`` (None: not known), or None if it can."""
+    if backend == "cuda":
+        if kv_dtype == torch.float8_e4m3fnuz:
+            return (
+                "float8_e4m3fnuz (AMD's fp8 variant) caches run on ROCm GPUs only: on NVIDIA GPUs "
+                "use torch.float8_e4m3fn"
+            )
+        if capability is not None and tuple(capability) < FP8_MIN_CUDA_CAPABILITY:
+            return (
+                f"fp8 KV caches need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+                f"{capability[0]}.{capability[1]}: use a bfloat16 or float16 cache on it"
+            )
+    return None
+
+
+def _check_fp8_backend(kv_dtype: torch.dtype, backend: str, device: torch.device | None) -> None:
+    capability = None
+    if backend == "cuda" and device is not None and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+    reason = fp8_unsupported_reason(kv_dtype, backend, capability)
+    if reason is not None:
+        raise ConfigError(reason)
+
+
+def _check_scales(fp8: bool, k: torch.Tensor, device: torch.device, kv_heads: int, k_scale, v_scale) -> None:
+    """The launcher's checks of fp8 scales: present iff the cache is fp8, float32 ``[Hkv]``
+    contiguous on q's device. Their values (finite, nonzero) are the caller's to check: that
+    needs a host sync on GPUs (``decode_attention`` does it once per call site)."""
+    given = (k_scale is not None, v_scale is not None)
+    if not fp8:
+        if any(given):
+            raise ConfigError(f"k_scale/v_scale are for fp8 caches (torch.float8_e4m3fn); this cache is {k.dtype}")
+        return
+    if not all(given):
+        raise ConfigError(f"an fp8 cache ({k.dtype}) needs both k_scale and v_scale: float32 [Hkv] dequantization scales")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (kv_heads,):
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ConfigError(f"{name} must be a float32 tensor [Hkv] = [{kv_heads}] for the Triton kernel; got {what}")
+        if t.device != device:
+            raise ConfigError(f"{name} must be on {device}; got {t.device}")
+        if kv_heads > 1 and t.stride(0) != 1:
+            raise ConfigError(f"{name} must be contiguous; got stride {t.stride(0)}")
 
 
 def _check_tile_offsets(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> None:
@@ -336,7 +402,7 @@ def merge_splits_triton(
             strides, e.g. views of a packed message) instead of new tensors.
 
     Returns:
-        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.merge.merge_states``
+        ``out [B, H, D]`` and ``lse [B, H]`` float32, as ``tree_attn.reduce.state.merge_states``
         computes them (empty rows: out 0, lse -inf).
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:

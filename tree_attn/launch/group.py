@@ -22,7 +22,7 @@ def init_process_group(backend: str, device: str, **kwargs) -> None:
     Binding the device tells NCCL which GPU this rank drives, so barriers and collectives need
     not guess it (torch warns "Guessing device ID based on global rank" and "barrier(): using the
     device under current context" otherwise), and creates the communicator eagerly. The tree's
-    concurrent receives then share that communicator, which is why ``reduce.merges`` posts a
+    concurrent receives then share that communicator, which is why ``reduce.exchange`` posts a
     node's receives from all its children as one batch (one NCCL group: they progress together).
     """
     import torch

@@ -1,9 +1,9 @@
 """Generate the built-in profiles: ``python -m tree_attn.profiles.builtin_gen [--check] [--out DIR]``.
 
 Each built-in profile is derived, deterministically, from a recorded topology dump of a real
-machine (``tests/fixtures/topology/``), the kernel perf model (``kernels.perf_model``: the
+machine (``tests/fixtures/topology/``), the kernel's napkin model (``cost.kernel``: the
 candidate configs of each shape bucket ranked for the card's datasheet spec) and the plan model
-(``profiles.plan_model``: every candidate plan priced on the topology's links). Nothing is timed:
+(``cost.plan``: every candidate plan priced on the topology's links by the step model). Nothing is timed:
 origin ``builtin-model``, every value ``chosen_by: model`` (or ``default``). The ``created`` stamp
 is fixed so that regenerating gives byte-identical files; a test checks the shipped files equal
 this generator's output, so after changing a model run this module and commit the result.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..topology.model import P2PStatus, Topology
-from .plan_model import decode_message_bytes, predict_plan_us
+from ..cost.plan import decode_lse_bytes, decode_message_bytes, predict_plan_us
 from .schema import KernelBucket, KernelSection, Machine, PlanCandidate, Profile, Reduction, Versions
 from .store import profile_to_yaml
 
@@ -46,7 +46,7 @@ class BuiltinSpec:
     name: str
     description: str
     topology: Callable[[], Topology]
-    device_spec: str | None  # key of perf_model.KNOWN_DEVICES; None = no kernel buckets (CPU ranks)
+    device_spec: str | None  # key of cost.devices.KNOWN_DEVICES; None = no kernel buckets (CPU ranks)
     notes: tuple[str, ...] = ()
     default_plan: bool = False  # True: use plan.default_plan instead of the model's pick
 
@@ -144,7 +144,8 @@ def _kernel_section(device_key: str | None) -> KernelSection:
     if device_key is None:
         return KernelSection(device_spec=None, buckets=[])
     # Imported here: the perf model needs kernels.shapes, which imports torch.
-    from ..kernels.perf_model import KNOWN_DEVICES, candidate_configs, rank_candidates
+    from ..cost.devices import KNOWN_DEVICES
+    from ..cost.kernel import candidate_configs, rank_candidates
     from ..kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES[device_key]
@@ -174,8 +175,9 @@ def _reduction(topo: Topology, use_default: bool) -> Reduction:
 
     n = len(topo)
     msg = decode_message_bytes(BATCH, LLAMA_Q_HEADS, LLAMA_HEAD_DIM)
+    lse = decode_lse_bytes(BATCH, LLAMA_Q_HEADS)
     plans = candidate_plans(n, topo.hierarchy)
-    priced = [(p, round(predict_plan_us(p, topo, msg), 3)) for p in plans]
+    priced = [(p, round(predict_plan_us(p, topo, msg, lse), 3)) for p in plans]
     if use_default:
         chosen = default_plan(n)
         match = [p for p, _ in priced if p.strategy == "tree" and p.tree(n).parent == chosen.tree(n).parent]
@@ -191,7 +193,7 @@ def _reduction(topo: Topology, use_default: bool) -> Reduction:
     ]
     if not any(c.selected for c in cands):
         cands.append(PlanCandidate(label=chosen.label, plan=chosen, chosen_by="model",
-                                   predicted_us=round(predict_plan_us(chosen, topo, msg), 3), selected=True))
+                                   predicted_us=round(predict_plan_us(chosen, topo, msg, lse), 3), selected=True))
     return Reduction(plan=chosen, chosen_by=chosen_by, message_bytes=msg, candidates=cands)
 
 

@@ -35,26 +35,38 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from dataclasses import InitVar, dataclass, field
-from typing import Any, Mapping
+from dataclasses import MISSING, InitVar, dataclass, field, fields
+from functools import partial
+from typing import Any, Callable, Mapping
 
 from .. import dtypes as _dtypes
-from ..errors import ConfigError, TopologyError
+from .. import validate
+from ..errors import ConfigError, ProfileError, TopologyError
 from ..kernels.config import DecodeConfig
 from ..reduce.plan import STRATEGIES, ReductionPlan
 from ..topology.model import LinkKind, P2PStatus, Topology, format_ranges
-from ._check import (
-    FieldError,
-    as_float,
-    check_bool,
-    check_int,
-    check_list,
-    check_mapping,
-    check_number,
-    check_str,
-    check_str_list,
-    join,
-)
+from ..validate import join
+
+
+class FieldError(ProfileError):
+    """A ProfileError about one field; ``path`` is its dotted path, ``detail`` what is wrong."""
+
+    takes_path = True  # tree_attn.validate builds it as FieldError(path, detail)
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: {detail}")
+
+
+# The validation vocabulary (tree_attn.validate), raising FieldError.
+check_int = partial(validate.check_int, error=FieldError)
+check_number = partial(validate.check_number, error=FieldError)
+check_str = partial(validate.check_str, error=FieldError)
+check_bool = partial(validate.check_bool, error=FieldError)
+check_list = partial(validate.check_list, error=FieldError)
+check_str_list = partial(validate.check_str_list, error=FieldError)
+check_mapping = partial(validate.check_mapping, error=FieldError, what="profile")
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -154,11 +166,79 @@ def config_from_dict(data: Any, where: str) -> DecodeConfig:
         raise FieldError(where, msg) from None
 
 
-# -- sections ----------------------------------------------------------------------------------
+# -- sections: frozen dataclasses whose fields are the file's keys ------------------------------
+#
+# A section's fields, in declaration order, are its keys in file order: ``to_dict`` and
+# ``from_dict`` are derived from them (:class:`_Section`). A field without a default is a required
+# key; any key that is not a field is refused, named by its path. A field's ``read`` (metadata)
+# builds its value from the file's data and the field's path (a nested section, a plan, a kernel
+# config); a null for a field whose default is null or a factory's (a list, a mapping, a section)
+# reads as that default. Writing turns every value with a ``to_dict`` into its dict and copies
+# lists and mappings.
 
 
-@dataclass
-class Versions:
+def _read(read: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """Field metadata: ``read(data, path)`` builds the field's value from the file's data."""
+    return {"read": read}
+
+
+def _items(read: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
+    """A reader of a list whose items ``read`` builds, each with its index in its path."""
+    return lambda data, path: [read(x, f"{path}[{i}]") for i, x in enumerate(check_list(data, path))]
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_plain(x) for x in value]
+    if isinstance(value, dict):
+        return {k: _plain(x) for k, x in value.items()}
+    return value
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    """Normalise a field of a frozen section in ``__post_init__``."""
+    object.__setattr__(obj, name, value)
+
+
+class _FieldNames:
+    def __get__(self, obj: Any, cls: type) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+class _Section:
+    """The dict conversion of a section, derived from its dataclass fields (see above)."""
+
+    FIELDS = _FieldNames()  # the section's keys, in file order
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, keys in the stable file order (the fields' order)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def _values(cls, data: Any, where: str) -> dict[str, Any]:
+        fs = fields(cls)
+        required = [f.name for f in fs if f.default is MISSING and f.default_factory is MISSING]
+        d = check_mapping(data, where, required=required, optional=[f.name for f in fs])
+        values = {}
+        for f in fs:
+            if f.name not in d or (d[f.name] is None and (f.default is None or f.default_factory is not MISSING)):
+                continue  # absent, or a null where the default is null or a factory's: the default
+            read = f.metadata.get("read")
+            values[f.name] = read(d[f.name], join(where, f.name)) if read else d[f.name]
+        return values
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str | None = None):
+        """Validate and build from loaded YAML/JSON; every error names the field's dotted path
+        (``where``: this section's, default its own name)."""
+        where = cls.where if where is None else where  # the InitVar's default: the section's own path
+        return cls(**cls._values(data, where), where=where)
+
+
+@dataclass(frozen=True)
+class Versions(_Section):
     """Software the profile was made with (strings, or null when unknown / not installed).
 
     A profile made under other versions still applies (the fabric did not change), with a warning:
@@ -171,25 +251,15 @@ class Versions:
     driver: str | None = None
     where: InitVar[str] = "versions"
 
-    FIELDS = ("tree_attn", "torch", "triton", "driver")
-
     def __post_init__(self, where: str) -> None:
-        for name in self.FIELDS:
-            value = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
             if value is not None and not isinstance(value, str):
-                raise FieldError(join(where, name), f"expected a version string or null (quote numbers such as '2.5'), got {value!r}")
-
-    def to_dict(self) -> dict[str, str | None]:
-        return {k: getattr(self, k) for k in self.FIELDS}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "versions") -> "Versions":
-        d = check_mapping(data, where, optional=cls.FIELDS)
-        return cls(**{k: d.get(k) for k in cls.FIELDS}, where=where)
+                raise FieldError(join(where, f.name), f"expected a version string or null (quote numbers such as '2.5'), got {value!r}")
 
 
-@dataclass
-class Machine:
+@dataclass(frozen=True)
+class Machine(_Section):
     """What identifies the machine a profile is for, plus a short human summary of its fabric.
 
     ``device_kind``: ``cpu`` (CPU ranks over gloo), ``cuda`` or ``rocm``. ``device_name``: the
@@ -208,8 +278,6 @@ class Machine:
     link_classes: dict[str, int] = field(default_factory=dict)
     p2p: dict[str, int] = field(default_factory=dict)
     where: InitVar[str] = "machine"
-
-    FIELDS = ("device_kind", "device_name", "world_size", "fingerprint", "source", "hierarchy", "link_classes", "p2p")
 
     def __post_init__(self, where: str) -> None:
         check_str(self.device_kind, join(where, "device_kind"), choices=DEVICE_KINDS)
@@ -233,30 +301,6 @@ class Machine:
             pairs = self.world_size * (self.world_size - 1) // 2
             if counts and sum(counts.values()) != pairs:
                 raise FieldError(path, f"counts add up to {sum(counts.values())} pairs, but {self.world_size} devices have {pairs}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device_kind": self.device_kind,
-            "device_name": self.device_name,
-            "world_size": self.world_size,
-            "fingerprint": self.fingerprint,
-            "source": self.source,
-            "hierarchy": list(self.hierarchy),
-            "link_classes": dict(self.link_classes),
-            "p2p": dict(self.p2p),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "machine") -> "Machine":
-        d = check_mapping(data, where, required=("device_kind", "device_name", "world_size", "fingerprint"), optional=cls.FIELDS)
-        values = {k: d[k] for k in cls.FIELDS if k in d}
-        for key in ("hierarchy",):
-            if key in values and values[key] is None:
-                values[key] = []
-        for key in ("link_classes", "p2p"):
-            if key in values and values[key] is None:
-                values[key] = {}
-        return cls(**values, where=where)
 
     @classmethod
     def from_topology(cls, topology: Topology) -> "Machine":
@@ -302,8 +346,8 @@ def hierarchy_text(topology: Topology) -> list[str]:
     return [f"{h.kind}:" + " ".join(f"[{format_ranges(g)}]" for g in h.groups) for h in topology.hierarchy]
 
 
-@dataclass
-class KernelBucket:
+@dataclass(frozen=True)
+class KernelBucket(_Section):
     """The kernel config for one shape bucket.
 
     A bucket covers calls with this ``dtype``, ``head_dim`` and ``group`` (Hq / Hkv) and a per-rank
@@ -322,7 +366,7 @@ class KernelBucket:
     head_dim: int
     group: int
     max_shard_len: int
-    config: DecodeConfig
+    config: DecodeConfig = field(metadata=_read(config_from_dict))
     chosen_by: str
     time_us: float | None = None
     gbps: float | None = None
@@ -333,11 +377,8 @@ class KernelBucket:
     timing: str | None = None
     where: InitVar[str] = "kernel.buckets[]"
 
-    FIELDS = ("dtype", "head_dim", "group", "max_shard_len", "config", "chosen_by", "time_us", "gbps", "predicted_us",
-              "candidates_tried", "copy_fraction", "host_us", "timing")
-
     def __post_init__(self, where: str) -> None:
-        self.dtype = normalize_dtype(self.dtype, join(where, "dtype"))
+        _set(self, "dtype", normalize_dtype(self.dtype, join(where, "dtype")))
         check_int(self.head_dim, join(where, "head_dim"), minimum=1, maximum=1024)
         check_int(self.group, join(where, "group"), minimum=1)
         check_int(self.max_shard_len, join(where, "max_shard_len"), minimum=1)
@@ -347,8 +388,7 @@ class KernelBucket:
             raise FieldError(join(where, "config"), f"expected a DecodeConfig, got {type(self.config).__name__}")
         check_str(self.chosen_by, join(where, "chosen_by"), choices=CHOSEN_BY)
         for name in ("time_us", "gbps", "predicted_us", "copy_fraction", "host_us"):
-            check_number(getattr(self, name), join(where, name), optional=True)
-            setattr(self, name, as_float(getattr(self, name)))
+            _set(self, name, check_number(getattr(self, name), join(where, name), optional=True))
         check_int(self.candidates_tried, join(where, "candidates_tried"), minimum=0, optional=True)
         check_str(self.timing, join(where, "timing"), choices=TIMING_METHODS, optional=True)
         if self.chosen_by == "measured" and self.time_us is None:
@@ -360,40 +400,16 @@ class KernelBucket:
     def key(self) -> tuple[str, int, int, int]:
         return (self.dtype, self.head_dim, self.group, self.max_shard_len)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "head_dim": self.head_dim,
-            "group": self.group,
-            "max_shard_len": self.max_shard_len,
-            "config": self.config.to_dict(),
-            "chosen_by": self.chosen_by,
-            "time_us": self.time_us,
-            "gbps": self.gbps,
-            "predicted_us": self.predicted_us,
-            "candidates_tried": self.candidates_tried,
-            "copy_fraction": self.copy_fraction,
-            "host_us": self.host_us,
-            "timing": self.timing,
-        }
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> "KernelBucket":
-        d = check_mapping(data, where, required=("dtype", "head_dim", "group", "max_shard_len", "config", "chosen_by"), optional=cls.FIELDS)
-        values = {k: d[k] for k in cls.FIELDS if k in d}
-        values["config"] = config_from_dict(d["config"], join(where, "config"))
-        return cls(**values, where=where)
-
-
-@dataclass
-class KernelSection:
-    """Kernel configs per shape bucket; ``device_spec`` names the perf-model device spec
-    (``tree_attn.kernels.perf_model.KNOWN_DEVICES`` key or a spec name) they were ranked for.
+@dataclass(frozen=True)
+class KernelSection(_Section):
+    """Kernel configs per shape bucket; ``device_spec`` names the cost model's device spec
+    (``tree_attn.cost.devices.KNOWN_DEVICES`` key or a spec name) they were ranked for.
     An empty bucket list means the launch heuristic decides every shape (CPU ranks run the torch
     reference, where no config applies)."""
 
     device_spec: str | None = None
-    buckets: list[KernelBucket] = field(default_factory=list)
+    buckets: list[KernelBucket] = field(default_factory=list, metadata=_read(_items(KernelBucket.from_dict)))
     where: InitVar[str] = "kernel"
 
     def __post_init__(self, where: str) -> None:
@@ -408,22 +424,9 @@ class KernelSection:
                 raise FieldError(path, f"duplicate bucket {b.key} (same as buckets[{seen[b.key]}])")
             seen[b.key] = i
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"device_spec": self.device_spec, "buckets": [b.to_dict() for b in self.buckets]}
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "kernel") -> "KernelSection":
-        d = check_mapping(data, where, optional=("device_spec", "buckets"))
-        buckets = check_list(d.get("buckets") if d.get("buckets") is not None else [], join(where, "buckets"))
-        return cls(
-            device_spec=d.get("device_spec"),
-            buckets=[KernelBucket.from_dict(b, f"{join(where, 'buckets')}[{i}]") for i, b in enumerate(buckets)],
-            where=where,
-        )
-
-
-@dataclass
-class PlanCandidate:
+@dataclass(frozen=True)
+class PlanCandidate(_Section):
     """One reduction plan that was tried, with its latency for one all-ranks merge.
 
     ``chosen_by`` says where the numbers come from: ``measured`` (``median_us`` and ``p95_us``
@@ -432,7 +435,7 @@ class PlanCandidate:
     """
 
     label: str
-    plan: ReductionPlan
+    plan: ReductionPlan = field(metadata=_read(plan_from_dict))
     chosen_by: str
     median_us: float | None = None
     p95_us: float | None = None
@@ -441,15 +444,12 @@ class PlanCandidate:
     timing: str | None = None
     where: InitVar[str] = "reduction.candidates[]"
 
-    FIELDS = ("label", "plan", "chosen_by", "median_us", "p95_us", "predicted_us", "selected", "timing")
-
     def __post_init__(self, where: str) -> None:
         check_str(self.label, join(where, "label"))
         _check_plan(self.plan, join(where, "plan"), None)
         check_str(self.chosen_by, join(where, "chosen_by"), choices=CANDIDATE_CHOSEN_BY)
         for name in ("median_us", "p95_us", "predicted_us"):
-            check_number(getattr(self, name), join(where, name), optional=True)
-            setattr(self, name, as_float(getattr(self, name)))
+            _set(self, name, check_number(getattr(self, name), join(where, name), optional=True))
         check_bool(self.selected, join(where, "selected"))
         check_str(self.timing, join(where, "timing"), choices=TIMING_METHODS, optional=True)
         if self.chosen_by == "measured" and self.median_us is None:
@@ -459,38 +459,19 @@ class PlanCandidate:
         if self.median_us is not None and self.p95_us is not None and self.p95_us < self.median_us:
             raise FieldError(join(where, "p95_us"), f"the 95th percentile ({self.p95_us}) is below the median ({self.median_us})")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "plan": self.plan.to_dict(),
-            "chosen_by": self.chosen_by,
-            "median_us": self.median_us,
-            "p95_us": self.p95_us,
-            "predicted_us": self.predicted_us,
-            "selected": self.selected,
-            "timing": self.timing,
-        }
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str) -> "PlanCandidate":
-        d = check_mapping(data, where, required=("label", "plan", "chosen_by"), optional=cls.FIELDS)
-        values = {k: d[k] for k in cls.FIELDS if k in d}
-        values["plan"] = plan_from_dict(d["plan"], join(where, "plan"))
-        return cls(**values, where=where)
-
-
-@dataclass
-class Reduction:
+@dataclass(frozen=True)
+class Reduction(_Section):
     """The reduction plan ``run`` uses, how it was chosen, and every candidate tried.
 
     ``message_bytes``: the size of one rank's packed partial state (float32 ``[B, Hq, D + 1]``)
     the candidates were timed or priced at.
     """
 
-    plan: ReductionPlan
+    plan: ReductionPlan = field(metadata=_read(plan_from_dict))
     chosen_by: str
     message_bytes: int | None = None
-    candidates: list[PlanCandidate] = field(default_factory=list)
+    candidates: list[PlanCandidate] = field(default_factory=list, metadata=_read(_items(PlanCandidate.from_dict)))
     where: InitVar[str] = "reduction"
 
     def __post_init__(self, where: str) -> None:
@@ -517,36 +498,31 @@ class Reduction:
             if self.chosen_by == "measured" and winner.chosen_by != "measured":
                 raise FieldError(join(where, "chosen_by"), "is 'measured' but the selected candidate was not measured")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan.to_dict(),
-            "chosen_by": self.chosen_by,
-            "message_bytes": self.message_bytes,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "reduction") -> "Reduction":
-        d = check_mapping(data, where, required=("plan", "chosen_by"), optional=("plan", "chosen_by", "message_bytes", "candidates"))
-        cands = check_list(d.get("candidates") if d.get("candidates") is not None else [], join(where, "candidates"))
-        return cls(
-            plan=plan_from_dict(d["plan"], join(where, "plan")),
-            chosen_by=d["chosen_by"],
-            message_bytes=d.get("message_bytes"),
-            candidates=[PlanCandidate.from_dict(c, f"{join(where, 'candidates')}[{i}]") for i, c in enumerate(cands)],
-            where=where,
+def check_schema_version(value: Any) -> int:
+    """The one check of ``schema_version`` (a profile is refused before anything else is read
+    when this tree-attn cannot read its schema: a newer one may have keys this one lacks)."""
+    check_int(value, "schema_version")
+    if value not in SUPPORTED_SCHEMA_VERSIONS:
+        raise FieldError(
+            "schema_version",
+            f"this tree-attn reads profile schema {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}, got {value}; "
+            "re-tune with this version (`tree-attn tune --force`)",
         )
+    return value
 
 
-_TOP_FIELDS = (
-    "schema_version", "name", "origin", "created", "description", "versions", "machine", "kernel",
-    "reduction", "notes", "topology",
-)
+def _topology_from_dict(data: Any, path: str) -> Topology:
+    try:
+        return Topology.from_dict(data)
+    except TopologyError as exc:
+        raise FieldError(path, str(exc)) from None
 
 
-@dataclass
-class Profile:
-    """A tuned (or model-derived) profile for one machine. See the module docstring for the layout.
+@dataclass(frozen=True, kw_only=True)
+class Profile(_Section):
+    """A tuned (or model-derived) profile for one machine. See the module docstring for the layout
+    (the fields below, in file order).
 
     ``origin``: ``measured`` (``tune`` timed things on the machine), ``model`` (``tune`` without
     timing, e.g. from a topology file) or ``builtin-model`` (shipped with tree-attn, derived from
@@ -554,28 +530,22 @@ class Profile:
     fingerprint and size must agree with ``machine``.
     """
 
-    name: str
-    created: str
-    origin: str
-    machine: Machine
-    reduction: Reduction
-    kernel: KernelSection = field(default_factory=KernelSection)
-    versions: Versions = field(default_factory=Versions)
-    description: str | None = None
-    notes: list[str] = field(default_factory=list)
-    topology: Topology | None = None
     schema_version: int = SCHEMA_VERSION
+    name: str
+    origin: str
+    created: str
+    description: str | None = None
+    versions: Versions = field(default_factory=Versions, metadata=_read(Versions.from_dict))
+    machine: Machine = field(metadata=_read(Machine.from_dict))
+    kernel: KernelSection = field(default_factory=KernelSection, metadata=_read(KernelSection.from_dict))
+    reduction: Reduction = field(metadata=_read(Reduction.from_dict))
+    notes: list[str] = field(default_factory=list)
+    topology: Topology | None = field(default=None, metadata=_read(_topology_from_dict))
 
     def __post_init__(self) -> None:
-        check_int(self.schema_version, "schema_version")
-        if self.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
-            raise FieldError(
-                "schema_version",
-                f"this tree-attn reads profile schema {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}, got {self.schema_version}; "
-                "re-tune with this version (`tree-attn tune --force`)",
-            )
+        check_schema_version(self.schema_version)
         check_str(self.name, "name")
-        self.created = normalize_created(self.created)
+        _set(self, "created", normalize_created(self.created))
         check_str(self.origin, "origin", choices=ORIGINS)
         check_str(self.description, "description", optional=True, nonempty=False)
         check_str_list(self.notes, "notes")
@@ -626,22 +596,6 @@ class Profile:
         return best.config, best.chosen_by
 
     # -- serialisation ----------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data in the stable file order."""
-        return {
-            "schema_version": self.schema_version,
-            "name": self.name,
-            "origin": self.origin,
-            "created": self.created,
-            "description": self.description,
-            "versions": self.versions.to_dict(),
-            "machine": self.machine.to_dict(),
-            "kernel": self.kernel.to_dict(),
-            "reduction": self.reduction.to_dict(),
-            "notes": list(self.notes),
-            "topology": self.topology.to_dict() if self.topology is not None else None,
-        }
-
     @classmethod
     def from_dict(cls, data: Any) -> "Profile":
         """Validate and build from loaded YAML/JSON; every error names the dotted field path."""
@@ -649,40 +603,13 @@ class Profile:
         # The version first: a newer schema may legitimately have keys this one does not know.
         if "schema_version" not in data:
             raise FieldError("schema_version", "required key is missing (is this a tree-attn profile?)")
-        check_int(data["schema_version"], "schema_version")
-        if data["schema_version"] not in SUPPORTED_SCHEMA_VERSIONS:
-            raise FieldError(
-                "schema_version",
-                f"this tree-attn reads profile schema {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}, got {data['schema_version']}; "
-                "re-tune with this version (`tree-attn tune --force`)",
-            )
-        d = check_mapping(data, "", required=("schema_version", "name", "origin", "created", "machine", "reduction"), optional=_TOP_FIELDS)
-        topology = None
-        if d.get("topology") is not None:
-            try:
-                topology = Topology.from_dict(d["topology"])
-            except TopologyError as exc:
-                raise FieldError("topology", str(exc)) from None
-        notes = d.get("notes")
-        return cls(
-            schema_version=d["schema_version"],
-            name=d["name"],
-            origin=d["origin"],
-            created=d["created"],
-            description=d.get("description"),
-            versions=Versions.from_dict(d["versions"]) if d.get("versions") is not None else Versions(),
-            machine=Machine.from_dict(d["machine"]),
-            kernel=KernelSection.from_dict(d["kernel"]) if d.get("kernel") is not None else KernelSection(),
-            reduction=Reduction.from_dict(d["reduction"]),
-            notes=list(notes) if isinstance(notes, list) else ([] if notes is None else notes),
-            topology=topology,
-        )
+        check_schema_version(data["schema_version"])
+        return cls(**cls._values(data, ""))
 
 
 def shard_bucket(shard_len: int) -> int:
     """The bucket bound for a shard length: the next power of two (at least 1)."""
-    if isinstance(shard_len, bool) or not isinstance(shard_len, int) or shard_len < 0:
-        raise FieldError("shard_len", f"expected an integer >= 0, got {shard_len!r}")
+    check_int(shard_len, "shard_len", minimum=0)
     return 1 << max(0, (max(shard_len, 1) - 1).bit_length())
 
 

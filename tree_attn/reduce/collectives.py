@@ -13,7 +13,7 @@ token and are read in full. So the merge is the same merge, and the result is ex
 A paged cache: each rank passes its own pools and block table for its shard's pages.
 
 Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and the merge
-(``reduce.merges``) for one signature; the public :func:`tree_decode` reuses cached ones, and
+(``reduce.exchange``) for one signature; the public :func:`tree_decode` reuses cached ones, and
 :class:`TreeDecodeStep` binds one to static tensors and replays it as a CUDA graph on GPUs.
 """
 
@@ -30,11 +30,11 @@ from ..errors import DistributedError, ShapeError
 from ..graphs import CapturedStep, StaticStep, free_communicating_graphs
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
-from ..kernels.prepared import PreparedDecode, prepared_decode
+from ..kernels.prepared import DecodeOptions, PreparedDecode, prepared_decode
 from ..kernels.shapes import DecodeShape, check_decode_inputs
 from . import comm
 from .comm import CommStats
-from .merges import AllReduceMerge, TreeMerge, build_merge
+from .exchange import AllReduceMerge, TreeMerge, build_merge
 from .plan import ReductionPlan, default_plan
 
 
@@ -135,6 +135,14 @@ class TreeDecoder:
         return self.out, self.lse
 
 
+def _group_and_plan(group, plan: ReductionPlan | None) -> tuple:
+    """The process group (default: the world) and the plan (default: :func:`default_plan` for
+    its size) of a ``tree_decode`` call; raises unless torch.distributed is initialised."""
+    comm.require_initialized()
+    group = group if group is not None else dist.group.WORLD
+    return group, plan or default_plan(dist.get_world_size(group))
+
+
 def _new_merge(q, k, shape: DecodeShape, group, plan: ReductionPlan, check_shapes: bool, causal: bool = False):
     if check_shapes:
         exchange_shapes(q, shape, group, None, k.dtype, causal)
@@ -182,20 +190,10 @@ def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: b
 
 
 def tree_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    group=None,
-    plan: ReductionPlan | None = None,
-    impl: str = "auto",
-    config=None,
-    check_shapes: bool = True,
-    stats: CommStats | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None,
+    plan: ReductionPlan | None = None, impl: str = "auto", config=None, check_shapes: bool = True,
+    stats: CommStats | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-attention decoding: a collective over ``group`` (default: the world).
 
@@ -228,9 +226,7 @@ def tree_decode(
         NaN in any rank's q, k or v gives NaN in that row on every rank; an empty shard is the
         merge's identity.
     """
-    comm.require_initialized()
-    group = group if group is not None else dist.group.WORLD
-    plan = plan or default_plan(dist.get_world_size(group))
+    group, plan = _group_and_plan(group, plan)
     # No per-call checks: a merge and a local kernel are prepared (and their inputs checked) for
     # each new signature, and a call that hits both caches has a signature already checked.
     merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes, block_table, causal)
@@ -241,9 +237,8 @@ def tree_decode(
         return decode_attention(
             q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=mine
         )
-    local = prepared_decode(
-        q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED, block_table=block_table, causal=mine
-    )
+    local = prepared_decode(q, k, v, seq_lens, block_table=block_table,
+                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine))
     out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table)
     # Fresh outputs: the merge's buffers are reused by the next call.
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
@@ -273,36 +268,20 @@ class TreeDecodeStep(StaticStep):
     """
 
     def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
-        *,
-        scale: float | None = None,
-        group=None,
-        plan: ReductionPlan | None = None,
-        impl: str = "auto",
-        config=None,
-        check_shapes: bool = True,
-        cuda_graph: bool = True,
-        block_table: torch.Tensor | None = None,
-        causal: bool = False,
-        timeout_s: float | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
+        *, scale: float | None = None, group=None, plan: ReductionPlan | None = None, impl: str = "auto",
+        config=None, check_shapes: bool = True, cuda_graph: bool = True, block_table: torch.Tensor | None = None,
+        causal: bool = False, timeout_s: float | None = None,
     ) -> None:
-        comm.require_initialized()
-        group = group if group is not None else dist.group.WORLD
-        plan = plan or default_plan(dist.get_world_size(group))
+        group, plan = _group_and_plan(group, plan)
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
         shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
         mine = local_causal(causal, group)
         if mine:
             check_new_tokens(q, k, seq_lens, group)  # once, at build (the step replays without syncing)
-        local = PreparedDecode(
-            q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=PACKED,
-            block_table=block_table, causal=mine,
-        )
+        local = PreparedDecode(q, k, v, seq_lens, block_table=block_table,
+                               options=DecodeOptions(scale, impl, config, PACKED, causal=mine))
         self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import ConfigError
+from ..validate import check_int
 from .plan import ReductionPlan, ReductionTree
 
 
@@ -57,8 +58,7 @@ def hierarchical_parents(hierarchy, fanout: int | Sequence[int] = 2) -> tuple[in
     if len(fanouts) != len(levels):
         raise ConfigError(f"{len(fanouts)} fan-outs given for {len(levels)} hierarchy levels")
     for k in fanouts:
-        if not isinstance(k, int) or k < 2:
-            raise ConfigError(f"fan-out must be an integer >= 2; got {k!r}")
+        check_int(k, "fan-out", minimum=2, must=True)
     parents = [-1] * n
     # leader[r] = the representative of the current group containing r (its lowest rank)
     leader = list(range(n))

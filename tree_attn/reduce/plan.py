@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..validate import check_int
 
 STRATEGIES = ("allreduce", "tree")
 
@@ -113,8 +114,7 @@ class ReductionPlan:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if not isinstance(self.fanout, int) or isinstance(self.fanout, bool) or self.fanout < 2:
-            raise ConfigError(f"fanout must be an integer >= 2; got {self.fanout!r}")
+        check_int(self.fanout, "fanout", minimum=2, must=True)
         if self.rank_order is not None:
             object.__setattr__(self, "rank_order", tuple(int(r) for r in self.rank_order))
         if self.parents is not None:

@@ -24,29 +24,20 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 from ..kernels.layout import FLOAT32
-from ..kernels.prepared import prepared_decode
+from ..kernels.prepared import DecodeOptions, prepared_decode
 from ..kernels.paged import gather_pages
 from ..kernels.shapes import check_decode_inputs
-from ..merge import merge_two
+from .state import merge_two
 from . import comm
 from .collectives import check_new_tokens, exchange_shapes
 from .comm import CommStats
 
 
 def ring_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor | None = None,
-    scale: float | None = None,
-    group=None,
-    impl: str = "auto",
-    config=None,
-    lengths: Sequence[int] | None = None,
-    stats: CommStats | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None, impl: str = "auto",
+    config=None, lengths: Sequence[int] | None = None, stats: CommStats | None = None,
+    block_table: torch.Tensor | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring Attention decoding; same contract as :func:`tree_decode`.
 
@@ -64,6 +55,10 @@ def ring_decode(
         ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``) over all ranks' keys.
     """
     comm.require_initialized()
+    # The local kernel's options, checked before anything is sent: float32 partials (no rounding to
+    # q's dtype before the merge), the causal mask on one block only.
+    plain_opts = DecodeOptions(scale, impl, config, FLOAT32).checked()
+    causal_opts = plain_opts._replace(causal=True)
     shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -111,13 +106,12 @@ def ring_decode(
         # dtype before the merge), the local kernel resolved once per block shape. The block in
         # hand came from rank (rank - step): the causal one iff that is the last rank.
         blk_causal = causal and (rank - step) % world == world - 1
+        opts = causal_opts if blk_causal else plain_opts
         if step == 0 and block_table is not None:
-            local = prepared_decode(q, k, v, seq_lens, scale=scale, impl=impl, config=config, out_layout=FLOAT32,
-                                    block_table=block_table, causal=blk_causal)
+            local = prepared_decode(q, k, v, seq_lens, block_table=block_table, options=opts)
             o_blk, lse_blk = local(q, k, v, seq_lens, block_table=block_table)
         else:
-            local = prepared_decode(q, cur_k, cur_v, cur_len, scale=scale, impl=impl, config=config,
-                                    out_layout=FLOAT32, causal=blk_causal)
+            local = prepared_decode(q, cur_k, cur_v, cur_len, options=opts)
             o_blk, lse_blk = local(q, cur_k, cur_v, cur_len)
         if out is None:
             out, lse = o_blk, lse_blk

@@ -6,7 +6,7 @@ keys and values. A query must see every key at its position or before, wherever 
 predecessor's, so at step ``s`` rank ``r`` holds the block of rank ``r - s``; the send and receive
 of the next block are posted before the current one is computed on, so the transfer overlaps the
 compute (Ring Attention's prefill). Each block's partial state ``(out, lse)`` is merged into the
-running state with the one merge (:func:`tree_attn.merge.merge_states`), exactly.
+running state with the one merge (:func:`tree_attn.reduce.state.merge_states`), exactly.
 
 What to compute is decided by positions, once per prefill (:func:`plan_ring`), never by masking:
 runs of different ranks are disjoint, so a key run lies wholly before or wholly after a query run.
@@ -43,9 +43,9 @@ import torch.distributed as dist
 from ..cost.capacity import MERGE_ROWS
 from ..errors import ConfigError, ShapeError
 from ..kernels.prefill import attention_with_lse
-from ..merge import merge_states
 from . import comm
 from .comm import CommStats
+from .state import merge_states
 from .zigzag import Run, SequenceShards
 
 # MERGE_ROWS: query rows per partial state merged into the running state; it bounds the float32

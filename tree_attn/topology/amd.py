@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from .bandwidth import estimate
-from .dumps import _amd_pcie_kind
+from .dumps import amd_pcie_kind
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 from .nvml import BackendUnavailable, normalize_bus_id
 from .visible import NoVisibleDevice, restrict_amd_to_visible
@@ -120,7 +120,7 @@ def _probe_all(module: ModuleType | None) -> Topology:
                 lt = api.call("amdsmi_topo_get_link_type", ha, hb) or {}
                 kind = link_kind_from_amdsmi(lt.get("type"), am)
                 if kind is None:
-                    kind = _amd_pcie_kind(devices[a], devices[b])
+                    kind = amd_pcie_kind(devices[a], devices[b])
                 acc = api.call("amdsmi_is_P2P_accessible", ha, hb)
                 p2p = P2PStatus.UNKNOWN if acc is None else (P2PStatus.OK if acc else P2PStatus.UNSUPPORTED)
                 reason = "amdsmi: P2P access not available" if p2p is P2PStatus.UNSUPPORTED else None

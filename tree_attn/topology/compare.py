@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from .io import atomic_write_text
 from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology, format_ranges
@@ -206,58 +207,75 @@ def compare_topologies(
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
 
     pairs = [(expected.link(a, b), actual.link(a, b)) for a in range(n) for b in range(a + 1, n)]
-
-    diffs, checked = [], 0
-    for e, a in pairs:
-        if LinkKind.UNKNOWN in (e.kind, a.kind):
-            continue
-        checked += 1
-        if e.kind is not a.kind:
-            why = ""
-            if e.kind is LinkKind.NVLINK:
-                why = " (no NVLink between them: a bridge, an NVSwitch path or all their links are down)"
-            elif e.kind.rank < a.kind.rank:
-                why = " (a slower path than expected: a GPU may sit in another slot or socket)"
-            diffs.append(f"GPU{e.a}-GPU{e.b}: expected {_describe(e)}, found {_describe(a)}{why}")
-    results.append(_result("link classes", diffs, checked, "link classes unknown on one side"))
-
-    diffs, checked = [], 0
-    for e, a in pairs:
-        if e.kind is LinkKind.NVLINK and a.kind is LinkKind.NVLINK and e.nvlinks and a.nvlinks:
-            checked += 1
-            if a.nvlinks < e.nvlinks:
-                k = e.nvlinks - a.nvlinks
-                diffs.append(f"GPU{e.a}-GPU{e.b}: expected NV{e.nvlinks}, found NV{a.nvlinks} "
-                             f"({'an NVLink is' if k == 1 else f'{k} NVLinks are'} down)")
-            elif a.nvlinks > e.nvlinks:
-                diffs.append(f"GPU{e.a}-GPU{e.b}: expected NV{e.nvlinks}, found NV{a.nvlinks} (more links than expected)")
-    results.append(_result("nvlink counts", diffs, checked, "no NVLink pairs on both sides"))
-
-    diffs, checked = [], 0
-    for e, a in pairs:
-        if P2PStatus.UNKNOWN in (e.p2p, a.p2p):
-            continue
-        checked += 1
-        if e.p2p is not a.p2p:
-            if a.p2p is P2PStatus.UNSUPPORTED:
-                diffs.append(f"GPU{e.a}-GPU{e.b}: expected peer-to-peer, found it unavailable"
-                             f"{f' ({a.p2p_reason})' if a.p2p_reason else ''}: traffic will go through host memory")
-            else:
-                diffs.append(f"GPU{e.a}-GPU{e.b}: expected no peer-to-peer, found it available")
-    results.append(_result("peer-to-peer", diffs, checked, "peer-to-peer status unknown on one side"))
-
+    results.append(_pairwise("link classes", pairs, _class_difference, "link classes unknown on one side"))
+    results.append(_pairwise("nvlink counts", pairs, _nvlink_difference, "no NVLink pairs on both sides"))
+    results.append(_pairwise("peer-to-peer", pairs, _p2p_difference, "peer-to-peer status unknown on one side"))
     if min_bandwidth_ratio is not None:
-        diffs, checked = [], 0
-        for e, a in pairs:
-            if e.bandwidth_gbps is None or a.bandwidth_gbps is None or a.bandwidth_source != "measured":
-                continue
-            checked += 1
-            floor = min_bandwidth_ratio * e.bandwidth_gbps
-            if a.bandwidth_gbps < floor:
-                diffs.append(f"GPU{e.a}-GPU{e.b}: measured {a.bandwidth_gbps:.1f} GB/s, below "
-                             f"{min_bandwidth_ratio:g} x the expected {e.bandwidth_gbps:.1f} GB/s ({e.bandwidth_source})")
-        results.append(_result("bandwidth", diffs, checked, "no measured bandwidth to compare (run with --measure)"))
+        results.append(_pairwise("bandwidth", pairs, partial(_bandwidth_difference, min_bandwidth_ratio),
+                                 "no measured bandwidth to compare (run with --measure)"))
     return CheckReport(expected.fingerprint, actual.fingerprint, results)
+
+
+# A pair check: ``difference(expected link, actual link)`` is None where the pair cannot be
+# compared (unknown on one side), "" where it matches, else what differs.
+PairCheck = Callable[[Link, Link], "str | None"]
+
+
+def _pairwise(name: str, pairs: list[tuple[Link, Link]], difference: PairCheck, none_checked: str) -> CheckResult:
+    """One check over every GPU pair: the differences, each named by its pair."""
+    diffs, checked = [], 0
+    for e, a in pairs:
+        d = difference(e, a)
+        if d is None:
+            continue
+        checked += 1
+        if d:
+            diffs.append(f"GPU{e.a}-GPU{e.b}: {d}")
+    return _result(name, diffs, checked, none_checked)
+
+
+def _class_difference(e: Link, a: Link) -> str | None:
+    if LinkKind.UNKNOWN in (e.kind, a.kind):
+        return None
+    if e.kind is a.kind:
+        return ""
+    why = ""
+    if e.kind is LinkKind.NVLINK:
+        why = " (no NVLink between them: a bridge, an NVSwitch path or all their links are down)"
+    elif e.kind.rank < a.kind.rank:
+        why = " (a slower path than expected: a GPU may sit in another slot or socket)"
+    return f"expected {_describe(e)}, found {_describe(a)}{why}"
+
+
+def _nvlink_difference(e: Link, a: Link) -> str | None:
+    if not (e.kind is LinkKind.NVLINK and a.kind is LinkKind.NVLINK and e.nvlinks and a.nvlinks):
+        return None
+    if a.nvlinks < e.nvlinks:
+        k = e.nvlinks - a.nvlinks
+        return f"expected NV{e.nvlinks}, found NV{a.nvlinks} ({'an NVLink is' if k == 1 else f'{k} NVLinks are'} down)"
+    if a.nvlinks > e.nvlinks:
+        return f"expected NV{e.nvlinks}, found NV{a.nvlinks} (more links than expected)"
+    return ""
+
+
+def _p2p_difference(e: Link, a: Link) -> str | None:
+    if P2PStatus.UNKNOWN in (e.p2p, a.p2p):
+        return None
+    if e.p2p is a.p2p:
+        return ""
+    if a.p2p is P2PStatus.UNSUPPORTED:
+        return (f"expected peer-to-peer, found it unavailable{f' ({a.p2p_reason})' if a.p2p_reason else ''}: "
+                "traffic will go through host memory")
+    return "expected no peer-to-peer, found it available"
+
+
+def _bandwidth_difference(ratio: float, e: Link, a: Link) -> str | None:
+    if e.bandwidth_gbps is None or a.bandwidth_gbps is None or a.bandwidth_source != "measured":
+        return None
+    if a.bandwidth_gbps >= ratio * e.bandwidth_gbps:
+        return ""
+    return (f"measured {a.bandwidth_gbps:.1f} GB/s, below {ratio:g} x the expected {e.bandwidth_gbps:.1f} GB/s "
+            f"({e.bandwidth_source})")
 
 
 def summarize_differences(differences: list[str], pairs: int | None = None, *, shown: int = 3) -> list[str]:

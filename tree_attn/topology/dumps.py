@@ -388,7 +388,7 @@ def _amd_links(labels: list[str], tables: dict[str, dict], devices: list[Device]
                 if v == "XGMI":
                     kind = LinkKind.XGMI
                 elif v in ("PCIE", "PCIEXPRESS"):
-                    kind = _amd_pcie_kind(devices[a], devices[b])
+                    kind = amd_pcie_kind(devices[a], devices[b])
             p2p, reason = (P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI else (P2PStatus.UNKNOWN, None)
             acc = cell("ACCESS")
             if acc is not None:
@@ -413,7 +413,7 @@ def _amd_links(labels: list[str], tables: dict[str, dict], devices: list[Device]
     return links
 
 
-def _amd_pcie_kind(a: Device, b: Device) -> LinkKind:
+def amd_pcie_kind(a: Device, b: Device) -> LinkKind:
     """AMD tools say only "PCIE": within one NUMA node the most conservative PCIe class is NODE,
     across nodes SYS; unknown placement stays unknown rather than guessed."""
     if a.numa_node is None or b.numa_node is None:

@@ -8,6 +8,7 @@ over loopback TCP); there is no device peer-to-peer, and all pairs are alike.
 from __future__ import annotations
 
 from ..errors import TopologyError
+from ..validate import check_int
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 
 
@@ -30,8 +31,7 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
     """
     if n is None:
         n = default_cpu_ranks()
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise TopologyError(f"cpu ranks: expected an integer >= 1, got {n!r}")
+    check_int(n, "cpu ranks", minimum=1, error=TopologyError)
     from ..launch.env import check_cpu_ranks
 
     check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import TopologyError
+from ..validate import check_int, check_number
 
 SCHEMA_VERSION = 1
 UNKNOWN = "unknown"
@@ -60,17 +61,8 @@ class LinkKind(str, enum.Enum):
     @classmethod
     def parse(cls, value: Any, *, what: str = "kind") -> "LinkKind":
         """Accept a LinkKind or its name in any case (``"NV"``-prefixed cells are not kinds)."""
-        if isinstance(value, LinkKind):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        raise TopologyError(
-            f"{what}: unknown link class {value!r}; expected one of "
-            + ", ".join(k.value for k in _KIND_ORDER)
-        )
+        return _parse_enum(cls, value, f"{what}: unknown link class {value!r}; expected one of "
+                           + ", ".join(k.value for k in _KIND_ORDER))
 
 
 _KIND_ORDER = list(LinkKind)
@@ -85,14 +77,21 @@ class P2PStatus(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any, *, what: str = "p2p") -> "P2PStatus":
-        if isinstance(value, P2PStatus):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        raise TopologyError(f"{what}: bad peer-to-peer status {value!r}; expected ok, unsupported or unknown")
+        return _parse_enum(cls, value,
+                           f"{what}: bad peer-to-peer status {value!r}; expected ok, unsupported or unknown")
+
+
+def _parse_enum(cls: type[enum.Enum], value: Any, problem: str) -> Any:
+    """``value`` as a member of ``cls``: a member, or its value in any case and spacing; else a
+    TopologyError saying ``problem``."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            pass
+    raise TopologyError(problem)
 
 
 BANDWIDTH_SOURCES = ("estimated", "reported", "measured", "unknown")
@@ -100,17 +99,11 @@ VENDORS = ("nvidia", "amd", "cpu", UNKNOWN)
 
 
 def _check_opt_int(name: str, value: Any, *, minimum: int = 0) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TopologyError(f"{name}: expected an integer >= {minimum} or null, got {value!r}")
+    check_int(value, name, minimum=minimum, optional=True, error=TopologyError)
 
 
 def _check_opt_float(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise TopologyError(f"{name}: expected a number >= 0 or null, got {value!r}")
+    check_number(value, name, optional=True, finite=False, error=TopologyError)
 
 
 def _check_opt_str(name: str, value: Any) -> None:

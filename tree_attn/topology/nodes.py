@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import TopologyError
+from ..validate import check_int
 from .model import Link, LinkKind, P2PStatus, Topology
 
 
 def multinode_topology(node: Topology, nodes: int) -> Topology:
     """``nodes`` copies of ``node`` (devices renumbered node by node) joined by network links."""
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise TopologyError(f"nodes: expected an integer >= 1, got {nodes!r}")
+    check_int(nodes, "nodes", minimum=1, error=TopologyError)
     if nodes == 1:
         return node
     g = len(node)

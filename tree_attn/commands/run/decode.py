@@ -360,7 +360,7 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     holds one shard and the float64 copy of one chunk at a time (a rank holds its shard too).
     Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
     from ...kernels.reference import decode_attention_float64
-    from ...merge import merge_states
+    from ...reduce.state import merge_states
 
     q = make_query(spec, spec.steps - 1)
     out = torch.zeros(spec.batch, spec.q_heads, spec.head_dim, dtype=torch.float64)

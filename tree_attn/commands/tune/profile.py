@@ -49,7 +49,7 @@ def write_profile(setup: "TuneSetup", profile: "Profile") -> str:
 def measured_profile(topo: "Topology", options: "TuneOptions", progress: ProgressFn | None = None) -> "Profile":
     """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
     from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
-    from ...profiles.plan_model import decode_message_bytes
+    from ...cost.plan import decode_message_bytes
     from ...reduce.hier_plan import candidate_plans
     from .timing import tune_kernels_in_child, tune_plans
 
@@ -114,7 +114,7 @@ def _kernel_bucket(b):
 def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
     """A profile derived from the topology and the plan cost model alone (nothing timed)."""
     from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
-    from ...profiles.plan_model import decode_message_bytes, predict_plan_us
+    from ...cost.plan import decode_message_bytes, predict_plan_us
     from ...reduce.hier_plan import candidate_plans
 
     msg = decode_message_bytes(options.batch, options.q_heads, options.head_dim)

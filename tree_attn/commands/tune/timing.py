@@ -85,7 +85,7 @@ def time_plans_rank(
     from ...graphs import CapturedStep
     from ...launch.group import barrier
     from ...reduce.collectives import abort_group
-    from ...reduce.merges import build_merge
+    from ...reduce.exchange import build_merge
     from ...timing import hold_stream
 
     device = torch.device(env.device)
@@ -170,9 +170,13 @@ class KernelTiming:
 
 
 def time_kernel_configs(
-    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int, copy_gbps: float | None = None
+    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int, copy_gbps: float | None = None,
+    *, kv_dtype: torch.dtype | None = None,
 ) -> list[KernelTiming]:
     """Time the Triton kernel for each ranked config on one device.
+
+    ``dtype`` is the query's, ``kv_dtype`` the cache's (None: the same); an fp8 cache gets random
+    finite values and float32 scales per KV head, and its bandwidth counts its 1-byte elements.
 
     On a GPU every config is captured as a CUDA graph of back-to-back launches over rotated KV
     buffers (together at least 3x the L2 cache, within 40% of free memory) and replayed between
@@ -180,12 +184,13 @@ def time_kernel_configs(
     interpreter, for tests) a host clock.
     """
     from ...errors import ConfigError
-    from ...kernels.perf_model import kv_bytes
+    from ...cost.kernel import kv_bytes
     from ...kernels.triton_launch import TritonDecodeLaunch
     from ...timing import rotation_count, time_calls
 
     dev = torch.device(device)
-    nbytes = kv_bytes(shape, dtype)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    nbytes = kv_bytes(shape, kv_dtype)
     copies = 1
     if dev.type == "cuda":
         from ...kernels.device_info import device_spec_for
@@ -194,15 +199,22 @@ def time_kernel_configs(
         copies = rotation_count(nbytes, device_spec_for(dev).l2_bytes, free)
     q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=dev, dtype=dtype)
     kv_shape = (shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim)
-    kvs = [(torch.randn(kv_shape, device=dev, dtype=dtype), torch.randn(kv_shape, device=dev, dtype=dtype)) for _ in range(copies)]
+    scales = {}
+    if kv_dtype.itemsize == 1:  # fp8: values spread over the format, scaled to about [-1, 1]
+        kvs = [(_random_fp8(kv_shape, kv_dtype, dev), _random_fp8(kv_shape, kv_dtype, dev)) for _ in range(copies)]
+        one = torch.full((shape.kv_heads,), 1.0 / torch.finfo(kv_dtype).max, device=dev)
+        scales = dict(k_scale=one, v_scale=one)
+    else:
+        kvs = [(torch.randn(kv_shape, device=dev, dtype=kv_dtype), torch.randn(kv_shape, device=dev, dtype=kv_dtype))
+               for _ in range(copies)]
 
     out = []
     for ranked in configs_ranked:
         cfg = ranked.config
         try:
-            launch = TritonDecodeLaunch(q, *kvs[0], None, config=cfg)
+            launch = TritonDecodeLaunch(q, *kvs[0], None, config=cfg, **scales)
             o, lse = launch.new_outputs()
-            calls = [functools.partial(launch, q, k, v, None, o, lse) for k, v in kvs]
+            calls = [functools.partial(launch, q, k, v, None, o, lse, **scales) for k, v in kvs]
             t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
         except ConfigError as exc:  # e.g. Triton's out-of-resources: this config cannot run here
             out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None, error=str(exc)))
@@ -218,6 +230,12 @@ def time_kernel_configs(
     return out
 
 
+def _random_fp8(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Random finite values of an fp8 ``dtype``: uniform random floats over its range, converted."""
+    top = torch.finfo(dtype).max
+    return (torch.rand(shape, device=device) * 2 - 1).mul_(top).to(dtype)
+
+
 @dataclass(frozen=True)
 class TuneOptions(OnLaunch):
     """What ``tune`` searches, on the ranks of ``launch`` (its dtype is the kernel's). Shapes
@@ -228,6 +246,7 @@ class TuneOptions(OnLaunch):
     q_heads: int = HEADS
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
+    kv_dtype: str | None = None  # the KV cache's dtype (e.g. float8_e4m3fn); None: the launch's dtype
     quick: bool = False
     buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
 
@@ -252,7 +271,8 @@ class TuneOptions(OnLaunch):
 
 @dataclass(frozen=True)
 class BucketResult:
-    """Kernel tuning of one shape bucket: the timed candidates (model's order) and the winner."""
+    """Kernel tuning of one shape bucket: the timed candidates (model's order) and the winner.
+    ``dtype`` is the KV cache's (canonical name, e.g. ``bfloat16`` or ``float8_e4m3fn``)."""
 
     dtype: str
     head_dim: int
@@ -316,12 +336,16 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
             return []
         device = "cuda:0"
     from ...kernels.config import resolve_config
-    from ...kernels.perf_model import (CPU_INTERPRETER, DeviceSpec, RankedConfig, candidate_configs, predict_time_us,
-                                      rank_candidates, tuning_survivors)
+    from ...cost.devices import CPU_INTERPRETER, DeviceSpec
+    from ...cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
     from ...kernels.shapes import DecodeShape
     from ...dtypes import torch_dtype
 
-    dtype = torch_dtype(options.dtype)
+    from ...dtypes import parse_dtype
+
+    dtype = torch_dtype(options.dtype)  # the query's
+    kv_name = parse_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
+    kv_dtype = torch_dtype(kv_name)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     copy_gbps = None
     if device.startswith("cuda"):
@@ -334,16 +358,16 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
     iters, warm = (10, 3) if options.quick else (50, 10)
     for n in options.shard_buckets:
         shape = DecodeShape(options.batch, options.q_heads, options.kv_heads, options.head_dim, n)
-        need = 2 * n * options.batch * options.kv_heads * options.head_dim * dtype.itemsize
+        need = 2 * n * options.batch * options.kv_heads * options.head_dim * kv_dtype.itemsize
         if device.startswith("cuda") and need > 0.5 * torch.cuda.mem_get_info(torch.device(device))[0]:
             if progress:
                 progress(f"kernel bucket {n} tokens: skipped (KV of {need / 2**30:.1f} GiB does not fit comfortably)")
             continue
-        ranked = rank_candidates(candidate_configs(shape, dtype, spec), shape, dtype, spec)
-        default = resolve_config(None, shape, dtype, spec)  # what runs without a profile
+        ranked = rank_candidates(candidate_configs(shape, kv_dtype, spec), shape, kv_dtype, spec)
+        default = resolve_config(None, shape, kv_dtype, spec, q_dtype=dtype)  # what runs without a profile
         ranked = tuning_survivors(ranked, options.kernel_survivors,
-                                  include=RankedConfig(default, predict_time_us(default, shape, dtype, spec)))
-        timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps)
+                                  include=RankedConfig(default, predict_time_us(default, shape, kv_dtype, spec)))
+        timings = time_kernel_configs(shape, dtype, ranked, device, iters, warm, copy_gbps=copy_gbps, kv_dtype=kv_dtype)
         failed = [t for t in timings if t.error is not None]
         if len(failed) == len(timings):
             from ...errors import ConfigError
@@ -367,6 +391,6 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
             else:
                 progress(f"kernel bucket {n} tokens: every timing was host-bound (issue time near the measured time); "
                          f"keeping the model's choice {best.config.describe()}")
-        out.append(BucketResult(options.dtype, options.head_dim, options.q_heads // options.kv_heads, n, timings, best,
+        out.append(BucketResult(kv_name, options.head_dim, options.q_heads // options.kv_heads, n, timings, best,
                                 chosen_by=chosen_by, copy_gbps=copy_gbps))
     return out

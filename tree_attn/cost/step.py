@@ -20,6 +20,9 @@ What a step is, as ``reduce.collectives`` and ``reduce.ring`` run it:
   that compute) a round is compute + transfer + merge, and with more ranks than cores its compute
   and transfer last the longer of their sum and the cores' shared work.
 
+The merge alone (tree or all-reduce, after the local attention) is :func:`merge_us`: ``tune``'s
+pricing of candidate plans (:mod:`tree_attn.cost.plan`) is this same function.
+
 Bytes per rank follow ``reduce.comm``'s counting (the same numbers ``tree-attn run`` reports), and
 peak memory per rank counts the KV shard plus what the step allocates (ring: two more shards in
 flight; tree/allreduce: a few packed states).
@@ -30,11 +33,22 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .. import dtypes
 from ..errors import ConfigError
 from ..reduce.plan import ReductionPlan
+from ..validate import check_int
 from .params import ClusterSpec
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+
+def decode_message_bytes(batch: int, q_heads: int, head_dim: int) -> int:
+    """Bytes of one packed partial state: float32 ``[B, Hq, D + 1]`` (the message a tree edge
+    carries and the all-reduce sums, ``reduce.exchange``)."""
+    return 4 * batch * q_heads * (head_dim + 1)
+
+
+def decode_lse_bytes(batch: int, q_heads: int) -> int:
+    """Bytes of one state's lse: float32 ``[B, Hq]`` (what the all-reduce form reduces first)."""
+    return 4 * batch * q_heads
 
 
 @dataclass(frozen=True)
@@ -51,19 +65,15 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in ("batch", "q_heads", "kv_heads", "head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer; got {v!r}")
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 0:
-            raise ConfigError(f"sequence length must be an integer >= 0; got {self.seq_len!r}")
+            check_int(getattr(self, name), name.replace("_", " "), positive=True, must=True)
+        check_int(self.seq_len, "sequence length", minimum=0, must=True)
         if self.q_heads % self.kv_heads:
             raise ConfigError(f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads})")
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype {self.dtype!r}: expected one of fp32, fp16, bf16")
+        dtypes.parse_dtype(self.dtype)
 
     @property
     def elem_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return dtypes.itemsize(self.dtype)
 
     def shard_sizes(self, world_size: int) -> list[int]:
         """Tokens per rank, as ``RunSpec.shard_sizes``: the first ``seq_len % p`` ranks one more."""
@@ -80,12 +90,12 @@ class Workload:
 
     @property
     def message_bytes(self) -> int:
-        """One packed partial state: float32 ``[B, Hq, D + 1]`` (``reduce.merges``)."""
-        return 4 * self.batch * self.q_heads * (self.head_dim + 1)
+        """One packed partial state: float32 ``[B, Hq, D + 1]`` (:func:`decode_message_bytes`)."""
+        return decode_message_bytes(self.batch, self.q_heads, self.head_dim)
 
     @property
     def lse_bytes(self) -> int:
-        return 4 * self.batch * self.q_heads
+        return decode_lse_bytes(self.batch, self.q_heads)
 
 
 @dataclass(frozen=True)
@@ -140,9 +150,27 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
     p = cluster.world_size
     tree = plan.tree(p)
     msg = w.message_bytes
+    local = local_attention_us(cluster, w.shard_tokens(p), w)
+    comm = _tree_merge_us(cluster, plan, msg)
+    sends = [(1 if tree.parent[r] >= 0 else 0) + len(tree.children[r]) for r in range(p)]
+    extra = msg * (3 + max(len(c) for c in tree.children))  # local, merged, down + one per child
+    return _prediction("tree", plan.label, cluster, w, local, comm, max(sends) * msg, max(sends), extra)
+
+
+def merge_us(cluster: ClusterSpec, plan: ReductionPlan, message_bytes: int, lse_bytes: int = 0) -> float:
+    """One all-ranks merge under ``plan`` after the local attention, microseconds: the step's
+    communication for a tree or all-reduce plan (``message_bytes``: one packed state; ``lse_bytes``:
+    the lse the all-reduce form reduces first, ``[B, Hq]`` float32)."""
+    if plan.strategy == "allreduce":
+        return _allreduce_merge_us(cluster, message_bytes, lse_bytes)
+    return _tree_merge_us(cluster, plan, message_bytes)
+
+
+def _tree_merge_us(cluster: ClusterSpec, plan: ReductionPlan, msg: int) -> float:
+    p = cluster.world_size
+    tree = plan.tree(p)
     share = _core_share(cluster)
     merge = cluster.device.merge_us * share
-    local = local_attention_us(cluster, w.shard_tokens(p), w)
     # Upward pass, children before parents (deepest first).
     order = sorted(range(p), key=lambda r: -tree.depth[r])
     ready = [0.0] * p  # when a node's merged state is ready to go up (after its local attention)
@@ -165,10 +193,7 @@ def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> Step
         for i, c in enumerate(tree.children[node]):
             link = cluster.link(node, c)
             have[c] = t + share * (link.p2p_latency_us + (i + 1) * msg / (link.p2p_gbps * 1e3))
-    comm = max(have) if p > 1 else 0.0
-    sends = [(1 if tree.parent[r] >= 0 else 0) + len(tree.children[r]) for r in range(p)]
-    extra = msg * (3 + max(len(c) for c in tree.children))  # local, merged, down + one per child
-    return _prediction("tree", plan.label, cluster, w, local, comm, max(sends) * msg, max(sends), extra)
+    return max(have) if p > 1 else 0.0
 
 
 def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
@@ -178,7 +203,13 @@ def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
         return 0.0
     t = cluster.device.collective_us
     if g > 1:
-        intra = cluster.intra or max(cluster.pair_links.values(), key=lambda l: l.ar_step_us)
+        # A ring all-reduce steps at the pace of its slowest link: the largest per-step alpha among
+        # the links the node's pairs use (its pairs' own, and the node's class for any pair they
+        # leave out).
+        links = list(cluster.pair_links.values())
+        if cluster.intra is not None and len(links) < g * (g - 1) // 2:
+            links.append(cluster.intra)
+        intra = max(links, key=lambda l: l.ar_step_us)
         t += 2 * (g - 1) * intra.ar_step_us + 2 * (g - 1) / g * nbytes / (intra.ar_gbps * 1e3)
     if nodes > 1:
         hops = 2 * math.ceil(math.log2(nodes))
@@ -190,13 +221,20 @@ def predict_allreduce(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     """The paper's Algorithm 3: all-reduce max of lse, all-reduce sum of the packed state."""
     p = cluster.world_size
     local = local_attention_us(cluster, w.shard_tokens(p), w)
-    merge = cluster.device.merge_us * _core_share(cluster)
-    comm = ((allreduce_us(cluster, w.lse_bytes) + allreduce_us(cluster, w.message_bytes)) * _core_share(cluster)
-            + merge) if p > 1 else 0.0
+    comm = _allreduce_merge_us(cluster, w.message_bytes, w.lse_bytes)
     payload = w.lse_bytes + w.message_bytes
     sent = (2 * (p - 1) * payload) // p if p > 1 else 0
     msgs = 4 * (p - 1) if p > 1 else 0
     return _prediction("allreduce", "allreduce", cluster, w, local, comm, sent, msgs, 3 * w.message_bytes)
+
+
+def _allreduce_merge_us(cluster: ClusterSpec, message_bytes: int, lse_bytes: int) -> float:
+    """The all-reduce form's merge: the lse's all-reduce, the packed state's, then a rescale."""
+    if cluster.world_size == 1:
+        return 0.0
+    share = _core_share(cluster)
+    collectives = allreduce_us(cluster, lse_bytes) + allreduce_us(cluster, message_bytes)
+    return collectives * share + cluster.device.merge_us * share
 
 
 def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:

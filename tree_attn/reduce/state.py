@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ShapeError
+from ..errors import ShapeError
 
 
 def merge_states(

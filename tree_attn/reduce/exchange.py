@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from ..merge import merge_states
+from .state import merge_states
 from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
 
