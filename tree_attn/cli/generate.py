@@ -115,7 +115,7 @@ def render_generate(result) -> None:
         table.add_column(col, justify=just, no_wrap=True)
     for r in result.rows:
         if not r.ran:
-            table.add_row(styled(r.name), str(r.ranks), "-", "-", "-", "-", "-", styled(r.skipped, "dim"))
+            table.add_row(styled(r.name), str(r.ranks), "-", "-", "-", "-", "-", styled("skipped", "dim"))
             continue
         if r.name == result.checked_against:
             same = "yardstick" if r.name != "reference" else "reference"
@@ -125,6 +125,9 @@ def render_generate(result) -> None:
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
                       styled(same, None if same != "DIFFER" else "bold red"))
     out_console.print(table)
+    for r in result.rows:
+        if not r.ran:
+            out_console.print(line((r.name, "bold"), f": {r.skipped}"))
     sizes = result.shard_sizes
     prefill_bytes = max((rep.prefill.timing.stats.bytes_sent for rep in result.ranks), default=0)
     out_console.print(
