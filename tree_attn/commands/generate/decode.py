@@ -124,20 +124,29 @@ class StrategyRun:
 
 @dataclass
 class RankReport:
-    """What one rank did: each strategy's decode, its prefill, its KV pool, its peak memory
-    (host RSS high-water on CPU, ``max_memory_allocated`` on GPUs, from before the model
-    loaded to the end)."""
+    """What one rank did: each strategy's decode, its prefill, its KV pool, and its peak memory
+    in each phase (host RSS high-water on CPU, ``max_memory_allocated`` on GPUs): loading the
+    model, the prefill, the decode; ``start_bytes``: before the model loaded (RSS; 0 on GPUs)."""
 
     rank: int
     runs: dict[str, StrategyRun]
     prefill: PrefillReport
     kv_bytes: int
-    peak_bytes: int
+    load_peak_bytes: int
+    prefill_peak_bytes: int
+    decode_peak_bytes: int
     peak_method: str
+    start_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.load_peak_bytes, self.prefill_peak_bytes, self.decode_peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "prefill": self.prefill.to_dict(), "kv_pool_bytes": self.kv_bytes,
-                "peak_bytes": self.peak_bytes, "peak_method": self.peak_method}
+                "peak_bytes": self.peak_bytes, "load_peak_bytes": self.load_peak_bytes,
+                "prefill_peak_bytes": self.prefill_peak_bytes, "decode_peak_bytes": self.decode_peak_bytes,
+                "start_bytes": self.start_bytes, "peak_method": self.peak_method}
 
 
 @dataclass
@@ -330,7 +339,8 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
     together, the ring), decode with each of ``strategies`` (``(name, plan)`` pairs; ``local``:
     one rank, no collective)."""
     device = torch.device(env.device)
-    with MemoryMonitor(env.device) as mem:
+    # Three regions one after the other (a monitor resets the high-water mark where it starts).
+    with MemoryMonitor(env.device) as load:
         say_on_rank_0(env, f"loading {spec.source.label}")
         model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
         use_tree_attention(model)
@@ -341,13 +351,16 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
         store = PagedKVShard.allocate(shape.layers, plan.tokens + (spec.new_tokens + 1 if last else 0),
                                       shape.kv_heads, shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
                                       page_size=spec.page_size, seed=spec.seed + env.rank)
-        sizes = plan.sizes
-        say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
-                           f"{'s' if env.world_size != 1 else ''} (zig-zag, {min(sizes):,}-{max(sizes):,} each)")
+    sizes = plan.sizes
+    say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
+                       f"{'s' if env.world_size != 1 else ''} (zig-zag, {min(sizes):,}-{max(sizes):,} each)")
+    with MemoryMonitor(env.device) as prefill_mem:
         pre = sharded_prefill(model, spec.prompt_ids, ShardedPrefill(store, plan))
-        say_on_rank_0(env, f"prefill: {pre.wall_s:.1f} s (rank 0 waited {pre.timing.wait_s:.1f} s for blocks)")
+    say_on_rank_0(env, f"prefill: {pre.wall_s:.1f} s (rank 0 waited {pre.timing.wait_s:.1f} s for blocks)")
+    with MemoryMonitor(env.device) as decode_mem:
         runs = decode_strategies(env, spec, model, store, strategies)
-    return RankReport(env.rank, runs, pre, store.nbytes, mem.result.peak_bytes, mem.method)
+    return RankReport(env.rank, runs, pre, store.nbytes, load.result.peak_bytes, prefill_mem.result.peak_bytes,
+                      decode_mem.result.peak_bytes, load.method, load.result.start_bytes)
 
 
 def _row(name: str, ranks: int, runs: list[StrategyRun]) -> GenerateRow:
