@@ -142,7 +142,7 @@ def test_fit_answers_4_rtx_4090_for_llama_3_1_8b(capsys):
         assert busiest["weights"] == 8_030_261_248 * 2
         assert r["capped_by_max_positions"] == (r["largest_prompt"] + 32 > 131072)
     # the same answer as the arithmetic generate checks
-    res = fit(FitOptions(preset="llama-3.1-8b", gpu="rtx4090", ranks=4))
+    res = fit(FitOptions(preset="llama-3.1-8b", gpu="rtx4090", gpus=4))
     assert res.rows[0].tokens == rows[0]["largest_prompt"]
     assert main(["fit", "--preset", "llama-3.1-8b", "--gpu", "rtx4090", "-g", "4"]) == 0
     table = capsys.readouterr().out

@@ -33,7 +33,7 @@ def fit_command(
     gpu: Annotated[Optional[str], typer.Option(
         "--gpu", help="A GPU of the device catalogue: rtx4090, h100-sxm, h100-pcie, h100-nvl, h200, a100-sxm-80gb, "
         "a100-40gb, mi300x.")] = DEFAULTS.gpu,
-    gpus: Annotated[int, typer.Option("--gpus", "-g", help="Ranks (GPUs, or CPU ranks on the host).")] = 1,
+    gpus: Annotated[int, typer.Option("--gpus", "-g", help="Ranks (GPUs, or CPU ranks on the host).")] = DEFAULTS.gpus,
     memory: Annotated[Optional[str], typer.Option(
         "--memory", help="Memory per GPU (or the host's, with --device cpu): 24GiB, 80GB, 512MiB; replaces "
         "the catalogue's.")] = DEFAULTS.memory,
@@ -41,12 +41,13 @@ def fit_command(
     dtype: Annotated[str, typer.Option("--dtype", help="Weights and activations: bf16, fp16 or fp32.")] = DEFAULTS.dtype,
     kv_dtype: Annotated[Optional[str], typer.Option(
         "--kv-dtype", help="The KV cache's dtype (default: --dtype).")] = DEFAULTS.kv_dtype,
-    new_tokens: Annotated[int, count_option("--new-tokens", help="Tokens generated after the prompt.")] = 32,
+    new_tokens: Annotated[int, count_option(
+        "--new-tokens", help="Tokens generated after the prompt.")] = DEFAULTS.new_tokens,
     json_out: Json = False,
 ) -> None:
     from ..commands.fit import fit
 
-    result = fit(FitOptions(preset=preset, config=config, gpu=gpu, memory=memory, ranks=gpus, device=device,
+    result = fit(FitOptions(preset=preset, config=config, gpu=gpu, memory=memory, gpus=gpus, device=device,
                             dtype=dtype, kv_dtype=kv_dtype, new_tokens=new_tokens))
     report(result, render, json_out)
 
@@ -62,9 +63,7 @@ def render(result) -> None:
     d = result.dims
     kind = "GPU" if result.device_kind == "cuda" else "host"
     table = Table(
-        title=styled(f"tree-attn fit: {result.model} ({d.layers} layers, {d.params() / 1e9:,.2f}B params, "
-                     f"{result.dtype}, KV {result.kv_dtype}) on {result.device}, {_gib(result.memory_bytes)} GiB "
-                     f"per {kind}"),
+        title=styled(f"tree-attn fit: {result.model} on {result.device}, {_gib(result.memory_bytes)} GiB per {kind}"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     for col in ("ranks", "longest prompt", "per rank: weights", "KV", "activations", "process", "total GiB"):
@@ -78,9 +77,10 @@ def render(result) -> None:
         table.add_row(str(r.ranks), tokens, _gib(m.weights), _gib(m.kv), _gib(m.activations), _gib(m.overhead),
                       _gib(m.total))
     out_console.print(table)
-    out_console.print(f"KV: {result.dims.kv_bytes_per_token(result.kv_dtype):,} bytes per token (all layers); "
-                      f"{result.new_tokens} new tokens on the last rank; per rank: the busiest rank at that prompt.",
-                      style="dim")
+    out_console.print(f"{d.layers} layers, {d.params() / 1e9:,.2f}B params in {result.dtype}; KV in {result.kv_dtype}: "
+                      f"{d.kv_bytes_per_token(result.kv_dtype):,} bytes per token", style="dim")
+    out_console.print(f"per rank: the busiest rank at that prompt (GiB); {result.new_tokens} new tokens on the last "
+                      "rank.", style="dim")
     out_console.print(f"transformers alone in one process (generate's reference row): {result.one_process:,} tokens.",
                       style="dim")
     for note in result.notes:

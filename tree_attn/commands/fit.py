@@ -65,19 +65,17 @@ def parse_memory(text: str | int) -> int:
 @dataclass(frozen=True)
 class FitOptions:
     """What ``tree-attn fit`` is asked: a model (``preset`` or a ``config`` path), the machine
-    (``gpu`` name from the device catalogue or ``memory`` per GPU / per host, ``ranks``), dtypes."""
+    (``gpu`` name from the device catalogue or ``memory`` per GPU / per host, ``gpus`` ranks), dtypes."""
 
     preset: str | None = None
     config: str | None = None
     gpu: str | None = None
     memory: str | None = None
-    ranks: int = 1
+    gpus: int = 1  # ranks: GPUs, or CPU ranks on the host
     device: str = "cuda"
     dtype: str = "bf16"
     kv_dtype: str | None = None  # default: --dtype
     new_tokens: int = 32
-    page_size: int = 16
-    ring_decode: bool = True
 
 
 @dataclass
@@ -172,11 +170,12 @@ def _machine(options: FitOptions) -> tuple[str, int, str]:
 def fit(options: FitOptions) -> FitResult:
     """Answer ``options`` (see the module); ConfigError naming the bad option."""
     from .generate.memory import GenerateEstimate, JobShape, estimate_generate
+    from .generate.setup import GenerateOptions
 
     name, config = _model(options)
     dims = ModelDims.from_config(config)
     device, memory, source = _machine(options)
-    ranks = options.ranks
+    ranks = options.gpus
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 4096:
         raise ConfigError(f"--gpus/-g must be an integer in 1..4096; got {ranks!r}")
     dtype = parse_dtype(options.dtype)
@@ -186,8 +185,9 @@ def fit(options: FitOptions) -> FitResult:
     new = parse_count(options.new_tokens)
     if not 1 <= new <= MAX_SEQ:
         raise ConfigError(f"--new-tokens must be in 1..{MAX_SEQ:,}; got {new}")
-    shape = JobShape(dims, new, dtype, kv_dtype, options.device, options.page_size, preset=False,
-                     ring_decode=options.ring_decode)
+    # generate's defaults: its page size, and its strategies (ring among them, whose decode gathers a layer shard)
+    shape = JobShape(dims, new, dtype, kv_dtype, options.device, GenerateOptions().page_size, preset=False,
+                     ring_decode=True)
     cpu = options.device == "cpu"
     limit = MAX_SEQ - new
 

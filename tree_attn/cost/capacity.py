@@ -191,15 +191,17 @@ def reference_memory(dims: ModelDims, *, prompt_tokens: int, new_tokens: int, dt
     """The reference row in one process: transformers' own forward with its sdpa attention and
     ``DynamicCache`` (the whole KV in the dtype, which grows by concatenation: one layer twice
     while it grows), prefilling ``chunk`` tokens per forward. Its chunk's activations: the MLP's
-    ``3 I e`` and the hidden states per token, and the attention mask and scores of the chunk
-    over the whole context (sdpa's math path materialises ``Hq x chunk x N`` float32 scores)."""
+    ``3 I e`` and the hidden states per token, and the attention mask of the chunk over the whole
+    context (one byte a pair); on CPU also its scores (sdpa's math path materialises ``Hq x chunk
+    x N`` float32 scores; on GPUs sdpa's memory-efficient kernel takes the mask and keeps none)."""
     total = prompt_tokens + new_tokens
     e = itemsize(dtype)
     weights = dims.params() * e
     per_token = dims.kv_bytes_per_token(dtype)
     kv = total * per_token + total * per_token // dims.layers
     rows = min(chunk, max(prompt_tokens - 1, 1))
-    act = rows * (3 * dims.intermediate * e + 6 * dims.hidden * e) + rows * total * (1 + 4 * dims.q_heads)
+    scores = 4 * dims.q_heads if device_kind == "cpu" else 0
+    act = rows * (3 * dims.intermediate * e + 6 * dims.hidden * e) + rows * total * (1 + scores)
     load = dims.params() * 4 if preset and device_kind == "cpu" else weights
     overhead = GPU_PROCESS_BYTES if device_kind == "cuda" else CPU_PROCESS_BYTES
     return RankMemory(weights, kv, act, overhead, load, total)
