@@ -354,6 +354,12 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
     sizes = plan.sizes
     say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
                        f"{'s' if env.world_size != 1 else ''} (zig-zag, {min(sizes):,}-{max(sizes):,} each)")
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        # The ranks start their prefill together: its wall time is the prefill's, not the skew of
+        # the ranks' model loading (which the first ring step would otherwise absorb as waiting).
+        dist.barrier()
     with MemoryMonitor(env.device) as prefill_mem:
         pre = sharded_prefill(model, spec.prompt_ids, ShardedPrefill(store, plan))
     say_on_rank_0(env, f"prefill: {pre.wall_s:.1f} s (rank 0 waited {pre.timing.wait_s:.1f} s for blocks)")
