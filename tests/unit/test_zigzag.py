@@ -115,3 +115,31 @@ def test_bytes_per_layer_of_the_ring():
     assert plan.block_bytes_sent(kv_heads=8, head_dim=128, itemsize=2) == (3 * 250 * 2 * 8 * 128 * 2, 3)
     few = plan_ring(zigzag(2, 4), 3)  # ranks 2 and 3 are empty; rank 3 forwards blocks of 3, 2, 1
     assert few.block_bytes_sent(1, 1, 1) == (2 * 1, 1)
+
+
+@pytest.mark.parametrize("hq, hkv, s, n, causal", [
+    *[(hq, hkv, s, s, causal) for hq, hkv, s in [(8, 2, 130), (4, 4, 64), (6, 3, 1), (4, 1, 0)] for causal in (True, False)],
+    (8, 2, 70, 200, False), (4, 2, 0, 5, False)])  # fewer queries than keys: full attention only
+def test_the_gpus_blockwise_prefill_attention_equals_float64(hq, hkv, s, n, causal):
+    """The GPUs' portable prefill attention (blocks of query rows), run here on CPU tensors:
+    out and lse against float64, grouped-query heads, rows not a multiple of the block, no rows.
+    The query is a transposed view, as the attention hook hands it over."""
+    import torch
+
+    from tests.tolerances import assert_state_close
+    from tree_attn.kernels.prefill import attention_blockwise
+
+    g = torch.Generator().manual_seed(s * 7 + n)
+    q = torch.randn(s, hq, 16, generator=g).transpose(0, 1)
+    k, v = torch.randn(hkv, n, 16, generator=g), torch.randn(hkv, n, 16, generator=g)
+    out, lse = attention_blockwise(q, k, v, 0.25, causal)
+    scores = torch.einsum("hsd,hnd->hsn", q.double(), k.double().repeat_interleave(hq // hkv, 0)) * 0.25
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref = torch.einsum("hsn,hnd->hsd", torch.exp(scores - ref_lse.unsqueeze(-1)),
+                       v.double().repeat_interleave(hq // hkv, 0))
+    assert out.shape == (hq, s, 16) and lse.shape == (hq, s) and out.dtype == torch.float32
+    if s:
+        assert_state_close(out.transpose(0, 1), lse.transpose(0, 1), ref.transpose(0, 1), ref_lse.transpose(0, 1),
+                           torch.float32)

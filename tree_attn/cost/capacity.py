@@ -46,9 +46,10 @@ LAUNCHER_BYTES = 300 * MiB  # the launching process of spawned ranks (torch impo
 
 MLP_ROWS = 4096  # tokens per MLP chunk in a prefill forward (commands.generate.prefill)
 MERGE_ROWS = 1024  # query rows per merged partial state (reduce.ring_prefill)
+QUERY_ROWS = 64  # query rows per float32 score block of the GPUs' prefill attention (kernels.prefill)
 REFERENCE_CHUNK = 4096  # prompt tokens per forward of the reference's own prefill
 
-__all__ = ["CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES", "ModelDims", "RankMemory", "largest_prompt",
+__all__ = ["CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES", "MERGE_ROWS", "MLP_ROWS", "QUERY_ROWS", "ModelDims", "RankMemory", "largest_prompt",
            "prefill_activation_bytes", "rank_memory", "reference_memory"]
 
 
@@ -129,7 +130,7 @@ class RankMemory:
 
 
 def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, largest_block: int | None = None,
-                             mlp_rows: int = MLP_ROWS) -> int:
+                             mlp_rows: int = MLP_ROWS, device_kind: str = "cpu") -> int:
     """Peak bytes a rank's prefill forward over its ``tokens`` tokens needs beyond weights and KV.
 
     The largest of a decoder layer's phases (``e`` the activations' itemsize, per token):
@@ -145,6 +146,10 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
       float32 copy ``4 H`` when ``e`` is not 4).
 
     ``A = Hq D``, ``K = Hkv D``; the merge's float32 temporaries add a fixed ``MERGE_ROWS`` rows.
+    On GPUs the attention is the portable blockwise path (:func:`tree_attn.kernels.prefill.attention_blockwise`),
+    which adds its float32 output ``4 A`` per token, float32 copies of the block's K and V ``8 K``
+    per block token, and three float32 score blocks ``Hq x QUERY_ROWS x N`` (scores, the mask's
+    result, their exponent) over the largest block ``N``.
     """
     if tokens <= 0:
         return 0
@@ -153,6 +158,8 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
     block = tokens if largest_block is None else max(tokens, largest_block)
     hidden = 2 * h * e
     attention = tokens * (hidden + a * e + 2 * k * e + 2 * k * e + 4 * (a + dims.q_heads) + a * e) + block * 2 * k * e
+    if device_kind == "cuda":
+        attention += tokens * 4 * a + block * 8 * k + 3 * 4 * dims.q_heads * min(tokens, QUERY_ROWS) * block
     rope = tokens * (hidden + a * e + 2 * k * e + 3 * a * e)
     mlp = tokens * 3 * h * e + min(tokens, mlp_rows) * 3 * dims.intermediate * e
     norm = tokens * (hidden + 8 * h + (4 * h if e != 4 else 0))
@@ -179,7 +186,7 @@ def rank_memory(dims: ModelDims, *, shares: list[int], rank: int, new_tokens: in
     mine = shares[rank] + (new_tokens + 1 if rank == len(shares) - 1 else 0)
     weights = dims.params() * itemsize(dtype)
     kv = _pages(mine, page_size) * dims.kv_bytes_per_token(kv_dtype)
-    act = max(prefill_activation_bytes(dims, shares[rank], dtype, largest_block=max(shares)),
+    act = max(prefill_activation_bytes(dims, shares[rank], dtype, largest_block=max(shares), device_kind=device_kind),
               decode_activation_bytes(dims, max(shares) + new_tokens + 1, kv_dtype, ring_decode))
     load = dims.params() * 4 if preset and device_kind == "cpu" else weights
     overhead = GPU_PROCESS_BYTES if device_kind == "cuda" else CPU_PROCESS_BYTES

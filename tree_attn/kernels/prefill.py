@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-QUERY_ROWS = 64  # query rows per block of the portable path (bounds its float32 score block)
+# Query rows per block of the portable path (bounds its float32 score block); the capacity
+# arithmetic counts it, so it is defined there.
+from ..cost.capacity import QUERY_ROWS
 
 __all__ = ["QUERY_ROWS", "attention_blockwise", "attention_with_lse"]
 
@@ -33,23 +35,23 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def attention_blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
     """The portable path of :func:`attention_with_lse` (GPUs): blocks of :data:`QUERY_ROWS` query
-    rows, float32 scores ``[Hq, rows, N]`` per block, exact log-sum-exp."""
+    rows, float32 scores ``[Hq, rows, N]`` per block, exact log-sum-exp. Beside the output it holds
+    float32 copies of K and V and one block's queries and scores (the capacity arithmetic counts them)."""
     hq, s, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
-    qg = q.float().view(hkv, g, s, d)
+    qg = q.reshape(hkv, g, s, d)
     kf, vf = k.float(), v.float()
-    outs, lses = [], []
+    out = torch.empty((hkv, g, s, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((hkv, g, s), dtype=torch.float32, device=q.device)
     for start in range(0, s, QUERY_ROWS):
         stop = min(s, start + QUERY_ROWS)
-        scores = torch.einsum("hgsd,hnd->hgsn", qg[:, :, start:stop], kf) * scale
+        scores = torch.einsum("hgsd,hnd->hgsn", qg[:, :, start:stop].float(), kf) * scale
         if causal:
             rows = torch.arange(start, stop, device=q.device).view(-1, 1)
             cols = torch.arange(k.shape[1], device=q.device).view(1, -1)
             scores = scores.masked_fill(cols > rows, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.einsum("hgsn,hnd->hgsd", torch.exp(scores - lse.unsqueeze(-1)), vf))
-        lses.append(lse)
-    if not outs:
-        return q.new_zeros((hq, 0, d), dtype=torch.float32), q.new_zeros((hq, 0), dtype=torch.float32)
-    return torch.cat(outs, 2).view(hq, s, d), torch.cat(lses, 2).view(hq, s)
+        block_lse = torch.logsumexp(scores, dim=-1)
+        lse[:, :, start:stop] = block_lse
+        out[:, :, start:stop] = torch.einsum("hgsn,hnd->hgsd", torch.exp(scores - block_lse.unsqueeze(-1)), vf)
+    return out.view(hq, s, d), lse.view(hq, s)
