@@ -148,8 +148,8 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
     ``A = Hq D``, ``K = Hkv D``; the merge's float32 temporaries add a fixed ``MERGE_ROWS`` rows.
     On GPUs the attention is the portable blockwise path (:func:`tree_attn.kernels.prefill.attention_blockwise`),
     which adds its float32 output ``4 A`` per token, float32 copies of the block's K and V ``8 K``
-    per block token, and three float32 score blocks ``Hq x QUERY_ROWS x N`` (scores, the mask's
-    result, their exponent) over the largest block ``N``.
+    per block token, and float32 score blocks ``Hq x QUERY_ROWS x N`` over the largest block ``N``
+    (three counted: the block, logsumexp's temporaries; the mask and the exponent work in place).
     """
     if tokens <= 0:
         return 0

@@ -46,12 +46,13 @@ def attention_blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     lse = torch.empty((hkv, g, s), dtype=torch.float32, device=q.device)
     for start in range(0, s, QUERY_ROWS):
         stop = min(s, start + QUERY_ROWS)
-        scores = torch.einsum("hgsd,hnd->hgsn", qg[:, :, start:stop].float(), kf) * scale
+        # in place on the block's own scores: one score block at a time, and logsumexp's temporary
+        scores = torch.einsum("hgsd,hnd->hgsn", qg[:, :, start:stop].float(), kf).mul_(scale)
         if causal:
             rows = torch.arange(start, stop, device=q.device).view(-1, 1)
             cols = torch.arange(k.shape[1], device=q.device).view(1, -1)
-            scores = scores.masked_fill(cols > rows, float("-inf"))
+            scores.masked_fill_(cols > rows, float("-inf"))
         block_lse = torch.logsumexp(scores, dim=-1)
         lse[:, :, start:stop] = block_lse
-        out[:, :, start:stop] = torch.einsum("hgsn,hnd->hgsd", torch.exp(scores - block_lse.unsqueeze(-1)), vf)
+        out[:, :, start:stop] = torch.einsum("hgsn,hnd->hgsd", scores.sub_(block_lse.unsqueeze(-1)).exp_(), vf)
     return out.view(hq, s, d), lse.view(hq, s)
