@@ -178,3 +178,16 @@ def test_fit_bad_input_is_one_line(argv, text, capsys):
 def test_parse_memory():
     assert parse_memory("24GiB") == 24 * GiB and parse_memory("80GB") == 80 * 10**9
     assert parse_memory("512 MiB") == 512 * MiB and parse_memory("1000") == 1000
+
+
+def test_fit_imports_no_torch():
+    """fit is planning for a machine the user does not have: it must run where torch is absent."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tree_attn.cli.app import main; "
+            "rc = main(['fit', '--preset', 'llama-3.1-8b', '--gpu', 'h100-sxm', '-g', '8', '--json']); "
+            "assert rc == 0 and 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["rows"][0]["ranks"] == 8
