@@ -31,18 +31,22 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.commands.generate.decode import ONE_RANK, GenerateSpec, run_generate  # noqa: E402
-from tree_attn.commands.generate.memory import RowChoice, estimate_generate, read_budget  # noqa: E402
-from tree_attn.commands.generate.memory import JobShape  # noqa: E402
-from tree_attn.commands.generate.models import PRESETS, ModelSource, check_source  # noqa: E402
-from tree_attn.cost import links  # noqa: E402
-from tree_attn.cost.capacity import GiB, ModelDims  # noqa: E402
-from tree_attn.cost.devices import KNOWN_DEVICES  # noqa: E402
-from tree_attn.cost.prefill import EFFICIENCY, predict_prefill  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
+from tree_attn.commands.generate.decode import ONE_RANK, GenerateSpec, run_generate
+from tree_attn.commands.generate.memory import (
+    JobShape,
+    RowChoice,
+    estimate_generate,
+    read_budget,
+)
+from tree_attn.commands.generate.models import PRESETS, ModelSource, check_source
+from tree_attn.cost import links
+from tree_attn.cost.capacity import GiB, ModelDims
+from tree_attn.cost.devices import KNOWN_DEVICES
+from tree_attn.cost.prefill import EFFICIENCY, predict_prefill
+from tree_attn.launch.setup import LaunchSetup
+from tree_attn.reduce.plan import ReductionPlan
 
 GOAL_WALL = 1.15
 GOAL_BALANCE = 1.25
@@ -130,7 +134,8 @@ def main() -> int:
     for rec in records:
         print(f"{rec['context']:>8,} {rec['sharded_wall_s']:>10.1f} {rec['one_process_wall_s']:>10.1f} "
               f"{rec['ratio']:>5.2f}x {'ok' if rec['ratio'] <= GOAL_WALL else 'MISS':>5} "
-              f"{rec['balance_max_over_mean']:>7.3f}x {'ok' if rec['balance_max_over_mean'] <= GOAL_BALANCE else 'MISS':>5} "
+              f"{rec['balance_max_over_mean']:>7.3f}x "
+              f"{'ok' if rec['balance_max_over_mean'] <= GOAL_BALANCE else 'MISS':>5} "
               f"{'yes' if rec['same_tokens'] else 'NO':>5} {_gib(rec['launcher_peak_bytes']):>10} GiB")
     print(f"\nmemory per rank, GiB (peak: RSS high-water; bound: weights + {GOAL_KV} x KV + activations + process)")
     print(f"{'context':>8} {'rank':>4} {'tokens':>7} {'peak':>6} {'load':>6} {'prefill':>7} {'estimate':>8} "

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from tree_attn.cli.app import cli_command
+from tree_attn.commands.fit import FitOptions
 from tree_attn.commands.generate.setup import GenerateOptions
 from tree_attn.commands.run.setup import RunOptions
-from tree_attn.commands.fit import FitOptions
 from tree_attn.commands.simulate import SimulateOptions
 from tree_attn.commands.tune.setup import TuneRequest
 

@@ -31,14 +31,14 @@ def _cases_for(world: int) -> list[PrefillCase]:
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(world: int):
     return launch_ranks(ring_prefill_cases, world, backend="gloo", device_kind="cpu", timeout_s=60.0,
                         args=(_cases_for(world),))
 
 
 def _float64_causal(q, k, v, scale):
-    hq, n, d = q.shape
+    hq, n, _ = q.shape
     g = hq // k.shape[0]
     kk = k.double().repeat_interleave(g, 0)
     vv = v.double().repeat_interleave(g, 0)

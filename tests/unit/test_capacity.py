@@ -41,7 +41,7 @@ def test_llama_3_1_8b_has_its_published_size_and_kv_per_token():
 
 def test_largest_prompt_finds_the_boundary():
     for edge in (1, 2, 7, 1000, 99_999):
-        assert largest_prompt(lambda n: n <= edge, 100_000) == edge
+        assert largest_prompt(lambda n, edge=edge: n <= edge, 100_000) == edge
     assert largest_prompt(lambda n: False, 100) == 0
     assert largest_prompt(lambda n: True, 100) == 100
 

@@ -118,7 +118,8 @@ def test_bytes_per_layer_of_the_ring():
 
 
 @pytest.mark.parametrize("hq, hkv, s, n, causal", [
-    *[(hq, hkv, s, s, causal) for hq, hkv, s in [(8, 2, 130), (4, 4, 64), (6, 3, 1), (4, 1, 0)] for causal in (True, False)],
+    *[(hq, hkv, s, s, causal) for hq, hkv, s in [(8, 2, 130), (4, 4, 64), (6, 3, 1), (4, 1, 0)]
+      for causal in (True, False)],
     (8, 2, 70, 200, False), (4, 2, 0, 5, False)])  # fewer queries than keys: full attention only
 def test_the_gpus_blockwise_prefill_attention_equals_float64(hq, hkv, s, n, causal):
     """The GPUs' portable prefill attention (blocks of query rows), run here on CPU tensors:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -26,20 +26,21 @@ HELP = (
 
 
 def fit_command(
-    preset: Annotated[Optional[str], typer.Option(
+    preset: Annotated[str | None, typer.Option(
         "--preset", help=f"A model: {', '.join(MODEL_CONFIGS)}.")] = DEFAULTS.preset,
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "--config", help="A model's config.json (or a checkpoint folder with one).")] = DEFAULTS.config,
-    gpu: Annotated[Optional[str], typer.Option(
+    gpu: Annotated[str | None, typer.Option(
         "--gpu", help="A GPU of the device catalogue: rtx4090, h100-sxm, h100-pcie, h100-nvl, h200, a100-sxm-80gb, "
         "a100-40gb, mi300x.")] = DEFAULTS.gpu,
     gpus: Annotated[int, typer.Option("--gpus", "-g", help="Ranks (GPUs, or CPU ranks on the host).")] = DEFAULTS.gpus,
-    memory: Annotated[Optional[str], typer.Option(
+    memory: Annotated[str | None, typer.Option(
         "--memory", help="Memory per GPU (or the host's, with --device cpu): 24GiB, 80GB, 512MiB; replaces "
         "the catalogue's.")] = DEFAULTS.memory,
     device: Annotated[str, typer.Option("--device", help="cuda (GPUs) or cpu (CPU ranks).")] = DEFAULTS.device,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weights and activations: bf16, fp16 or fp32.")] = DEFAULTS.dtype,
-    kv_dtype: Annotated[Optional[str], typer.Option(
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Weights and activations: bf16, fp16 or fp32.")] = DEFAULTS.dtype,
+    kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="The KV cache's dtype (default: --dtype).")] = DEFAULTS.kv_dtype,
     new_tokens: Annotated[int, count_option(
         "--new-tokens", help="Tokens generated after the prompt.")] = DEFAULTS.new_tokens,

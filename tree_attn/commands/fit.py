@@ -180,7 +180,8 @@ def fit(options: FitOptions) -> FitResult:
         raise ConfigError(f"--gpus/-g must be an integer in 1..4096; got {ranks!r}")
     dtype = parse_dtype(options.dtype)
     if is_fp8(dtype):
-        raise ConfigError(f"--dtype {options.dtype}: fp8 is a KV-cache dtype (--kv-dtype); weights are bf16, fp16 or fp32")
+        raise ConfigError(f"--dtype {options.dtype}: fp8 is a KV-cache dtype (--kv-dtype); weights are bf16, fp16 "
+                          "or fp32")
     kv_dtype = parse_dtype(options.kv_dtype or options.dtype)
     new = parse_count(options.new_tokens)
     if not 1 <= new <= MAX_SEQ:
@@ -229,4 +230,4 @@ def _budget(kind: str, memory: int):
                                                                                        source="given")
 
 
-__all__ = ["FitOptions", "FitResult", "FitRow", "MODEL_CONFIGS", "fit", "parse_memory"]
+__all__ = ["MODEL_CONFIGS", "FitOptions", "FitResult", "FitRow", "fit", "parse_memory"]

@@ -27,8 +27,9 @@ host's available memory, which all ranks of the node and the launching process s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..dtypes import itemsize
 from ..errors import ConfigError
@@ -49,8 +50,8 @@ MERGE_ROWS = 1024  # query rows per merged partial state (reduce.ring_prefill)
 QUERY_ROWS = 64  # query rows per float32 score block of the GPUs' prefill attention (kernels.prefill)
 REFERENCE_CHUNK = 4096  # prompt tokens per forward of the reference's own prefill
 
-__all__ = ["CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES", "MERGE_ROWS", "MLP_ROWS", "QUERY_ROWS", "ModelDims", "RankMemory", "largest_prompt",
-           "prefill_activation_bytes", "rank_memory", "reference_memory"]
+__all__ = ["CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES", "MERGE_ROWS", "MLP_ROWS", "QUERY_ROWS", "ModelDims", "RankMemory",
+           "largest_prompt", "prefill_activation_bytes", "rank_memory", "reference_memory"]
 
 
 def _int(config: dict[str, Any], key: str, default: Any = None) -> int:
@@ -76,7 +77,7 @@ class ModelDims:
     max_positions: int | None = None
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelDims":
+    def from_config(cls, config: dict[str, Any]) -> ModelDims:
         """From a ``config.json`` dict; ConfigError naming a missing or bad key."""
         heads = _int(config, "num_attention_heads")
         hidden = _int(config, "hidden_size")
@@ -124,7 +125,7 @@ class RankMemory:
                 "load": self.load, "total": self.total, "tokens": self.tokens}
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GiB:,.1f}"  # noqa: E731
+        g = lambda b: f"{b / GiB:,.1f}"
         return (f"{g(self.total)} GiB (weights {g(self.weights)}, KV {g(self.kv)}, activations {g(self.activations)}, "
                 f"process {g(self.overhead)})")
 

@@ -271,7 +271,8 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     # the one whose successor holds the smallest block. An empty block sends only its lengths.
     sizes = w.shard_sizes(p)
     per_token = 2 * w.batch * w.kv_heads * w.head_dim * w.elem_bytes
-    sent = max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p)) + 4 * w.batch * (p - 1)
+    sent = (max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
+            + 4 * w.batch * (p - 1))
     msgs = max(sum(3 if n else 1 for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
     # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).
     return _prediction("ring", "ring", cluster, w, compute, rounds, sent, msgs, min(2, p - 1) * shard)

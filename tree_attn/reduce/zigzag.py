@@ -25,6 +25,7 @@ about it is sent) and by the capacity arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from ..errors import ConfigError
 
@@ -70,7 +71,7 @@ class SequenceShards:
         if at != self.tokens:
             raise ConfigError(f"runs cover 0..{at - 1}, not the {self.tokens} tokens")
         for r, mine in enumerate(self.runs):
-            if any(a.stop > b.start for a, b in zip(mine, mine[1:])):
+            if any(a.stop > b.start for a, b in pairwise(mine)):
                 raise ConfigError(f"rank {r}'s runs must be sorted by position; got {mine}")
 
     @property

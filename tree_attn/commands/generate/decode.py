@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class ModelShape:
     max_positions: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         return cls(config["num_hidden_layers"], config.get("num_key_value_heads") or heads, head_dim, heads,
@@ -90,8 +91,8 @@ class GenerateSpec(OnLaunch):
     impl: str = "auto"
     page_size: int = DEFAULTS.page_size
     seed: int = DEFAULTS.seed  # shuffles the block tables
-    reference: RowChoice = RowChoice()
-    one_rank: RowChoice = RowChoice()
+    reference: RowChoice = RowChoice()  # noqa: RUF009 - frozen: one shared instance is safe
+    one_rank: RowChoice = RowChoice()  # noqa: RUF009 - frozen: one shared instance is safe
     estimate: Any = None  # .memory.GenerateEstimate
 
     @property

@@ -28,9 +28,9 @@ import torch
 from ...errors import ConfigError
 from ...kernels.dispatch import decode_attention
 from ...reduce.collectives import tree_decode
-from ...reduce.ring import ring_decode
 from ...reduce.comm import CommStats
 from ...reduce.plan import ReductionPlan
+from ...reduce.ring import ring_decode
 from .kv_store import PagedKVShard
 
 ATTENTION_NAME = "tree_attn"

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...cost.capacity import GiB, LAUNCHER_BYTES, ModelDims, RankMemory, largest_prompt, rank_memory, reference_memory
+from ...cost.capacity import LAUNCHER_BYTES, GiB, ModelDims, RankMemory, largest_prompt, rank_memory, reference_memory
 from ...errors import ConfigError
 from ...reduce.zigzag import zigzag
 
@@ -80,7 +80,7 @@ def gpu_free_bytes() -> int | None:
     """The least free memory among the GPUs visible to CUDA, by NVML (no CUDA context made), or
     None where NVML cannot answer."""
     try:
-        import pynvml  # noqa: PLC0415 - vendor library imported lazily on purpose
+        import pynvml
     except ImportError:
         return None
     try:
@@ -95,7 +95,7 @@ def gpu_free_bytes() -> int | None:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - shutting down a library that answered is best effort
             pass
 
 

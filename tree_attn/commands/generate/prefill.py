@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ...errors import ConfigError
 from ...cost.capacity import MLP_ROWS
+from ...errors import ConfigError
 from ...reduce.ring_prefill import PrefillTiming, RingPlan, ring_prefill_attention
 from .hf_attention import CONTEXT_KWARG
 from .kv_store import PagedKVShard

@@ -45,7 +45,7 @@ class RunOptions(PlanOptions):
 class RunSetup(AnnouncesLaunch):
     """A resolved run: the spec to decode (the profile, notices and warnings are its launch's)."""
 
-    spec: "RunSpec"
+    spec: RunSpec
 
 
 def plan_run(options: RunOptions) -> RunSetup:
@@ -79,11 +79,11 @@ def error_limit(dtype: str) -> float:
     return ERROR_LIMITS[parse_dtype(dtype)]
 
 
-def strategies_beyond_tolerance(result: "RunResult", dtype: str) -> list[str]:
+def strategies_beyond_tolerance(result: RunResult, dtype: str) -> list[str]:
     """Labels of the strategies whose output differs from the reference beyond :func:`error_limit`
     (NaN included)."""
     limit = error_limit(dtype)
     return [r.plan for r in result.results if not r.max_abs_err <= limit]
 
 
-__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "plan_run", "error_limit", "strategies_beyond_tolerance"]
+__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "error_limit", "plan_run", "strategies_beyond_tolerance"]
