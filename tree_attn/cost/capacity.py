@@ -141,8 +141,10 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
       tokens for the arriving one), the float32 running state ``4 (A + Hq)`` and the output cast
       to the dtype ``A e``;
     - RoPE: the hidden states, q, k, v and three q-sized temporaries ``3 A e``;
-    - the MLP: residual, normed input and output ``3 H e`` per token, and gate, up and their
-      product ``3 I e`` for one chunk of ``mlp_rows`` tokens;
+    - the MLP: residual, normed input and output ``3 H e`` per token, and ``4 I e`` for one chunk of
+      ``mlp_rows`` tokens: gate, its activation, up and their product (at most three are alive at
+      once, but counting three left the estimate 7-9% under the measured RSS peaks of 16K-token
+      prefills, which four matches within 2%: benchmarks/RESULTS.md);
     - the norms: input and residual ``2 H e`` and two float32 temporaries ``8 H`` (one more
       float32 copy ``4 H`` when ``e`` is not 4).
 
@@ -162,7 +164,7 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
     if device_kind == "cuda":
         attention += tokens * 4 * a + block * 8 * k + 3 * 4 * dims.q_heads * min(tokens, QUERY_ROWS) * block
     rope = tokens * (hidden + a * e + 2 * k * e + 3 * a * e)
-    mlp = tokens * 3 * h * e + min(tokens, mlp_rows) * 3 * dims.intermediate * e
+    mlp = tokens * 3 * h * e + min(tokens, mlp_rows) * 4 * dims.intermediate * e
     norm = tokens * (hidden + 8 * h + (4 * h if e != 4 else 0))
     merge = min(tokens, MERGE_ROWS) * 6 * 4 * a
     return max(attention + merge, rope, mlp, norm)
