@@ -195,6 +195,8 @@ def check_job_fits(shape: JobShape, est: GenerateEstimate, prompt_tokens: int, w
     where = f"each of {world} GPUs" if shape.device_kind == "cuda" else f"{est.ranks_per_node} CPU ranks together"
     biggest = max(est.ranks, key=lambda r: r.total)
     fits_text = ", ".join(f"{n:,} tokens on {w} ranks" if n else f"none on {w} ranks" for w, n in best)
+    if not any(n for _, n in best):  # more ranks do not help: every rank holds the whole model
+        fits_text += f" (every rank holds the whole model, {_gib(biggest.weights)} of weights)"
     raise ConfigError(
         f"a {prompt_tokens:,}-token prompt does not fit: {where} need{'s' if shape.device_kind == 'cuda' else ''} "
         f"{_gib(est.job_bytes())} (the largest rank: {biggest.describe()}), {_gib(have)} free "
