@@ -1,10 +1,12 @@
 """``tree-attn generate`` at long contexts: per-token latency of tree vs ring vs one process, on
 CPU ranks (or GPUs with ``--device cuda``).
 
-For each context length the prompt (random ids) is prefilled once, in a child process, which also
-decodes the reference (transformers' sdpa attention and cache) and the one-rank row (tree-attn's
-paged kernel); then the prefill KV is split over 2 and over 4 spawned ranks and each strategy
-decodes the same tokens. ``--dtype auto`` (the default) is generate's: bf16 on GPUs, float32 on CPU
+For each context length and world size a ``generate`` job: the spawned ranks prefill the prompt
+(random ids) sharded (zig-zag, the ring per layer) and each strategy decodes the same tokens; with
+the first world size also the reference (transformers alone: its sdpa attention and cache, in a
+child) and the one-rank row (the rank code at world size 1, tree-attn's paged kernel). ``prefill_s``
+is the job's sharded prefill (its slowest rank). ``--dtype auto`` (the default) is generate's: bf16 on GPUs,
+float32 on CPU
 ranks. Every row's tokens are checked against the reference's; a row that differs is marked and
 the script exits 1. Nothing here asserts a time.
 
@@ -23,9 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +35,8 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 
 import torch
 
-from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks
+from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, run_generate
+from tree_attn.commands.generate.memory import RowChoice
 from tree_attn.commands.generate.models import PRESETS, ModelSource
 from tree_attn.dtypes import parse_dtype
 from tree_attn.launch.setup import LaunchSetup, default_dtype
@@ -64,37 +65,38 @@ def main() -> int:
     vocab = PRESETS[source.preset]["vocab_size"]
     backend = "nccl" if args.device == "cuda" else "gloo"
     dtype = parse_dtype(default_dtype(args.device) if args.dtype == "auto" else args.dtype)
-    device = None  # named by the child that decodes the one-process rows (this process touches no GPU)
+    device = None  # named by the ranks (this process touches no GPU)
     records = []
     failed = False
     for ctx in contexts:
         prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
         launch = LaunchSetup(world_size=worlds[0], device_kind=args.device, backend=backend, dtype=dtype,
                              timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
-        spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens)
-        print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
-        folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
-        try:
-            local = decode_in_one_process(spec, folder, _say)
-            device = local.device
-            rows = [(1, r) for r in local.rows]
-            for world in worlds:
-                print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
-                spec_w = dataclasses.replace(spec, launch=dataclasses.replace(launch, world_size=world))
-                rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        ring = {w: r.median_s for w, r in rows if r.name == "ring"}
-        for world, r in rows:
-            same = r.matches_reference and r.ranks_agree
+        rows, reference = [], None
+        for i, world in enumerate(worlds):
+            # The one-process rows (transformers alone, tree-attn on one rank) once per context.
+            first = RowChoice() if i == 0 else RowChoice(False, "skipped: run with the first world size")
+            spec = GenerateSpec(source, prompt, dataclasses.replace(launch, world_size=world),
+                                new_tokens=args.new_tokens, reference=first, one_rank=first)
+            print(f"[{args.case}] {ctx:,} tokens: {world} ranks (sharded prefill)", file=sys.stderr, flush=True)
+            result = run_generate(spec, _say)
+            device = result.device
+            for r in result.rows:
+                if not r.ran:
+                    continue
+                if r.name == REFERENCE:
+                    reference = r.tokens
+                rows.append((1 if r.name in (REFERENCE, ONE_RANK) else world, r, result.prefill_s))
+        ring = {w: r.median_s for w, r, _ in rows if r.name == "ring"}
+        for world, r, prefill_s in rows:
+            same = r.ranks_agree and (reference is None or r.tokens == reference)
             failed |= not same
             records.append(dict(case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
                                 p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s,
                                 bytes_per_rank_per_token=r.bytes_per_token,
                                 messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
                                 ring_over_this=(ring[world] / r.median_s) if world in ring else None,
-                                prefill_s=local.prefill_s))
-        del local
+                                prefill_s=prefill_s))
     print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}, {dtype}; per-token latency on rank 0")
     print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
           f"{'sent/rank/token':>16} {'ring/this':>9} {'same':>5}")

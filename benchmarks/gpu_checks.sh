@@ -11,7 +11,8 @@
 #          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
 #          runs them alone)
 #   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged
-#   cli    probe, probe-measure, tune, run, run-eager, generate, calibrate-costmodel, simulate-calibrated
+#   cli    probe, probe-measure, tune, run, run-eager, generate, generate-long, generate-refused,
+#          calibrate-costmodel, simulate-calibrated
 #   fp8    fp8-tests (the fp8 kernel tests, compiled on this GPU), bench-kernel-fp8 (fp8 rows beside
 #          bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes)
 # With no group or step named, every group runs in turn (about 40 minutes).
@@ -28,16 +29,16 @@ summary="$out/summary.txt"
 touch "$summary"
 
 all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged probe
-           probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated)
+           probe-measure tune run run-eager generate generate-long generate-refused calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
     case $word in
       tests) selected+=(replay-timeout whole-suite) ;;
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged) ;;
-      cli) selected+=(probe probe-measure tune run run-eager generate calibrate-costmodel simulate-calibrated) ;;
+      cli) selected+=(probe probe-measure tune run run-eager generate generate-long generate-refused calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests bench-kernel-fp8) ;;
-      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|calibrate-costmodel|simulate-calibrated)
+      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|generate-long|generate-refused|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -85,6 +86,12 @@ step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --jso
 step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
 # The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
 step generate 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --json
+# Sharded prefill at a long context on the GPUs there are (the ring between them, each rank's
+# K/V straight into its pool; rank peaks by max_memory_allocated beside the estimate in the JSON),
+# the one-process rows where they fit (--reference auto); then a prompt the GPUs cannot hold is
+# refused in one line before anything loads (exit 1 expected), and fit's answer for this GPU.
+step generate-long 400 "${cli[@]}" generate --preset llama-3.1-8b --layers 4 --prompt-len 64K --new-tokens 8 --json
+step generate-refused 30 "${cli[@]}" generate --preset llama-3.1-8b --layers 32 --prompt-len 8M --max-len 9M --new-tokens 8
 # The cost model's single-GPU terms and this node's links, measured; then the model from them.
 step calibrate-costmodel 120 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
 step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json
