@@ -1,10 +1,12 @@
 """``tree-attn generate`` at long contexts: per-token latency of tree vs ring vs one process, on
 CPU ranks (or GPUs with ``--device cuda``).
 
-For each context length the prompt (random ids) is prefilled once, in a child process, which also
-decodes the reference (transformers' sdpa attention and cache) and the one-rank row (tree-attn's
-paged kernel); then the prefill KV is split over 2 and over 4 spawned ranks and each strategy
-decodes the same tokens. ``--dtype auto`` (the default) is generate's: bf16 on GPUs, float32 on CPU
+For each context length and world size a ``generate`` job: the spawned ranks prefill the prompt
+(random ids) sharded (zig-zag, the ring per layer) and each strategy decodes the same tokens; with
+the first world size also the reference (transformers alone: its sdpa attention and cache, in a
+child) and the one-rank row (the rank code at world size 1, tree-attn's paged kernel). ``prefill_s``
+is the job's sharded prefill (its slowest rank). ``--dtype auto`` (the default) is generate's: bf16 on GPUs,
+float32 on CPU
 ranks. Every row's tokens are checked against the reference's; a row that differs is marked and
 the script exits 1. Nothing here asserts a time.
 
@@ -45,7 +47,8 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 
 import torch
 
-from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks
+from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, run_generate
+from tree_attn.commands.generate.memory import RowChoice
 from tree_attn.commands.generate.models import PRESETS, ModelSource
 from tree_attn.dtypes import parse_dtype
 from tree_attn.launch.setup import LaunchSetup, default_dtype
@@ -74,26 +77,27 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> di
     read-back) against the sum of the device time of the kernels a token runs."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tree_attn.commands.generate.decode import ModelShape, prefill
+    from tree_attn.commands.generate.decode import ModelShape
     from tree_attn.commands.generate.hf_attention import DecodeContext, use_tree_attention
     from tree_attn.commands.generate.kv_store import PagedKVShard
     from tree_attn.commands.generate.models import build_model
+    from tree_attn.commands.generate.prefill import ShardedPrefill, chunk_mlp, sharded_prefill
     from tree_attn.commands.generate.token_step import TokenStep
     from tree_attn.dtypes import torch_dtype
+    from tree_attn.reduce.ring_prefill import plan_ring
+    from tree_attn.reduce.zigzag import zigzag
 
     device = torch.device("cuda", 0)
     dtype = torch_dtype(dtype)
     model = build_model(source, dtype=dtype, device=device)
     use_tree_attention(model)
+    chunk_mlp(model)
     with torch.inference_mode():
-        pre = prefill(model, list(prompt), 2048, lambda t: None)
+        n = len(prompt) - 1  # the one-rank row's prefill: generate's sharded prefill at world size 1
         shape = ModelShape.from_config(model.config.to_dict())
-        store = PagedKVShard.allocate(shape.layers, pre.length + 2 * new_tokens + 2, shape.kv_heads, shape.head_dim,
+        store = PagedKVShard.allocate(shape.layers, n + 2 * new_tokens + 2, shape.kv_heads, shape.head_dim,
                                       dtype=dtype, device=device)
-        for layer in range(shape.layers):
-            store.write(layer, 0, *pre.tokens(layer, 0, pre.length))
-        store.set_length(pre.length)
-        del pre
+        sharded_prefill(model, prompt, ShardedPrefill(store, plan_ring(zigzag(n, 1), 0)))
         ctx = DecodeContext(store, "local", holds_new=True)
         step = TokenStep(model, ctx, prompt[-1], store.length, timeout_s=600.0)
         try:
@@ -153,7 +157,7 @@ def main() -> int:
 def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     dtype = parse_dtype(default_dtype(args.device) if args.dtype == "auto" else args.dtype)
-    device = None  # named by the child that decodes the one-process rows (this process touches no GPU)
+    device = None  # named by the ranks (this process touches no GPU)
     records = []
     failed = False
     for ctx in contexts:
@@ -162,33 +166,35 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
                              dtype=dtype, timeout_s=600.0, plans=(("tree", ReductionPlan("tree", 2)), ("ring", None)))
         for graphs in graph_modes:
             # cuda_graph only where asked (GPUs), so that this script also measures code without the option
-            spec = GenerateSpec(source, prompt, launch, new_tokens=args.new_tokens,
-                                **({} if graphs is None else {"cuda_graph": graphs}))
-            print(f"[{args.case}] {ctx:,} tokens: prefill and one-process rows", file=sys.stderr, flush=True)
-            folder = tempfile.mkdtemp(prefix="tree-attn-bench-generate-")
-            try:
-                local = decode_in_one_process(spec, folder, _say)
-                device = local.device
-                rows = [(1, r) for r in local.rows]
-                for world in worlds:
-                    print(f"[{args.case}] {ctx:,} tokens: {world} ranks", file=sys.stderr, flush=True)
-                    spec_w = dataclasses.replace(spec, launch=dataclasses.replace(launch, world_size=world))
-                    rows += [(world, r) for r in decode_on_ranks(spec_w, folder, local.reference, _say)]
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            ring = {w: r.median_s for w, r in rows if r.name == "ring"}
-            ref = next(r.median_s for w, r in rows if r.name == "reference")
-            for world, r in rows:
-                same = r.matches_reference and r.ranks_agree
+            graph_arg = {} if graphs is None else {"cuda_graph": graphs}
+            rows, reference = [], None
+            # --worlds 0: one job of one rank that decodes no strategy, for the one-process rows alone
+            jobs = [(w, launch.plans) for w in worlds] or [(1, ())]
+            for i, (world, plans) in enumerate(jobs):
+                # The one-process rows (transformers alone, tree-attn on one rank) once per context.
+                first = RowChoice() if i == 0 else RowChoice(False, "skipped: run with the first world size")
+                spec = GenerateSpec(source, prompt, dataclasses.replace(launch, world_size=world, plans=plans),
+                                    new_tokens=args.new_tokens, reference=first, one_rank=first, **graph_arg)
+                print(f"[{args.case}] {ctx:,} tokens: {world} ranks (sharded prefill)", file=sys.stderr, flush=True)
+                result = run_generate(spec, _say)
+                device = result.device
+                for r in result.rows:
+                    if not r.ran:
+                        continue
+                    if r.name == REFERENCE:
+                        reference = r
+                    rows.append((1 if r.name in (REFERENCE, ONE_RANK) else world, r, result.prefill_s))
+            ring = {w: r.median_s for w, r, _ in rows if r.name == "ring"}
+            for world, r, prefill_s in rows:
+                same = r.ranks_agree and (reference is None or r.tokens == reference.tokens)
                 failed |= not same
                 records.append(dict(
                     case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
                     p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s, bytes_per_rank_per_token=r.bytes_per_token,
                     messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
                     step=getattr(r, "execution", "eager"), why_eager=getattr(r, "why_eager", None),
-                    this_over_reference=r.median_s / ref,
-                    ring_over_this=(ring[world] / r.median_s) if world in ring else None, prefill_s=local.prefill_s))
-            del local
+                    this_over_reference=r.median_s / reference.median_s if reference is not None else None,
+                    ring_over_this=(ring[world] / r.median_s) if world in ring else None, prefill_s=prefill_s))
     profiles = []
     if args.device == "cuda" and args.kernel_time:
         for ctx in contexts:
@@ -201,9 +207,10 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
     for rec in records:
         ratio = f"{rec['ring_over_this']:.2f}x" if rec["ring_over_this"] is not None else "-"
         step = "graph" if rec["step"] == "cuda graph" else "eager"
+        over = f"{rec['this_over_reference']:.2f}x" if rec["this_over_reference"] is not None else "-"
         print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {step:<5} {rec['median_ms']:>10.2f} "
               f"{rec['p95_ms']:>9.2f} {rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} "
-              f"{rec['this_over_reference']:>9.2f}x {ratio:>9} {'yes' if rec['same_tokens'] else 'NO':>5}")
+              f"{over:>10} {ratio:>9} {'yes' if rec['same_tokens'] else 'NO':>5}")
     if args.device == "cuda":
         for rec in records:
             if rec["step"] != "cuda graph" and rec["name"] != "reference" and rec["why_eager"]:

@@ -60,12 +60,14 @@ COUNT_OPTIONS = [
     ("simulate", "--seq-lens", "seq_lens"), ("simulate", "--batch", "batch"),
     ("generate", "--prompt-len", "prompt_len"), ("generate", "--new-tokens", "new_tokens"),
     ("generate", "--max-len", "max_len"), ("generate", "--page-size", "page_size"),
+    ("fit", "--new-tokens", "new_tokens"),
 ]
 
 
 @pytest.fixture
 def planned(monkeypatch, capsys):
     """Stand-ins for each command's planner: they record what the command parsed and stop."""
+    import tree_attn.commands.fit as fit_command
     import tree_attn.commands.generate.setup as generate_setup
     import tree_attn.commands.run.setup as run_setup
     import tree_attn.commands.tune.setup as tune_setup
@@ -83,6 +85,7 @@ def planned(monkeypatch, capsys):
     monkeypatch.setattr(sweep, "run_sweep", lambda options, text, progress=None: record(options, text))
     monkeypatch.setattr(tune_setup, "plan_tune", record)
     monkeypatch.setattr(generate_setup, "plan_generate", record)
+    monkeypatch.setattr(fit_command, "fit", record)
 
     def parse(cmd: str, option: str, value: str) -> dict:
         seen.clear()

@@ -9,12 +9,14 @@ import dataclasses
 import pytest
 
 from tree_attn.cli.app import cli_command
+from tree_attn.commands.fit import FitOptions
 from tree_attn.commands.generate.setup import GenerateOptions
 from tree_attn.commands.run.setup import RunOptions
 from tree_attn.commands.simulate import SimulateOptions
 from tree_attn.commands.tune.setup import TuneRequest
 
-OPTIONS = {"run": RunOptions, "generate": GenerateOptions, "tune": TuneRequest, "simulate": SimulateOptions}
+OPTIONS = {"run": RunOptions, "generate": GenerateOptions, "tune": TuneRequest, "simulate": SimulateOptions,
+           "fit": FitOptions}
 # CLI parameter -> dataclass field, where the names differ
 FIELD = {"timeout": "timeout_s", "profile_ref": "profile"}
 # CLI parameters that are not options of the job (output, and run's sweep of several jobs)
@@ -45,7 +47,7 @@ def test_shared_options_read_alike_in_every_command():
               "--profile": ("run", "generate"), "--world-size": ("run", "generate"),
               "--heads": ("run", "tune", "simulate"), "--kv-heads": ("run", "tune", "simulate"),
               "--head-dim": ("run", "tune", "simulate"), "--batch": ("run", "tune", "simulate"),
-              "--json": ("run", "generate", "simulate")}
+              "--json": ("run", "generate", "simulate", "fit")}
     commands = cli_command().commands
     for flag, names in shared.items():
         params = [next(p for p in commands[n].params if flag in p.opts) for n in names]

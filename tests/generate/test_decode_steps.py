@@ -6,9 +6,6 @@ CPU ranks and CPU tensors (gloo) except the tests marked ``gpu``.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import pytest
 import torch
 
@@ -16,20 +13,17 @@ pytest.importorskip("transformers")
 
 from tests.generate.checkpoints import transformers_greedy
 from tests.generate.counting import counting_calls
-from tree_attn.commands.generate.decode import (
-    GenerateSpec,
-    ModelShape,
-    decode_tokens,
-    prefill,
-    save_prefill,
-)
+from tree_attn.commands.generate.decode import GenerateSpec, ModelShape, decode_tokens
 from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContext, use_tree_attention
 from tree_attn.commands.generate.kv_store import PagedKVShard
 from tree_attn.commands.generate.models import ModelSource, build_model
+from tree_attn.commands.generate.prefill import ShardedPrefill, sharded_prefill
 from tree_attn.commands.generate.token_step import GRAPHS_OFF, TokenStep, graph_blocker
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.launch.spawn import launch_ranks
 from tree_attn.reduce.plan import ReductionPlan
+from tree_attn.reduce.ring_prefill import plan_ring
+from tree_attn.reduce.zigzag import zigzag
 
 SOURCE = ModelSource(preset="small", layers=3, seed=5)
 PROMPT_LEN, NEW = 150, 10
@@ -54,16 +48,16 @@ def expected(model):
 
 
 def _local_context(model, prompt: list[int], extra: int, *, device="cpu", page_size: int = 16, seed: int = 0):
-    """A one-process decode context holding the prefill of ``prompt[:-1]`` and room for ``extra``."""
+    """A one-process decode context holding the prefill of ``prompt[:-1]`` and room for ``extra``:
+    generate's sharded prefill at world size 1 (the one-rank row's), straight into the pool."""
     use_tree_attention(model)
-    pre = prefill(model, prompt, 64, lambda t: None)
+    n = len(prompt) - 1
     shape = ModelShape.from_config(model.config.to_dict())
-    store = PagedKVShard.allocate(shape.layers, pre.length + extra, shape.kv_heads, shape.head_dim,
+    store = PagedKVShard.allocate(shape.layers, n + extra, shape.kv_heads, shape.head_dim,
                                   dtype=torch.float32, device=device, page_size=page_size, seed=seed)
-    for layer in range(shape.layers):
-        store.write(layer, 0, *pre.tokens(layer, 0, pre.length))
-    store.set_length(pre.length)
-    return DecodeContext(store, "local", holds_new=True), pre.length
+    sharded_prefill(model, prompt, ShardedPrefill(store, plan_ring(zigzag(n, 1), 0)))
+    assert store.length == n
+    return DecodeContext(store, "local", holds_new=True), n
 
 
 # -- built once per layer per session, nothing per token --------------------------------------------
@@ -82,27 +76,17 @@ def test_one_rank_builds_each_layer_step_once_and_nothing_per_token(model, expec
     assert run.execution == "eager" and run.why_eager == "cpu tensors: nothing to capture"
 
 
-@pytest.fixture(scope="module")
-def prefill_folder(model):
-    use_tree_attention(model)
-    pre = prefill(model, _prompt(PROMPT_LEN), 64, lambda t: None)
-    folder = tempfile.mkdtemp(prefix="tree-attn-test-decode-steps-")
-    save_prefill(pre, folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.mark.parametrize("world, plans", [
     (2, (("tree", ReductionPlan("tree", 2)), ("ring", None))),
     (3, (("tree", ReductionPlan("tree", 3)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))),
 ])
-def test_ranks_build_each_layer_step_once_and_nothing_per_token(world, plans, expected, prefill_folder):
+def test_ranks_build_each_layer_step_once_and_nothing_per_token(world, plans, expected):
     from tests.generate.rank_fns import counted_generate_rank
 
     layers = SOURCE.layers
     spec = GenerateSpec(SOURCE, tuple(_prompt(PROMPT_LEN)), LaunchSetup(world_size=world, plans=plans, timeout_s=60.0),
                         new_tokens=NEW)
-    per_rank = launch_ranks(counted_generate_rank, world, args=(spec, prefill_folder), timeout_s=120)
+    per_rank = launch_ranks(counted_generate_rank, world, args=(spec,), timeout_s=120)
     for rank, runs in enumerate(per_rank):
         assert set(runs) == {plan.label if plan is not None else "ring" for _, plan in plans}
         for label, (tokens, built, after) in runs.items():

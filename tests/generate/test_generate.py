@@ -1,8 +1,12 @@
-"""``tree-attn generate``: a real (tiny) model decoded with its KV cache paged and sharded over CPU
-ranks gives exactly the greedy tokens of transformers alone; prefill, the paged shard and the
-checks against float64; the CLI on a checkpoint folder with a tokenizer.
+"""``tree-attn generate``: a real (tiny) model, its prompt prefilled sharded over CPU ranks (each
+rank its zig-zag positions, every layer's K/V around the ring) and its KV cache paged there, gives
+exactly the greedy tokens of transformers alone; the one-rank row is the same rank code at world
+size 1; the reference is transformers' own prefill and cache; a broken rank changes the tokens;
+the CLI on a checkpoint folder with a tokenizer, and under torchrun on one node and two.
 
-These tests mean CPU ranks (``device_kind="cpu"``, ``--device cpu``); the GPU one is marked.
+These tests mean CPU ranks (``device_kind="cpu"``, ``--device cpu``); the GPU ones are marked.
+Each spawned job costs seconds on two cores, so the cases are spread over few jobs: world sizes
+2, 3, 4 and 5 over the Llama, Qwen2 and Mistral checkpoints and the preset.
 """
 
 from __future__ import annotations
@@ -18,30 +22,32 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.generate.checkpoints import transformers_greedy, write_checkpoint
+from tests.generate.rank_fns import rank_with_flipped_keys
 from tests.torchrun import clean_env, run_nodes
 from tree_attn.commands.generate.decode import (
+    LOCAL,
     ONE_RANK,
     REFERENCE,
+    GenerateRow,
     GenerateSpec,
     ModelShape,
-    decode_tokens,
-    prefill,
+    _check,
+    generate_rank,
     run_generate,
 )
-from tree_attn.commands.generate.hf_attention import (
-    DecodeContext,
-    attention_blockwise,
-    attention_with_lse,
-    use_tree_attention,
-)
 from tree_attn.commands.generate.kv_store import PagedKVShard
+from tree_attn.commands.generate.memory import RowChoice
 from tree_attn.commands.generate.models import ModelSource, build_model
+from tree_attn.commands.generate.reference import reference_work
 from tree_attn.errors import ConfigError
+from tree_attn.launch.env import RankEnv
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
+TREE = (("tree", ReductionPlan("tree", 2)),)
 TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
+OFF = RowChoice(False, "skipped: --reference off")
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -59,115 +65,220 @@ def _reference(source: ModelSource, prompt, n: int) -> list[int]:
     return transformers_greedy(model, list(prompt), n)
 
 
-# -- the whole job on CPU ranks ---------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world, strategies", [
-    (2, (("tree", ReductionPlan("tree", 2)), ("ring", None))),
-    (4, (("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))),
-    (3, (("tree", ReductionPlan("tree", 3)),)),
-])
-def test_sharded_greedy_tokens_equal_transformers_alone(world, strategies, small_model):
-    prompt = _prompt(301, 4096)
-    expected = transformers_greedy(small_model, list(prompt), 32)
-    assert len(set(expected)) > 8, "the reference must not be a repeated token, or the check proves little"
-    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=world, plans=strategies, timeout_s=60.0), new_tokens=32)
-    result = run_generate(spec)
-    names = [r.name for r in result.rows]
-    assert names[:2] == [REFERENCE, ONE_RANK] and len(names) == 2 + len(strategies)
-    for row in result.rows:
-        assert row.tokens == expected, row.name
-        assert row.matches_reference and row.ranks_agree, row.name
-        assert len(row.step_s) == 32 and all(t > 0 for t in row.step_s)
-    assert result.all_match
-    assert result.shard_sizes == spec.shard_sizes() and sum(result.shard_sizes) == 300
-    # bytes per token: a tree sends one merge state per layer at most per rank, (Hq, D + 1) float32
-    shape = ModelShape.from_config(small_model.config.to_dict())
-    state = shape.q_heads * (shape.head_dim + 1) * 4
-    tree = next(r for r in result.rows if r.name.startswith("tree"))
-    assert tree.messages_per_token % shape.layers == 0 and tree.bytes_per_token == tree.messages_per_token * state
-    if world == 2:
-        assert tree.messages_per_token == shape.layers  # one state per layer each way
-    ring = next((r for r in result.rows if r.name == "ring"), None)
-    if ring is not None:  # ring moves KV pages: far more than the tree's states
-        assert ring.bytes_per_token > 10 * tree.bytes_per_token
+def _strategy_rows(result):
+    return [r for r in result.rows if r.name not in (REFERENCE, ONE_RANK)]
 
 
-@pytest.mark.slow
-def test_a_prompt_shorter_than_the_world_leaves_shards_empty(small_model):
-    """A 3-token prompt over 4 ranks: prefill slices [1, 1, 0, 0], so two ranks start empty (the
-    merge's identity) and only the last one grows; the tokens still equal transformers' alone."""
-    prompt = _prompt(3, 4096, seed=9)
-    launch = LaunchSetup(world_size=4, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
-    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=12)
-    assert spec.shard_sizes() == [1, 1, 0, 0]
-    result = run_generate(spec)
-    expected = transformers_greedy(small_model, list(prompt), 12)
-    assert [r.tokens for r in result.rows] == [expected] * 3
+# -- in this process: the one-rank row at world size 1 and the reference -----------------------------
+
+def _one_rank_here(spec: GenerateSpec):
+    """The one-rank row's rank code in this process: world size 1 makes no collective (the ring
+    has no step to exchange, the local strategy none), so no process group is needed."""
+    return generate_rank(RankEnv(0, 1, "gloo", "cpu", 0), spec, LOCAL)
 
 
-def test_one_process_row_needs_the_whole_cache(small_model):
-    """Negative control: the same decode with half of the prefill KV missing gives other tokens,
-    so equal tokens are evidence, not an accident of the model."""
-    prompt = _prompt(301, 4096)
-    use_tree_attention(small_model)
-    pre = prefill(small_model, list(prompt), 4096, lambda t: None)
-    shape = ModelShape.from_config(small_model.config.to_dict())
-
-    def decode(first_token: int) -> list[int]:
-        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32,
-                                      device="cpu")
-        keep = range(first_token, pre.length)
-        for layer in range(shape.layers):
-            store.write(layer, 0, *pre.tokens(layer, keep.start, keep.stop))
-        store.set_length(len(keep))
-        ctx = DecodeContext(store, "local", holds_new=True)
-        return decode_tokens(small_model, ctx, prompt[-1], pre.length, 16, lambda t: None, "x").tokens
-
-    whole = decode(0)
-    assert whole == transformers_greedy(small_model, list(prompt), 16)
-    assert decode(150) != whole
-
-
-# -- where the work runs, transformers' cache API, the dtype default --------------------------------
-
-def test_the_one_process_rows_run_in_a_child_process(tmp_path):
-    """The launching process computes nothing: the prefill, the reference and the one-rank row
-    run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
-    progress reaches the caller, and the prefill it saves is what the ranks split."""
-    from tree_attn.commands.generate.decode import PREFILL_FILE, decode_in_one_process, load_prefill
-
-    prompt = _prompt(41, 4096, seed=4)
-    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=60.0), new_tokens=6)
-    said = []
-    local = decode_in_one_process(spec, str(tmp_path), said.append)
-    assert local.pid != os.getpid()
-    assert [r.name for r in local.rows] == [REFERENCE, ONE_RANK]
-    assert local.rows[0].tokens == local.rows[1].tokens == local.reference and len(local.reference) == 6
-    assert local.device.startswith("CPU") and local.prefill_s > 0
-    assert any(m.startswith("prefill: 40/40") for m in said) and any(m.startswith(REFERENCE) for m in said)
-    pre = load_prefill(str(tmp_path))
-    shape = ModelShape.from_config(build_model(SMALL, dtype=torch.float32, device="cpu").config.to_dict())
-    assert (tmp_path / PREFILL_FILE).is_file() and pre.length == 40 and len(pre.k) == shape.layers
-    assert pre.k[0].shape == (shape.kv_heads, 40, shape.head_dim)
-
-
-def test_generate_emits_no_future_warning(tmp_path):
-    """transformers 5.24 renamed the forward's ``past_key_values=`` to ``cache=`` (the old name
-    warns, and goes in 5.40): the child's whole work (load, prefill, reference through
-    transformers' cache, one-rank row) runs here with every warning recorded."""
+def test_one_rank_row_and_reference_equal_transformers_alone(small_model):
+    """World size 1 is the ordinary rank code (its sharded prefill a plain causal prefill); the
+    reference row is transformers' own prefill and cache. Both give the tokens of transformers
+    alone run by the test (the whole prompt in one forward), with no FutureWarning (transformers
+    5.24 renamed ``past_key_values=`` to ``cache=``)."""
     import warnings
 
-    from tree_attn.commands.generate.decode import one_process_work
-
-    spec = GenerateSpec(SMALL, _prompt(21, 4096, seed=6), LaunchSetup(world_size=2, plans=TREE_AND_RING), new_tokens=3)
+    prompt = _prompt(301, 4096)
+    expected = transformers_greedy(small_model, list(prompt), 24)
+    assert len(set(expected)) > 8, "the reference must not be a repeated token, or the check proves little"
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE), new_tokens=24)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        local = one_process_work(spec, str(tmp_path), lambda t: None)
-    assert local.rows[0].tokens == local.rows[1].tokens
+        one = _one_rank_here(spec)
+        ref = reference_work(spec, lambda t: None)
+    assert one.runs[ONE_RANK].tokens == expected
+    assert ref.tokens == expected and len(ref.step_s) == 24 and ref.pid == os.getpid()
+    assert one.prefill.tokens == 300 and one.prefill.runs == [[0, 150], [150, 300]]  # chunks 0 and 1 of 2
+    assert one.prefill.timing.stats.bytes_sent == 0 and one.prefill.timing.pairs == 2 * 300 * 301 // 2  # 2 layers
     future = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not future, future
 
+
+def test_the_one_rank_row_needs_its_whole_prefill(small_model, monkeypatch):
+    """Negative control in one process: the same decode with the prefill's keys flipped (each at
+    another's position) gives other tokens, so equal tokens are evidence, not an accident."""
+    from tree_attn.commands.generate import prefill
+
+    prompt = _prompt(301, 4096)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=1, plans=TREE), new_tokens=16)
+    whole = _one_rank_here(spec).runs[ONE_RANK].tokens
+    attend = prefill.ShardedPrefill.attend
+    monkeypatch.setattr(prefill.ShardedPrefill, "attend",
+                        lambda self, layer, q, k, v, scale: attend(self, layer, q, k.flip(2), v, scale))
+    assert _one_rank_here(spec).runs[ONE_RANK].tokens != whole
+
+
+def test_rows_are_checked_against_the_reference_else_one_rank_else_each_other():
+    def rows(*named):
+        return [GenerateRow(name, 1, list(tokens), [0.01] * len(tokens), skipped=None if tokens is not None else "x")
+                if tokens is not None else GenerateRow(name, 1, [], [], skipped="skipped: x") for name, tokens in named]
+
+    r = rows((REFERENCE, [1, 2]), (ONE_RANK, [1, 3]), ("tree k=2", [1, 2]))
+    assert _check(r) == REFERENCE and [x.matches for x in r] == [True, False, True]
+    r = rows((REFERENCE, None), (ONE_RANK, [1, 3]), ("tree k=2", [1, 2]))
+    assert _check(r) == ONE_RANK and [x.matches for x in r if x.ran] == [True, False]
+    r = rows((REFERENCE, None), (ONE_RANK, None), ("tree k=2", [1, 2]), ("ring", [1, 2]))
+    assert _check(r) == "each other" and all(x.matches for x in r if x.ran)
+    r = rows((REFERENCE, None), (ONE_RANK, None), ("tree k=2", [1, 2]), ("ring", [2, 2]))
+    assert _check(r) == "each other" and [x.matches for x in r if x.ran] == [True, False]
+    r = rows((REFERENCE, None), (ONE_RANK, None), ("tree k=2", [1, 2]))
+    assert _check(r) == "nothing"
+
+
+# -- the whole job on spawned CPU ranks -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sharded_prefill_and_every_strategy_on_4_ranks(small_model):
+    """4 ranks, every strategy, a 301-token prompt (300 prefill tokens in 8 chunks of 37 or 38):
+    every row equals transformers alone, each rank's pool holds its share only, and the prefill's
+    ring moved what the plan says."""
+    prompt = _prompt(301, 4096)
+    expected = transformers_greedy(small_model, list(prompt), 24)
+    strategies = (("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=4, plans=strategies, timeout_s=90.0), new_tokens=24)
+    result = run_generate(spec)
+    assert [r.name for r in result.rows] == [REFERENCE, ONE_RANK, "tree k=2", "allreduce", "ring"]
+    for row in result.rows:
+        assert row.tokens == expected, row.name
+        assert row.matches and row.ranks_agree, row.name
+        assert len(row.step_s) == 24 and all(t > 0 for t in row.step_s)
+    assert result.all_match and result.checked_against == REFERENCE
+    shards = spec.shards()
+    assert result.shard_sizes == [75, 75, 75, 75]
+    shape = ModelShape.from_config(small_model.config.to_dict())
+    from tree_attn.reduce.ring_prefill import plan_ring
+
+    for rep in result.ranks:
+        assert rep.prefill.tokens == shards.size(rep.rank)
+        held = rep.prefill.tokens + (24 + 1 if rep.rank == 3 else 0)
+        pages = -(-held // spec.page_size)
+        assert rep.kv_bytes == 2 * shape.layers * pages * spec.page_size * shape.kv_heads * shape.head_dim * 4
+        sent, messages = plan_ring(shards, rep.rank).block_bytes_sent(shape.kv_heads, shape.head_dim, 4)
+        assert rep.prefill.timing.stats.bytes_sent == shape.layers * sent
+        assert rep.prefill.timing.stats.messages == shape.layers * messages
+        assert rep.prefill.timing.pairs == shape.layers * shards.causal_pairs(rep.rank)
+    # The capacity estimate against each rank's measured peak (RSS high-water, CPU): an upper bound,
+    # and within 30% (at this size the process's fixed 500 MiB dominates; benchmarks/bench_prefill.py
+    # checks the margin where KV and activations do).
+    from tree_attn.commands.generate.memory import Budget, JobShape, estimate_generate
+    from tree_attn.cost.capacity import ModelDims
+
+    job = JobShape(ModelDims.from_config(small_model.config.to_dict()), 24, "float32", "float32", "cpu",
+                   spec.page_size, preset=True, ring_decode=True)
+    est = estimate_generate(job, len(prompt), 4, Budget("cpu"), 4, spawned=True)
+    for rep in result.ranks:
+        assert rep.peak_method in ("high-water mark", "sampled")
+        assert 0.7 * est.ranks[rep.rank].total <= rep.peak_bytes <= est.ranks[rep.rank].total, rep.to_dict()
+        assert rep.peak_bytes >= rep.prefill_peak_bytes > rep.start_bytes
+    # bytes per token: a tree sends one merge state per layer at most per rank, (Hq, D + 1) float32
+    state = shape.q_heads * (shape.head_dim + 1) * 4
+    tree = next(r for r in result.rows if r.name.startswith("tree"))
+    assert tree.messages_per_token % shape.layers == 0 and tree.bytes_per_token == tree.messages_per_token * state
+    ring = next(r for r in result.rows if r.name == "ring")
+    assert ring.bytes_per_token > 10 * tree.bytes_per_token  # ring moves KV pages: far more than the states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, world, prompt_len, extra", [
+    ("qwen2", 3, 153, {}),  # 152 prefill tokens: not a multiple of 3 or of 6 chunks
+    ("mistral", 5, 148, {"sliding_window": None}),  # 147 over 5 ranks, 10 chunks
+])
+def test_qwen2_and_mistral_checkpoints_on_3_and_5_ranks(model_type, world, prompt_len, extra, tmp_path):
+    folder = write_checkpoint(tmp_path / model_type, model_type, seed=7, **extra)
+    source = ModelSource(path=str(folder))
+    prompt = _prompt(prompt_len, 160, seed=2)
+    expected = _reference(source, prompt, 16)
+    launch = LaunchSetup(world_size=world, plans=TREE_AND_RING, timeout_s=90.0)
+    # the one-process rows are covered elsewhere: only the sharded job is spawned here
+    spec = GenerateSpec(source, prompt, launch, new_tokens=16, page_size=5, reference=OFF, one_rank=OFF)
+    result = run_generate(spec)
+    assert [r.tokens for r in _strategy_rows(result)] == [expected] * 2
+    assert result.checked_against == "each other" and result.all_match
+    assert sum(result.shard_sizes) == prompt_len - 1 and len(set(result.shard_sizes)) == 2
+
+
+@pytest.mark.slow
+def test_a_prompt_shorter_than_the_world_leaves_ranks_empty(small_model):
+    """A 3-token prompt over 5 ranks: 2 prefill tokens, so ranks 2, 3 and 4 hold none (they still
+    relay every layer's blocks) and only the last grows by the new tokens."""
+    prompt = _prompt(3, 4096, seed=9)
+    launch = LaunchSetup(world_size=5, plans=TREE_AND_RING, timeout_s=90.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=12, reference=OFF, one_rank=OFF)
+    assert spec.shard_sizes() == [1, 1, 0, 0, 0]
+    result = run_generate(spec)
+    expected = transformers_greedy(small_model, list(prompt), 12)
+    assert [r.tokens for r in _strategy_rows(result)] == [expected] * 2
+
+
+@pytest.mark.slow
+def test_negative_control_one_broken_rank_changes_the_tokens(small_model):
+    """Rank 1 of 2 flips its keys in every layer of its prefill (each key at another's position),
+    in its pool and in the blocks it sends: the tokens differ from transformers'. Unbroken, the
+    same prompt and model give them (the one-rank and 4-rank tests; 2 ranks: the torchrun ones)."""
+    from tree_attn.launch.job import run_ranks
+
+    prompt = _prompt(301, 4096)
+    expected = transformers_greedy(small_model, list(prompt), 16)
+    launch = LaunchSetup(world_size=2, plans=TREE, timeout_s=90.0)
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=16)
+    broken = run_ranks(rank_with_flipped_keys, launch, args=(spec, TREE, 1)).values
+    assert all(rep.runs["tree k=2"].tokens != expected for rep in broken)
+
+
+# -- the CLI's verdict ------------------------------------------------------------------------------
+
+def _fake_result(rows, against):
+    from tree_attn.commands.generate import decode as gen
+
+    return gen.GenerateResult("m", True, 10, 3, 2, "cpu", "gloo", "float32", 16, 0.1, rows, shard_sizes=[5, 4],
+                              checked_against=against)
+
+
+def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
+    """The check behind exit 1: a result whose tree row lost a token is reported, not passed."""
+    from tree_attn.cli.app import main
+    from tree_attn.commands.generate import decode as gen
+
+    rows = [GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3), GenerateRow(ONE_RANK, 1, [1, 2, 3], [0.01] * 3),
+            GenerateRow("tree k=2", 2, [1, 2, 4], [0.01] * 3, matches=False)]
+    monkeypatch.setattr(gen, "run_generate", lambda spec, progress=None, tokenizer=None: _fake_result(rows, REFERENCE))
+    code = main(["generate", "--device", "cpu", "-w", "2", "--layers", "1", "--prompt-len", "10", "--new-tokens", "3"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "tree k=2: generated tokens differ from the reference's" in err
+
+
+def test_cli_says_what_the_rows_were_checked_against(monkeypatch, capsys):
+    """Without the reference (skipped: it did not fit), the table shows why, the rows are checked
+    against each other, and a disagreement still exits 1."""
+    from tree_attn.cli.app import main
+    from tree_attn.commands.generate import decode as gen
+
+    skipped = "skipped: needs 40.0 GiB in one process, 20.0 GiB available"
+    rows = [GenerateRow(REFERENCE, 1, [], [], skipped=skipped), GenerateRow(ONE_RANK, 1, [], [], skipped=skipped),
+            GenerateRow("tree k=2", 2, [1, 2, 3], [0.01] * 3), GenerateRow("ring", 2, [1, 2, 3], [0.01] * 3)]
+    monkeypatch.setattr(gen, "run_generate",
+                        lambda spec, progress=None, tokenizer=None: _fake_result(rows, "each other"))
+    args = ["generate", "--device", "cpu", "-w", "2", "--layers", "1", "--prompt-len", "10", "--new-tokens", "3"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert skipped in out and "rows checked against each other" in out
+    rows[3] = GenerateRow("ring", 2, [1, 2, 4], [0.01] * 3, matches=False)
+    assert main(args) == 1
+    assert "ring: generated tokens differ from each other's" in " ".join(capsys.readouterr().err.split())
+    assert main([*args, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["checked_against"] == "each other" and data["rows"][0] == {"name": REFERENCE, "ranks": 1,
+                                                                           "skipped": skipped}
+
+
+# -- where the work runs, transformers' cache API, the dtype default --------------------------------
 
 def test_the_transformers_pin_is_the_range_with_the_cache_api():
     """The ``models`` extra, the install hint and the run-time check agree on the first
@@ -268,44 +379,7 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
     assert result["dtype"] == "bfloat16" and result["device"] != "cpu"
 
 
-# -- prefill and the paged shard against float64 ---------------------------------------------------
-
-SHAPES = [(1, 1, True), (37, 37, True), (130, 130, True), (5, 200, False)]
-
-
-# the prefill never asks for attention over no keys (a first chunk has no past); the portable path
-# still gives the empty state for it
-@pytest.mark.parametrize("path, s, n, causal", [("cpu-flash", *x) for x in SHAPES]
-                         + [("blockwise", *x) for x in SHAPES + [(70, 0, False)]])
-def test_prefill_attention_against_float64(path, s, n, causal):
-    gen = torch.Generator().manual_seed(s * 1000 + n)
-    q = torch.randn(8, s, 32, generator=gen)
-    k, v = torch.randn(2, n, 32, generator=gen), torch.randn(2, n, 32, generator=gen)
-    fn = attention_with_lse if path == "cpu-flash" else attention_blockwise
-    out, lse = fn(q, k, v, 0.3, causal)
-    scores = torch.einsum("hgsd,hnd->hgsn", q.double().view(2, 4, s, 32), k.double()) * 0.3
-    if causal:
-        scores = scores.masked_fill(torch.ones(s, n, dtype=torch.bool).triu(1), float("-inf"))
-    ref_lse = torch.logsumexp(scores, -1)
-    ref = torch.einsum("hgsn,hnd->hgsd", torch.softmax(scores, -1).nan_to_num(0.0), v.double())
-    if n:
-        torch.testing.assert_close(out.double(), ref.reshape(8, s, 32), atol=2e-6, rtol=1e-5)
-        torch.testing.assert_close(lse.double(), ref_lse.reshape(8, s), atol=2e-6, rtol=1e-5)
-    else:
-        assert torch.isneginf(lse).all()
-
-
-def test_chunked_prefill_keeps_the_same_kv_as_one_chunk(small_model):
-    use_tree_attention(small_model)
-    prompt = list(_prompt(201, 4096, seed=5))
-    one = prefill(small_model, prompt, 4096, lambda t: None)
-    chunked = prefill(small_model, prompt, 37, lambda t: None)
-    assert one.length == chunked.length == 200
-    for layer in range(len(one.k)):
-        # layer 1's K and V come through layer 0's attention: equal up to float32 rounding
-        torch.testing.assert_close(chunked.k[layer], one.k[layer], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(chunked.v[layer], one.v[layer], atol=1e-4, rtol=1e-4)
-
+# -- the paged shard ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", [1, 5, 16, 256])
 def test_paged_shard_round_trip(page):
@@ -324,7 +398,7 @@ def test_paged_shard_round_trip(page):
         store.write(0, store.capacity, k[:1], v[:1])
 
 
-# -- checkpoints: Llama with a tokenizer through the CLI, Qwen2 and Mistral -------------------------
+# -- a Llama checkpoint with a tokenizer through the CLI --------------------------------------------
 
 @pytest.mark.slow
 def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
@@ -346,47 +420,21 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
     assert result["prompt_tokens"] == len(ids) and result["random_weights"] is False
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
     expected = transformers_greedy(model, ids, 32)
-    assert result["all_match_reference"] is True
+    assert result["all_match"] is True and result["checked_against"] == "reference"
+    assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "tree k=2", "ring"]
     for row in result["rows"]:
         assert row["tokens"] == expected, row["name"]
         assert row["text"] == tok.decode(expected)
+    # no process held the whole cache: each rank's pool is its share (+ the new tokens on the last)
+    n = len(ids) - 1
+    assert [r["prefill"]["tokens"] for r in result["ranks"]] == result["prefill_tokens_per_rank"]
+    assert sum(result["prefill_tokens_per_rank"]) == n and max(result["prefill_tokens_per_rank"]) <= n // 2 + 1
+    assert result["launcher_peak_bytes"] < result["ranks"][0]["peak_bytes"]
     assert result["cuda_graph"] is True  # asked for; CPU ranks have nothing to capture, and say so
     assert [(r["execution"], r["why_eager"]) for r in result["rows"][1:]] == (
         [("eager", "cpu tensors: nothing to capture")] * (len(result["rows"]) - 1))
     assert result["profile"]["chosen_by"] in ("default", "builtin", "saved")
     assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr and "FutureWarning" not in proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("mistral", {"sliding_window": None})])
-def test_qwen2_and_mistral_checkpoints(model_type, extra, tmp_path):
-    folder = write_checkpoint(tmp_path / model_type, model_type, seed=7, **extra)
-    source = ModelSource(path=str(folder))
-    prompt = _prompt(150, 160, seed=2)
-    expected = _reference(source, prompt, 16)
-    launch = LaunchSetup(world_size=2, plans=(("tree", ReductionPlan("tree", 2)),), timeout_s=60.0)
-    spec = GenerateSpec(source, prompt, launch, new_tokens=16, page_size=5)
-    result = run_generate(spec)
-    assert [r.tokens for r in result.rows] == [expected] * 3
-
-
-# -- the CLI's verdict ------------------------------------------------------------------------------
-
-def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
-    """The check behind exit 1: a result whose tree row lost a token is reported, not passed."""
-    from tree_attn.cli.app import main
-    from tree_attn.commands.generate import decode as gen
-
-    def fake_run(spec, progress=None, tokenizer=None):
-        rows = [gen.GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3),
-                gen.GenerateRow("tree k=2", 2, [1, 2, 4], [0.01] * 3, matches_reference=False)]
-        return gen.GenerateResult("m", True, 10, 3, 2, "cpu", "gloo", "float32", 16, 0.1, rows, shard_sizes=[5, 4])
-
-    monkeypatch.setattr(gen, "run_generate", fake_run)
-    code = main(["generate", "--device", "cpu", "-w", "2", "--layers", "1", "--prompt-len", "10", "--new-tokens", "3"])
-    err = capsys.readouterr().err
-    assert code == 1
-    assert "tree k=2: generated tokens differ from the reference" in err
 
 
 @pytest.mark.gpu
@@ -401,20 +449,15 @@ def test_generate_on_gpus_equals_transformers():
     result = run_generate(spec)
     for row in result.rows:
         assert row.tokens == expected, row.name
+    assert result.checked_against == REFERENCE
     for row in result.rows[1:]:  # each token one CUDA graph replay, but the ring's (whole shards travel)
         assert row.execution == ("eager" if row.name == "ring" else "cuda graph"), (row.name, row.why_eager)
 
 
-
 # -- under torchrun: one node, and two "nodes" on loopback ------------------------------------------
 
-def _clean_env(tmp_path) -> dict:
-    env = clean_env(TREE_ATTN_PROFILE_DIR=str(tmp_path / "profiles"))
-    return env
-
-
 GEN_ARGS = ["generate", "--device", "cpu", "--layers", "2", "--seed", "3", "--prompt-len", "201", "--new-tokens", "16",
-            "--timeout", "60", "--json"]
+            "--timeout", "90", "--json"]
 
 
 def _expected_for_cli_prompt() -> list[int]:
@@ -427,13 +470,18 @@ def _expected_for_cli_prompt() -> list[int]:
 
 
 @pytest.mark.slow
-def test_generate_under_torchrun_joins_the_job(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", *GEN_ARGS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(tmp_path), check=False)
+def test_generate_under_torchrun_on_3_ranks(tmp_path):
+    """torchrun with 3 ranks on one node: every rank prefills its zig-zag share (200 tokens: 67,
+    67 and 66), rank 0 reports, then runs the one-process rows (the one-rank row spawned as a job
+    of one rank, the reference in a child)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "tree_attn", *GEN_ARGS]
+    env = clean_env(TREE_ATTN_PROFILE_DIR=str(tmp_path / "profiles"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # only rank 0 prints
     assert proc.stderr.count("generating 16 tokens") == 1
-    assert result["world_size"] == 2 and result["all_match_reference"] is True
+    assert result["world_size"] == 3 and result["all_match"] is True and result["checked_against"] == REFERENCE
+    assert result["prefill_tokens_per_rank"] == [67, 67, 66]
     expected = _expected_for_cli_prompt()
     assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "tree k=2", "ring"]
     assert all(r["tokens"] == expected for r in result["rows"])
@@ -441,18 +489,19 @@ def test_generate_under_torchrun_joins_the_job(tmp_path):
 
 @pytest.mark.slow
 def test_generate_across_two_nodes_on_loopback(tmp_path):
-    """2 torchrun "nodes" x 1 CPU rank (c10d rendezvous, gloo on loopback): the tree's one edge is
-    the network level; every row gives transformers' tokens."""
-    env = {**_clean_env(tmp_path), "GLOO_SOCKET_IFNAME": "lo"}
-    outs = run_nodes(GEN_ARGS, nodes=2, per_node=1, env=env, cwd=tmp_path, timeout=180,
+    """2 torchrun "nodes" x 1 CPU rank (c10d rendezvous, gloo on loopback): the prefill's ring and
+    the tree's one edge cross the network level; every row gives transformers' tokens."""
+    env = clean_env(TREE_ATTN_PROFILE_DIR=str(tmp_path / "profiles"), GLOO_SOCKET_IFNAME="lo")
+    outs = run_nodes(GEN_ARGS, nodes=2, per_node=1, env=env, cwd=tmp_path, timeout=240,
                      rdzv_id="tree-attn-generate-test")
     for code, _, err in outs:
         assert code == 0, err[-3000:]
     reports = [out for _, out, _ in outs if out.strip()]
     assert len(reports) == 1, outs  # the node that holds rank 0 reports
     result = json.loads(reports[0])
-    assert result["world_size"] == 2 and result["all_match_reference"] is True
+    assert result["world_size"] == 2 and result["all_match"] is True
     assert "2 nodes x 1 ranks (torchrun)" in result["profile"]["text"]
     assert [r["name"] for r in result["rows"]] == [REFERENCE, ONE_RANK, "hier net k=2", "ring"]
     expected = _expected_for_cli_prompt()
     assert all(r["tokens"] == expected for r in result["rows"])
+    assert all(r["prefill"]["bytes_sent"] > 0 for r in result["ranks"])  # the ring crossed the nodes

@@ -100,7 +100,7 @@ def _install_signal_handlers() -> dict:
 def _register() -> None:
     # One module per command: its HELP and <name>_command (profiles: a group of subcommands,
     # profiles_app). A module missing from this build is skipped.
-    for name in ("run", "generate", "probe", "check", "tune", "profiles", "simulate"):
+    for name in ("run", "generate", "probe", "check", "tune", "profiles", "simulate", "fit"):
         try:
             mod = __import__(f"{__package__}.{name}", fromlist=["HELP"])
         except ModuleNotFoundError as exc:  # a command module not present in this build

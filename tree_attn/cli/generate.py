@@ -19,15 +19,20 @@ HELP = (
     "nothing is downloaded). Without --model a small Llama is built from a config with --seed: random "
     "weights, so the output is token ids, not text, and the prompt is --prompt-len random ids (or ids "
     "given as --prompt 1,2,3).\n\n"
-    "One process (a child: the launching process computes nothing on a GPU) prefills the prompt, decodes "
-    "the reference (transformers' own sdpa attention and cache) and the one-rank row (tree-attn's paged "
-    "kernel); then the prefill KV is split over the ranks (rank r a contiguous slice, 16-token pages) and "
-    "each strategy decodes the same "
-    "tokens, the new tokens' KV going to the last rank. Every row must give the reference's tokens: "
-    "exit 1 if one does not. Needs the \\[models] extra (Hugging Face transformers).\n\n"
-    "Under torchrun (one node or several) it joins the job instead of spawning: every rank loads the model "
-    "and prefills the prompt itself, keeps its slice, and rank 0 reports; across nodes the tree is planned "
-    "from the node layout, as in run."
+    "No process holds the whole KV cache. Each rank loads the model and prefills only its part of the "
+    "prompt (zig-zag: rank r holds chunks r and 2p-1-r of 2p, which balances the causal work), each "
+    "layer's attention exchanged around the ring of ranks, straight into its paged pool; then each "
+    "strategy decodes the same tokens, the new tokens' KV going to the last rank. The launching process "
+    "loads no model and no KV.\n\n"
+    "Before anything loads, the memory each rank needs (weights, its KV share, activations, the process) "
+    "is checked against the GPUs' free memory (NVML) or the host's: a prompt that cannot fit is refused, "
+    "naming the largest that would (see also tree-attn fit). --reference auto (the default) also runs "
+    "transformers alone and tree-attn on one rank where the whole context fits in one process, and every "
+    "row must give the reference's tokens (without it, the rows are checked against each other): exit 1 "
+    "if one does not. Needs the \\[models] extra (Hugging Face transformers).\n\n"
+    "Under torchrun (one node or several) it joins the job instead of spawning: the same ranks, only the "
+    "ring's and the decode's messages between nodes, rank 0 reports; across nodes the tree is planned from "
+    "the node layout, as in run."
 )
 
 
@@ -65,6 +70,10 @@ def generate_command(
         "layer's attention kernel, merge and NCCL traffic, the KV write and the argmax) as one CUDA graph and replay "
         "it; if it cannot be captured, eager with the reason in the output. --no-cuda-graph runs every token "
         "eagerly.")] = DEFAULTS.cuda_graph,
+    reference: Annotated[str, typer.Option(
+        "--reference", help="The rows computed in one process (transformers alone, and tree-attn on one rank): "
+        "auto runs each where the whole context fits in one process, on refuses the job where one cannot, "
+        "off skips both.")] = DEFAULTS.reference,
     timeout: Timeout = DEFAULTS.timeout_s,
     profile_ref: Profile = DEFAULTS.profile,
     json_out: Json = False,
@@ -75,8 +84,8 @@ def generate_command(
     setup = plan_generate(GenerateOptions(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
         new_tokens=new_tokens, max_len=max_len, world_size=world_size, strategy=strategy, fanout=fanout,
-        plan=plan, device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout,
-        profile=profile_ref, cuda_graph=cuda_graph,
+        plan=plan, device=device, backend=backend, dtype=dtype, page_size=page_size, reference=reference,
+        timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     ))
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
@@ -91,8 +100,10 @@ def generate_command(
     result.prompt_text = setup.prompt_text
     report(result, render_generate, json_out)
     if not result.all_match:
-        bad = [r.name for r in result.rows if not (r.matches_reference and r.ranks_agree)]
-        error(f"{', '.join(bad)}: generated tokens differ from the reference's (or between ranks)")
+        bad = [r.name for r in result.rows if r.ran and not (r.matches and r.ranks_agree)]
+        against = "the reference's" if result.checked_against == "reference" else \
+            f"the {result.checked_against} row's" if result.checked_against == "one rank" else "each other's"
+        error(f"{', '.join(bad)}: generated tokens differ from {against} (or between ranks)")
         raise typer.Exit(1)
 
 
@@ -110,31 +121,59 @@ def render_generate(result) -> None:
                       ("tokens", "left")):
         table.add_column(col, justify=just, no_wrap=True)
     for r in result.rows:
-        same = "reference" if r.name == "reference" else ("same" if r.matches_reference and r.ranks_agree else "DIFFER")
+        if not r.ran:
+            table.add_row(styled(r.name), str(r.ranks), "-", "-", "-", "-", "-", "-", styled("skipped", "dim"))
+            continue
+        if r.name == result.checked_against:
+            same = "yardstick" if r.name != "reference" else "reference"
+        else:
+            same = "same" if r.matches and r.ranks_agree else "DIFFER"
         table.add_row(styled(r.name), str(r.ranks), "graph" if r.execution == "cuda graph" else "eager",
                       f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
                       styled(same, None if same != "DIFFER" else "bold red"))
     out_console.print(table)
+    for r in result.rows:
+        if not r.ran:
+            out_console.print(line((r.name, "bold"), f": {r.skipped}"))
     if result.backend == "nccl":  # GPU ranks: say why a row that could have been a graph was not
-        for r in result.rows[1:]:
-            if r.execution != "cuda graph" and r.why_eager:
+        for r in result.rows:
+            if r.ran and r.name != "reference" and r.execution != "cuda graph" and r.why_eager:
                 out_console.print(f"{r.name}: eager: {r.why_eager}", style="dim")
+    sizes = result.shard_sizes
+    prefill_bytes = max((rep.prefill.timing.stats.bytes_sent for rep in result.ranks), default=0)
     out_console.print(
         "step: graph = each token one CUDA graph replay (the model, every layer's attention, merge and NCCL "
         "traffic), eager = issued op by op; "
         f"per generated token (one decode step through all layers): latency on rank 0, bytes and messages each rank "
-        f"sends (max over ranks); reference = transformers' sdpa attention and cache in one process, one rank = "
-        f"tree-attn's paged kernel in one process; prefill {result.prefill_s:.1f} s in one process, its KV then split "
-        f"{result.shard_sizes} tokens over the ranks, the new tokens' KV on rank {result.world_size - 1}",
+        f"sends (max over ranks); reference = transformers alone (its sdpa attention and cache) in one process, one "
+        f"rank = tree-attn's paged kernel in one process. Prefill {result.prefill_s:.1f} s sharded: "
+        f"{min(sizes):,}-{max(sizes):,} tokens per rank (zig-zag), each layer's K/V around the ring "
+        f"({fmt_bytes(prefill_bytes)} sent by the busiest rank); the new tokens' KV on rank {result.world_size - 1}",
         style="dim",
     )
-    ref = result.rows[0]
-    out_console.print(line("ids: ", styled(", ".join(map(str, ref.tokens)))))
-    if ref.text is not None:
-        out_console.print(line("text: ", styled(repr(ref.text))))
-    elif result.random_weights:
-        out_console.print("(random weights: the ids are not text)", style="dim")
-    if result.all_match:
-        out_console.print(line(("all rows generated the reference's tokens", "bold green"),
+    est = result.estimate
+    if est is not None and result.ranks:
+        peak = max(result.ranks, key=lambda rep: rep.peak_bytes)
+        out_console.print(
+            f"memory per rank: estimated {fmt_bytes(max(r.total for r in est.ranks))}, measured peak "
+            f"{fmt_bytes(peak.peak_bytes)} (rank {peak.rank}, {peak.peak_method})"
+            + (f"; launching process peak {fmt_bytes(result.launcher_peak_bytes)} (no KV)"
+               if result.launcher_peak_bytes else ""), style="dim")
+    yard = next((r for r in result.rows if r.ran and r.name == result.checked_against), None)
+    if yard is None:
+        yard = next((r for r in result.rows if r.ran), None)
+    if yard is not None:
+        out_console.print(line("ids: ", styled(", ".join(map(str, yard.tokens)))))
+        if yard.text is not None:
+            out_console.print(line("text: ", styled(repr(yard.text))))
+        elif result.random_weights:
+            out_console.print("(random weights: the ids are not text)", style="dim")
+    if result.checked_against == "nothing":
+        out_console.print("one row ran: its tokens are not checked against anything (--reference off, or it did "
+                          "not fit)", style="yellow")
+    elif result.all_match:
+        what = {"reference": "the reference's tokens", "one rank": "the one-rank row's tokens (no reference)"}.get(
+            result.checked_against, "the same tokens (no reference: rows checked against each other)")
+        out_console.print(line((f"all rows generated {what}", "bold green"),
                                f" ({result.new_tokens} of {result.new_tokens})"))

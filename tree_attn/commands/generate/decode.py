@@ -1,45 +1,58 @@
-"""``tree-attn generate``: greedy decoding of a language model with its KV cache sharded over ranks.
+"""``tree-attn generate``: greedy decoding of a language model whose KV cache no process holds whole.
 
-A child process (the launching process computes nothing on a device, so it holds no CUDA
-context) loads the model and prefills the prompt (all tokens but the last, in chunks); it then
-decodes the reference (transformers' own SDPA attention over a ``DynamicCache`` holding the same
-prefill KV) and the one-process row (tree-attn's paged kernel, no collective), saves the prefill
-KV to a file and exits. The launching process then spawns the ranks, which split the prefill KV
-evenly (rank r holds a contiguous slice of the prompt); each rank loads the model, pages its slice
-into a :class:`PagedKVShard`, and decodes with each strategy (tree, allreduce, ring) in turn. A
-decode step feeds one token through every layer; each layer's attention is a collective over the
-ranks' shards, and the new token's K and V are appended to the last rank's shard. Every row starts
-from the last prompt token, so all of them decode the same ``new_tokens`` tokens, each by a decode
-step, and must match the reference exactly.
+The launching process starts the ranks and collects; it loads no model and no KV. Each rank loads
+the model itself (a checkpoint or a seeded preset) and prefills only its own positions of the
+prompt (:mod:`.prefill`: the zig-zag assignment, each layer's attention exchanged around the ring
+of ranks), straight into its paged pool. It then decodes with each strategy (tree, allreduce,
+ring) in turn: a decode step feeds one token through every layer, each layer's attention a
+collective over the ranks' shards, the new token's K and V appended to the last rank's shard
+(after its prompt tokens, which all precede the new ones: the causal rule of multi-token verify,
+bottom-right aligned on that shard, holds; it is the rank the decode collectives expect them on,
+and it holds the fewest prompt tokens). Every row starts from the last prompt token and decodes
+the same ``new_tokens`` tokens. Each strategy's decode reads the pool the prefill wrote: every
+layer's step is prepared once (:mod:`.layer_steps`) and a token is one :class:`.token_step.TokenStep`
+(on GPUs one CUDA graph replay, ``--cuda-graph``; each row says how it ran).
+
+Two rows run in one process, where the whole context fits there (``--reference``): the one-rank
+row is the same rank code at world size 1 (its sharded prefill is a plain causal prefill, its
+decode tree-attn's paged kernel without a collective), spawned as a job of one rank; the reference
+is transformers alone (:mod:`.reference`), in a child process. Rows are checked against the
+reference; without it against the one-rank row; without both against each other.
+
+Under torchrun the ranks are torchrun's: the same rank code, nothing but the ring's and the
+decode's messages between nodes; rank 0 then runs the one-process rows and reports.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ...dtypes import torch_dtype
+from ...dtypes import itemsize, torch_dtype
 from ...launch.env import RankEnv
-from ...launch.group import barrier
-from ...launch.job import device_name, percentile, say_on_rank_0
+from ...launch.job import percentile, say_on_rank_0
+from ...launch.memory import MemoryMonitor
 from ...launch.setup import LaunchSetup, OnLaunch
-from .hf_attention import CONTEXT_KWARG, DecodeContext, PrefillContext, use_tree_attention
+from ...reduce.ring_prefill import plan_ring
+from ...reduce.zigzag import SequenceShards, zigzag
+from .hf_attention import DecodeContext, use_tree_attention
 from .kv_store import PagedKVShard
+from .memory import RowChoice
 from .models import ModelSource, build_model
-from .setup import PREFILL_CHUNK, GenerateOptions
+from .prefill import PrefillReport, ShardedPrefill, chunk_mlp, sharded_prefill
+from .setup import GenerateOptions
 from .token_step import TokenStep
 
 REFERENCE = "reference"
+REFERENCE_EAGER = "transformers' own forward and cache, as transformers runs them"
 ONE_RANK = "one rank"
+LOCAL = (("local", None),)  # the one-rank row's strategy: tree-attn's kernel, no collective
 DEFAULTS = GenerateOptions()
 PROGRESS_S = 10.0
 
@@ -63,7 +76,7 @@ class ModelShape:
                    config["vocab_size"], config.get("max_position_embeddings") or 2**31 - 1)
 
     def kv_bytes(self, tokens: int, dtype: str) -> int:
-        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * torch_dtype(dtype).itemsize
+        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * itemsize(dtype)
 
 
 @dataclass(frozen=True)
@@ -71,8 +84,9 @@ class GenerateSpec(OnLaunch):
     """What to generate and how. ``prompt_ids``: at least one token; ``new_tokens`` decode steps.
 
     ``launch``: where the ranks compute, their dtype, and the strategies' ``(name, plan)`` pairs
-    as in ``run`` (``ring`` has no plan). The reference and the one-process row always run.
-    Defaults are :class:`~.setup.GenerateOptions`'.
+    as in ``run`` (``ring`` has no plan). ``reference``, ``one_rank``: whether the one-process
+    rows run (decided by ``plan_generate`` from ``--reference`` and the capacity estimate, which
+    ``estimate`` keeps for the report). Defaults are :class:`~.setup.GenerateOptions`'.
     """
 
     source: ModelSource
@@ -81,13 +95,28 @@ class GenerateSpec(OnLaunch):
     new_tokens: int = DEFAULTS.new_tokens
     impl: str = "auto"
     page_size: int = DEFAULTS.page_size
-    prefill_chunk: int = PREFILL_CHUNK
     seed: int = DEFAULTS.seed  # shuffles the block tables
     cuda_graph: bool = DEFAULTS.cuda_graph  # GPUs: each token one CUDA graph replay
+    reference: RowChoice = RowChoice()  # noqa: RUF009 - frozen: one shared instance is safe
+    one_rank: RowChoice = RowChoice()  # noqa: RUF009 - frozen: one shared instance is safe
+    estimate: Any = None  # .memory.GenerateEstimate
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt but its last token (the first decode step feeds that one)."""
+        return len(self.prompt_ids) - 1
+
+    def shards(self, world_size: int | None = None) -> SequenceShards:
+        """The zig-zag assignment of the prefill tokens over ``world_size`` (default: the launch's) ranks."""
+        return zigzag(self.prefill_tokens, world_size or self.world_size)
 
     def shard_sizes(self) -> list[int]:
-        """Prefill tokens per rank: the prompt minus its last token, split as evenly as possible."""
-        return self.launch.shard_sizes(len(self.prompt_ids) - 1)
+        """Prefill tokens per rank."""
+        return self.shards().sizes()
+
+    def one_rank_launch(self) -> LaunchSetup:
+        """The one-rank row's job: this launch's device and dtype, one spawned rank, no plans."""
+        return replace(self.launch, world_size=1, torchrun=None, layout=None, plans=(), profile=None)
 
 
 @dataclass
@@ -105,9 +134,38 @@ class StrategyRun:
 
 
 @dataclass
+class RankReport:
+    """What one rank did: each strategy's decode, its prefill, its KV pool, and its peak memory
+    in each phase (host RSS high-water on CPU, ``max_memory_allocated`` on GPUs): loading the
+    model, the prefill, the decode; ``start_bytes``: before the model loaded (RSS; 0 on GPUs)."""
+
+    rank: int
+    runs: dict[str, StrategyRun]
+    prefill: PrefillReport
+    kv_bytes: int
+    load_peak_bytes: int
+    prefill_peak_bytes: int
+    decode_peak_bytes: int
+    peak_method: str
+    start_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.load_peak_bytes, self.prefill_peak_bytes, self.decode_peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "prefill": self.prefill.to_dict(), "kv_pool_bytes": self.kv_bytes,
+                "peak_bytes": self.peak_bytes, "load_peak_bytes": self.load_peak_bytes,
+                "prefill_peak_bytes": self.prefill_peak_bytes, "decode_peak_bytes": self.decode_peak_bytes,
+                "start_bytes": self.start_bytes, "peak_method": self.peak_method}
+
+
+@dataclass
 class GenerateRow:
     """One row of the result: a strategy on ``ranks`` ranks (rank 0's tokens and times; bytes and
-    messages: the most any rank sent in a step)."""
+    messages: the most any rank sent in a step). ``matches``: the tokens equal those of the row
+    the result is checked against (``GenerateResult.checked_against``). ``skipped``: why a
+    one-process row did not run (then it has no tokens)."""
 
     name: str
     ranks: int
@@ -116,29 +174,36 @@ class GenerateRow:
     bytes_per_token: int = 0
     messages_per_token: int = 0
     ranks_agree: bool = True
-    matches_reference: bool = True
+    matches: bool = True
     text: str | None = None
     execution: str = "eager"
     why_eager: str | None = None
+    skipped: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        return self.skipped is None
 
     @property
     def median_s(self) -> float:
-        return statistics.median(self.step_s)
+        return statistics.median(self.step_s) if self.step_s else float("nan")
 
     @property
     def p95_s(self) -> float:
-        return percentile(self.step_s, 0.95)
+        return percentile(self.step_s, 0.95) if self.step_s else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.step_s) / sum(self.step_s) if sum(self.step_s) > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
+        if not self.ran:
+            return {"name": self.name, "ranks": self.ranks, "skipped": self.skipped}
         return {
             "name": self.name, "ranks": self.ranks, "median_ms": 1e3 * self.median_s, "p95_ms": 1e3 * self.p95_s,
             "tokens_per_s": self.tokens_per_s, "bytes_per_rank_per_token": self.bytes_per_token,
             "messages_per_rank_per_token": self.messages_per_token, "ranks_agree": self.ranks_agree,
-            "matches_reference": self.matches_reference, "tokens": self.tokens, "text": self.text,
+            "matches": self.matches, "tokens": self.tokens, "text": self.text,
             "step_ms": [1e3 * s for s in self.step_s], "execution": self.execution, "why_eager": self.why_eager,
         }
 
@@ -156,24 +221,49 @@ class GenerateResult:
     page_size: int
     prefill_s: float
     rows: list[GenerateRow]
-    profile: Any = None  # commands.run.setup.ProfileChoice, set by the caller
+    profile: Any = None  # launch.plans.ProfileChoice, set by the caller
     prompt_text: str | None = None
     shard_sizes: list[int] = field(default_factory=list)
     cuda_graph: bool = True  # asked for (GPUs); each row says what ran
+    checked_against: str = REFERENCE  # "reference", "one rank", "each other" or "nothing" (one row)
+    ranks: list[RankReport] = field(default_factory=list)
+    reference_report: Any = None  # .reference.ReferenceReport
+    one_rank_report: RankReport | None = None
+    estimate: Any = None  # .memory.GenerateEstimate
+    launcher_peak_bytes: int | None = None  # the launching process's peak RSS (spawned ranks)
+    shards: SequenceShards | None = None
 
     @property
     def all_match(self) -> bool:
-        return all(r.matches_reference and r.ranks_agree for r in self.rows)
+        return all(r.matches and r.ranks_agree for r in self.rows if r.ran)
 
     def to_dict(self) -> dict[str, Any]:
+        est = self.estimate
+        ranks = []
+        for rep in self.ranks:
+            item = rep.to_dict()
+            if est is not None:
+                item["estimate"] = est.ranks[rep.rank].to_dict()
+            ranks.append(item)
+        one = self.one_rank_report
+        ref = self.reference_report
         return {
             "model": self.model, "random_weights": self.random_weights, "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens, "world_size": self.world_size, "device": self.device,
             "backend": self.backend, "dtype": self.dtype, "page_size": self.page_size,
             "prefill_tokens_per_rank": self.shard_sizes, "new_tokens_rank": self.world_size - 1,
-            "prefill_s": self.prefill_s, "all_match_reference": self.all_match, "cuda_graph": self.cuda_graph,
+            "assignment": self.shards.to_dict() if self.shards is not None else None,
+            "prefill_s": self.prefill_s, "checked_against": self.checked_against, "all_match": self.all_match,
+            "cuda_graph": self.cuda_graph,
             "profile": self.profile.to_dict() if hasattr(self.profile, "to_dict") else self.profile,
             "rows": [r.to_dict() for r in self.rows],
+            "ranks": ranks,
+            "one_rank": None if one is None else {**one.to_dict(), "estimate": est.one_rank.to_dict() if est else None},
+            "reference": None if ref is None else {
+                "prefill_s": ref.prefill_s, "peak_bytes": ref.peak_bytes, "peak_method": ref.peak_method,
+                "estimate": est.reference.to_dict() if est else None},
+            "launcher_peak_bytes": self.launcher_peak_bytes,
+            "memory_budget": est.budget.to_dict() if est is not None else None,
         }
 
 
@@ -181,27 +271,6 @@ class GenerateResult:
 
 def _positions(start: int, n: int, device) -> torch.Tensor:
     return torch.arange(start, start + n, device=device).view(1, n)
-
-
-@torch.inference_mode()
-def prefill(model, prompt_ids: list[int], chunk: int, progress: Callable[[str], None]) -> PrefillContext:
-    """Attend every prompt token but the last, ``chunk`` tokens per forward; keep each layer's KV."""
-    shape = ModelShape.from_config(model.config.to_dict())
-    device = next(model.parameters()).device
-    n = len(prompt_ids) - 1
-    ctx = PrefillContext.allocate(shape.layers, n, shape.kv_heads, shape.head_dim,
-                                  dtype=next(model.parameters()).dtype, device=device)
-    ids = torch.tensor(prompt_ids[:n], dtype=torch.long, device=device).view(1, n)
-    last_note = time.monotonic()
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        model.base_model(input_ids=ids[:, start:stop], position_ids=_positions(start, stop - start, device),
-                         use_cache=False, **{CONTEXT_KWARG: ctx})
-        ctx.length = stop
-        if time.monotonic() - last_note > PROGRESS_S or stop == n:
-            progress(f"prefill: {stop:,}/{n:,} tokens")
-            last_note = time.monotonic()
-    return ctx
 
 
 def _next_token(logits: torch.Tensor) -> int:
@@ -260,77 +329,37 @@ def decode_tokens(model, ctx: DecodeContext, first: int, start: int, steps: int,
     return run
 
 
-@torch.inference_mode()
-def reference_tokens(model, pre: PrefillContext, first: int, steps: int) -> StrategyRun:
-    """The reference: transformers' own SDPA attention and ``DynamicCache``, one process, seeded
-    with the prefill's KV; greedy ``steps`` tokens from ``first``."""
-    from transformers import DynamicCache
-
-    device = pre.k[0].device
-    start = pre.length
-    model.set_attn_implementation("sdpa")
-    try:
-        def fresh_cache():
-            cache = DynamicCache(config=model.config)
-            if start:
-                for layer in range(len(pre.k)):
-                    cache.update(pre.k[layer][:, :start].unsqueeze(0), pre.v[layer][:, :start].unsqueeze(0), layer)
-            return cache
-
-        def forward(cache, token: int, pos: int) -> int:
-            logits = model(input_ids=torch.tensor([[token]], device=device), position_ids=_positions(pos, 1, device),
-                           cache=cache, use_cache=True, logits_to_keep=1).logits
-            return _next_token(logits)
-
-        forward(fresh_cache(), first, start)  # warm-up, as for the other rows
-        cache = fresh_cache()
-        run = StrategyRun([], [], [], [], why_eager="transformers' own forward and cache, as transformers runs them")
-        token = first
-        for i in range(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            token = forward(cache, token, start + i)
-            run.step_s.append(time.perf_counter() - t0)
-            run.tokens.append(token)
-            run.bytes_per_step.append(0)
-            run.messages_per_step.append(0)
-        return run
-    finally:
-        use_tree_attention(model)
-
 
 # --- ranks -------------------------------------------------------------------------------------
 
-def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Tensor],
-                      v: list[torch.Tensor]) -> dict[str, StrategyRun]:
-    """On one rank of an initialised group: page this rank's prefill slice (``k[l], v[l]``
-    ``[n_r, Hkv, D]`` per layer) into a shard, then decode with every strategy of ``spec`` from the
-    same start. Returns one :class:`StrategyRun` per strategy label."""
+def _label(name: str, plan) -> str:
+    return ONE_RANK if name == "local" else plan.label if plan is not None else "ring"
+
+
+def decode_strategies(env: RankEnv, spec: GenerateSpec, model, store: PagedKVShard,
+                      strategies) -> dict[str, StrategyRun]:
+    """On one rank of an initialised group whose prefill is in ``store``: decode with every
+    ``(name, plan)`` of ``strategies`` from the same start. One :class:`StrategyRun` per label."""
     import torch.distributed as dist
 
     from ...reduce.collectives import abort_group
 
-    device = torch.device(env.device)
-    shape = ModelShape.from_config(model.config.to_dict())
-    n = spec.shard_sizes()[env.rank]
+    n = store.length
     last = env.rank == env.world_size - 1
-    store = PagedKVShard.allocate(shape.layers, n + (spec.new_tokens + 1 if last else 0), shape.kv_heads,
-                                  shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
-                                  page_size=spec.page_size, seed=spec.seed + env.rank)
-    for layer in range(shape.layers):
-        store.write(layer, 0, k[layer].to(device), v[layer].to(device))
-    capacities: list[Any] = [None] * env.world_size
-    dist.all_gather_object(capacities, store.capacity)
-    barrier(env)
-    first, start = spec.prompt_ids[-1], len(spec.prompt_ids) - 1
+    capacities: list[Any] = [store.capacity]
+    if any(name == "ring" for name, _ in strategies) and env.world_size > 1:
+        capacities = [None] * env.world_size
+        dist.all_gather_object(capacities, store.capacity)
+    first, start = spec.prompt_ids[-1], spec.prefill_tokens
     runs: dict[str, StrategyRun] = {}
-    for name, plan in spec.plans:
-        label = plan.label if plan is not None else "ring"
+    for name, plan in strategies:
+        label = _label(name, plan)
         store.set_length(n)
-        ctx = DecodeContext(store, "ring" if plan is None else "tree", holds_new=last, plan=plan,
-                            ring_lengths=capacities, impl=spec.impl, config=spec.kernel_config)
-        say_on_rank_0(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} ranks")
+        strategy = name if name in ("local", "ring") else "tree"
+        ctx = DecodeContext(store, strategy, holds_new=last, plan=plan, ring_lengths=capacities, impl=spec.impl,
+                            config=spec.kernel_config)
+        say_on_rank_0(env, f"{label}: decoding {spec.new_tokens} tokens on {env.world_size} rank"
+                           f"{'s' if env.world_size != 1 else ''}")
         runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label,
                                     cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, rank=env.rank,
                                     world_size=env.world_size, abort=abort_group)
@@ -338,185 +367,119 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
     return runs
 
 
-PREFILL_FILE = "prefill.pt"
+def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
+    """A rank: load the model, prefill this rank's positions into its paged pool (every rank
+    together, the ring), decode with each of ``strategies`` (``(name, plan)`` pairs; ``local``:
+    one rank, no collective)."""
+    device = torch.device(env.device)
+    # Three regions one after the other (a monitor resets the high-water mark where it starts).
+    with MemoryMonitor(env.device) as load:
+        say_on_rank_0(env, f"loading {spec.source.label}")
+        model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
+        use_tree_attention(model)
+        chunk_mlp(model)
+        shape = ModelShape.from_config(model.config.to_dict())
+        plan = plan_ring(spec.shards(env.world_size), env.rank)
+        last = env.rank == env.world_size - 1
+        store = PagedKVShard.allocate(shape.layers, plan.tokens + (spec.new_tokens + 1 if last else 0),
+                                      shape.kv_heads, shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
+                                      page_size=spec.page_size, seed=spec.seed + env.rank)
+    sizes = plan.sizes
+    say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
+                       f"{'s' if env.world_size != 1 else ''} (zig-zag, {min(sizes):,}-{max(sizes):,} each)")
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        # The ranks start their prefill together: its wall time is the prefill's, not the skew of
+        # the ranks' model loading (which the first ring step would otherwise absorb as waiting).
+        dist.barrier()
+    with MemoryMonitor(env.device) as prefill_mem:
+        pre = sharded_prefill(model, spec.prompt_ids, ShardedPrefill(store, plan))
+    say_on_rank_0(env, f"prefill: {pre.wall_s:.1f} s (rank 0 waited {pre.timing.wait_s:.1f} s for blocks)")
+    with MemoryMonitor(env.device) as decode_mem:
+        runs = decode_strategies(env, spec, model, store, strategies)
+    return RankReport(env.rank, runs, pre, store.nbytes, load.result.peak_bytes, prefill_mem.result.peak_bytes,
+                      decode_mem.result.peak_bytes, load.method, load.result.start_bytes)
 
 
-def save_prefill(pre: PrefillContext, folder: str) -> None:
-    """Save the prefill KV to ``folder`` as ``{"k": [[Hkv, n, D] per layer], "v": ...}``, from
-    which each rank maps its own slice (for any world size: the benchmark splits one prefill over
-    several)."""
-    n = pre.length
-    torch.save({"k": [t[:, :n].contiguous().cpu() for t in pre.k], "v": [t[:, :n].contiguous().cpu() for t in pre.v]},
-               os.path.join(folder, PREFILL_FILE))
-
-
-def load_prefill(folder: str) -> PrefillContext:
-    """The prefill saved by :func:`save_prefill`, memory-mapped: a rank reads only its slice."""
-    saved = torch.load(os.path.join(folder, PREFILL_FILE), mmap=True, weights_only=True)
-    return PrefillContext(k=saved["k"], v=saved["v"], length=saved["k"][0].shape[1] if saved["k"] else 0)
-
-
-def generate_rank(env: RankEnv, spec: GenerateSpec, folder: str) -> dict[str, StrategyRun]:
-    """A spawned rank: load the model and this rank's slice of the prefill in ``folder``, decode."""
-    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=torch.device(env.device))
-    use_tree_attention(model)
-    pre = load_prefill(folder)
-    sizes = spec.shard_sizes()
-    start, n = sum(sizes[:env.rank]), sizes[env.rank]
-    mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
-    return decode_strategies(env, spec, model, [k for k, _ in mine], [v for _, v in mine])
-
-
-def _row(name: str, ranks: int, runs: list[StrategyRun], reference: list[int] | None) -> GenerateRow:
+def _row(name: str, ranks: int, runs: list[StrategyRun]) -> GenerateRow:
     mine = runs[0]
     return GenerateRow(
         name=name, ranks=ranks, tokens=mine.tokens, step_s=mine.step_s,
         bytes_per_token=max(max(r.bytes_per_step, default=0) for r in runs),
         messages_per_token=max(max(r.messages_per_step, default=0) for r in runs),
         ranks_agree=all(r.tokens == mine.tokens for r in runs),
-        matches_reference=reference is None or mine.tokens == reference,
         execution=mine.execution, why_eager=mine.why_eager,
     )
 
 
-@dataclass
-class OneProcess:
-    """What the one-process child computed: the prefill time, the reference and one-rank rows,
-    the device's name, and the child's pid (the launching process computes nothing)."""
-
-    prefill_s: float
-    rows: list[GenerateRow]
-    device: str
-    pid: int
-
-    @property
-    def reference(self) -> list[int]:
-        return self.rows[0].tokens
-
-
-def load_and_prefill(spec: GenerateSpec, device: torch.device, say: Callable[[str], None]):
-    """``(model, prefill KV, seconds)``: the model on ``device``, routed through tree-attn, and the
-    prompt prefilled (all tokens but the last)."""
-    say(f"loading {spec.source.label}")
-    model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
-    use_tree_attention(model)
-    t0 = time.perf_counter()
-    pre = prefill(model, list(spec.prompt_ids), spec.prefill_chunk, say)
-    return model, pre, time.perf_counter() - t0
+def _check(rows: list[GenerateRow]) -> str:
+    """Mark each row's ``matches`` against the yardstick: the reference when it ran, else the
+    one-rank row, else the first row that ran. Returns what the rows were checked against."""
+    ran = [r for r in rows if r.ran]
+    by_name = {r.name: r for r in ran}
+    if REFERENCE in by_name:
+        against, yardstick = REFERENCE, by_name[REFERENCE].tokens
+    elif ONE_RANK in by_name:
+        against, yardstick = ONE_RANK, by_name[ONE_RANK].tokens
+    elif len(ran) > 1:
+        against, yardstick = "each other", ran[0].tokens
+    else:
+        return "nothing"
+    for r in ran:
+        r.matches = r.tokens == yardstick
+    return against
 
 
-def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callable[[str], None]) -> list[GenerateRow]:
-    """The reference row (transformers' sdpa and cache) and the one-rank row (tree-attn's paged
-    kernel, no collective), both in this process from the prefill ``pre``."""
-    device = pre.k[0].device
-    shape = ModelShape.from_config(model.config.to_dict())
-    first, start = spec.prompt_ids[-1], pre.length
-    say(f"{REFERENCE}: decoding {spec.new_tokens} tokens with transformers' sdpa attention in one process")
-    ref = reference_tokens(model, pre, first, spec.new_tokens)
-    rows = [_row(REFERENCE, 1, [ref], None)]
-    say(f"{ONE_RANK}: decoding with tree-attn's paged kernel in one process")
-    local = PagedKVShard.allocate(shape.layers, start + spec.new_tokens + 1, shape.kv_heads, shape.head_dim,
-                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size,
-                                  seed=spec.seed)
-    for layer in range(shape.layers):
-        local.write(layer, 0, *pre.tokens(layer, 0, start))
-    local.set_length(start)
-    ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=spec.kernel_config)
-    one = decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK, cuda_graph=spec.cuda_graph,
-                        timeout_s=spec.timeout_s)
-    rows.append(_row(ONE_RANK, 1, [one], ref.tokens))
-    return rows
-
-
-def one_process_work(spec: GenerateSpec, folder: str, say: Callable[[str], None]) -> OneProcess:
-    """In the child: load the model (GPU 0 or CPU), prefill the prompt, decode the reference and
-    the one-rank row, and save the prefill KV to ``folder`` for the ranks."""
-    device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
-    model, pre, prefill_s = load_and_prefill(spec, device, say)
-    rows = one_process_rows(spec, model, pre, say)
-    save_prefill(pre, folder)
-    return OneProcess(prefill_s, rows, device_name(str(device)), os.getpid())
-
-
-def decode_in_one_process(spec: GenerateSpec, folder: str, say: Callable[[str], None]) -> OneProcess:
-    """:func:`one_process_work` in a child process that exits before any rank starts: the
-    launching process makes no CUDA context (about 0.5 GB on GPU 0, which rank 0 uses next, and
-    a failure under exclusive-process compute mode). The prefill KV waits in ``folder``."""
-    from ...launch.child import run_in_child
-
-    return run_in_child(one_process_work, (spec, folder), what="the one-process rows (prefill, reference, one rank)",
-                        timeout_s=spec.timeout_s, progress=say).value
-
-
-def decode_on_ranks(spec: GenerateSpec, folder: str, reference: list[int],
-                    say: Callable[[str], None]) -> list[GenerateRow]:
-    """Split the prefill KV in ``folder`` over the launch's spawned ranks; one row per strategy."""
-    from ...launch.job import run_ranks
-
-    say(f"spawning {spec.world_size} ranks ({spec.backend}); the new tokens' KV goes to rank {spec.world_size - 1}")
-    per_rank = run_ranks(generate_rank, spec.launch, args=(spec, folder)).values
-    return [_row(label, spec.world_size, [runs[label] for runs in per_rank], reference) for label in per_rank[0]]
-
-
-def _result(spec: GenerateSpec, rows: list[GenerateRow], prefill_s: float, device: str, backend: str,
-            tokenizer) -> GenerateResult:
-    if tokenizer is not None:
-        for row in rows:
-            row.text = tokenizer.decode(row.tokens)
-    return GenerateResult(
-        model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
-        new_tokens=spec.new_tokens, world_size=spec.world_size, device=device, backend=backend, dtype=spec.dtype,
-        page_size=spec.page_size, prefill_s=prefill_s, rows=rows, shard_sizes=spec.shard_sizes(),
-        cuda_graph=spec.cuda_graph,
-    )
-
+# --- the job -----------------------------------------------------------------------------------
 
 def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = None,
                  tokenizer=None) -> GenerateResult | None:
-    """Generate every row: under torchrun as this process's rank (:func:`_generate_as_torchrun_rank`),
-    else the one-process rows in a child, then every strategy on ``spec.world_size`` spawned ranks.
-    Returns the rows with the check against the reference (None on torchrun ranks other than 0).
-    The launching process only launches and collects: it computes nothing on a device."""
-    if spec.launch.torchrun is not None:
-        return _generate_as_torchrun_rank(spec, progress, tokenizer)
-    say = progress or (lambda text: None)
-    folder = tempfile.mkdtemp(prefix="tree-attn-generate-")
-    try:
-        local = decode_in_one_process(spec, folder, say)
-        rows = local.rows + decode_on_ranks(spec, folder, local.reference, say)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return _result(spec, rows, local.prefill_s, local.device, spec.backend, tokenizer)
-
-
-def _generate_as_torchrun_rank(spec: GenerateSpec, progress: Callable[[str], None] | None = None,
-                               tokenizer=None) -> GenerateResult | None:
-    """Under torchrun this process is one rank (of a job on one node or several).
-
-    Every rank loads the model and prefills the whole prompt itself (nothing moves between nodes
-    for it: the wall time of one prefill, world-size times its compute) and keeps its own slice.
-    The ranks then join the group and decode with every strategy. Rank 0 gathers the rows, leaves
-    the group, and only then decodes the reference and the one-rank row, so no rank waits in a
-    collective for them. Returns the result on rank 0, None elsewhere.
-    """
+    """Every row: the sharded job (spawned ranks, or this process's rank under torchrun), then
+    the one-process rows that ``spec`` runs. Returns the rows, checked (None on torchrun ranks
+    other than 0). The launching process only launches and collects: no model, no KV."""
     from ...launch.job import run_ranks
 
-    env = spec.launch.torchrun
-    say = progress if (progress is not None and env.rank == 0) else (lambda text: None)
-    if env.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(env.device))  # before any CUDA work: this rank's GPU only
-    model, pre, prefill_s = load_and_prefill(spec, torch.device(env.device), say)
-    sizes = spec.shard_sizes()
-    start, n = sum(sizes[:env.rank]), sizes[env.rank]
-    mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
-    k, v = [t.contiguous() for t, _ in mine], [t.contiguous() for _, t in mine]
-    if env.rank != 0:
-        del pre, mine  # only rank 0 needs the whole prefill again, for its one-process rows
-    job = run_ranks(decode_strategies, spec.launch, args=(spec, model, k, v))  # join, decode, gather, leave
-    if job is None:
-        return None
-    local = one_process_rows(spec, model, pre, say)
-    gathered = job.values
-    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens)
-                    for label in gathered[0]]
-    return _result(spec, rows, prefill_s, job.device, env.backend, tokenizer)
+    torchrun = spec.launch.torchrun
+    say = progress if (progress is not None and (torchrun is None or torchrun.rank == 0)) else (lambda text: None)
+    with MemoryMonitor("cpu") as launcher:
+        if torchrun is None:
+            say(f"spawning {spec.world_size} rank{'s' if spec.world_size != 1 else ''} ({spec.backend}); each loads "
+                f"the model and prefills its part of the prompt; the new tokens' KV goes to rank {spec.world_size - 1}")
+        elif torchrun.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(torchrun.device))  # before any CUDA work: this rank's GPU only
+        job = run_ranks(generate_rank, spec.launch, args=(spec, spec.plans))
+        if job is None:
+            return None
+        reports: list[RankReport] = job.values
+        if torchrun is not None and torchrun.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # rank 0's cached blocks, before a one-process row needs its GPU
+        one = None
+        if spec.one_rank.runs:
+            say(f"{ONE_RANK}: the same rank code on one spawned rank (the whole prefill and KV in one process)")
+            one = run_ranks(generate_rank, spec.one_rank_launch(), args=(spec, LOCAL)).values[0]
+        ref = None
+        if spec.reference.runs:
+            from .reference import reference_in_child
+
+            ref = reference_in_child(spec, say)
+    rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER) if ref is not None else
+            GenerateRow(REFERENCE, 1, [], [], skipped=spec.reference.reason)]
+    rows.append(_row(ONE_RANK, 1, [one.runs[ONE_RANK]]) if one is not None else
+                GenerateRow(ONE_RANK, 1, [], [], skipped=spec.one_rank.reason))
+    labels = list(reports[0].runs)
+    rows += [_row(label, spec.world_size, [rep.runs[label] for rep in reports]) for label in labels]
+    against = _check(rows)
+    if tokenizer is not None:
+        for row in rows:
+            if row.ran:
+                row.text = tokenizer.decode(row.tokens)
+    return GenerateResult(
+        model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
+        new_tokens=spec.new_tokens, world_size=spec.world_size, device=job.device,
+        backend=torchrun.backend if torchrun is not None else spec.backend, dtype=spec.dtype,
+        page_size=spec.page_size, prefill_s=max(rep.prefill.wall_s for rep in reports), rows=rows,
+        shard_sizes=spec.shard_sizes(), cuda_graph=spec.cuda_graph, checked_against=against, ranks=reports,
+        reference_report=ref, one_rank_report=one, estimate=spec.estimate,
+        launcher_peak_bytes=launcher.result.peak_bytes if torchrun is None else None, shards=spec.shards(),
+    )

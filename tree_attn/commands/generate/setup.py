@@ -1,7 +1,9 @@
 """Resolve ``tree-attn generate``'s options against this machine into a :class:`GenerateSpec`.
 
 Everything is checked before a weight is read or a rank is spawned: the model folder, the prompt,
-``--max-len``, the page size, the world size and the memory all ranks will need.
+``--max-len``, the page size, the world size, and whether the job fits in this machine's free
+memory (:mod:`.memory`: a prompt that cannot fit is refused, naming the largest that would), and
+which one-process rows run (``--reference``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_NEW_TOKENS = 4096
 PAGE_SIZE = 16  # tokens per KV page: vLLM's default block size
-PREFILL_CHUNK = 4096  # prompt tokens per prefill forward (bounds the MLP's activations)
-PROCESS_BYTES = 400 * 2**20  # interpreter, torch and transformers per process
 
 __all__ = ["GenerateOptions", "GenerateSetup", "parse_prompt", "plan_generate"]
 
@@ -43,6 +43,7 @@ class GenerateOptions(PlanOptions):
     max_len: int | None = None
     page_size: int = PAGE_SIZE
     cuda_graph: bool = True
+    reference: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -99,28 +100,18 @@ def _check_window(config: dict, total: int) -> None:
                           f"keep prompt + --new-tokens <= {window}")
 
 
-def _param_bytes(config: dict, elem: int) -> int:
-    """Bytes of the model's weights, from its config (a Llama-family decoder)."""
-    h, inter, layers, vocab = (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                               config["vocab_size"])
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    d = config.get("head_dim") or h // heads
-    per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h
-    embeds = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    return elem * (layers * per_layer + embeds + h)
-
-
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
-    from ...dtypes import torch_dtype
+    from ...cost.capacity import ModelDims
     from ...kernels.paged import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from ...launch.memory import check_host_fits
     from ...launch.setup import KernelShape, resolve_launch
-    from ..defaults import check_seed
+    from ..defaults import MAX_SEQ, check_seed
     from .decode import GenerateSpec, ModelShape
+    from .memory import REFERENCE_MODES, JobShape, check_job_fits, choose_rows, estimate_generate, read_budget
 
     check_seed(options.seed)
+    if options.reference not in REFERENCE_MODES:
+        raise ConfigError(f"--reference must be one of {', '.join(REFERENCE_MODES)}; got {options.reference!r}")
     require_transformers()
     source = ModelSource(path=options.model, preset=options.preset, layers=options.layers, seed=options.seed)
     config = check_source(source)
@@ -150,20 +141,25 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     world, dtype = launch.world_size, launch.dtype
     notices: list[str] = []
     warnings: list[str] = []
-    if launch.device_kind == "cpu" and not launch.under_torchrun:
-        weights = _param_bytes(config, torch_dtype(dtype).itemsize)
-        # The launching process holds no weights: the one-process child (which has exited before
-        # the ranks start) holds a copy, then each rank does.
-        need = world * (weights + PROCESS_BYTES) + PROCESS_BYTES + 3 * shape.kv_bytes(total, dtype)
-        check_host_fits(need, lambda need_gib, have_gib: (
-            f"this generate needs about {need_gib:,.1f} GiB of host memory (a copy of the model's "
-            f"{weights / 2**30:,.1f} GiB of weights in each of {world} ranks, and the KV cache of "
-            f"{total:,} tokens); {have_gib:,.1f} GiB are available: use fewer ranks, layers or tokens"))
+    job = JobShape(ModelDims.from_config(config), n_new, dtype, dtype, launch.device_kind, page,
+                   preset=source.random_weights, ring_decode=any(name == "ring" for name, _ in launch.plans))
+    budget = read_budget(launch.device_kind)
+    spawned = not launch.under_torchrun
+    per_node = launch.layout.ranks_per_node if launch.device_kind == "cpu" else 1
+    est = estimate_generate(job, len(ids), world, budget, per_node, spawned)
+    if budget.known:
+        check_job_fits(job, est, len(ids), world, limit=min(max_len - n_new, MAX_SEQ))
+    else:
+        notices.append(f"free memory unknown ({budget.source}): the capacity estimate "
+                       f"({est.job_bytes() / 2**30:,.1f} GiB per {'GPU' if launch.device_kind == 'cuda' else 'node'}) "
+                       "is not checked")
+    reference, one_rank = choose_rows(options.reference, est)
     if dtype != "float32":
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
     spec = GenerateSpec(source=source, prompt_ids=tuple(ids), launch=launch, new_tokens=n_new, page_size=page,
-                        seed=options.seed, cuda_graph=options.cuda_graph)
+                        seed=options.seed, cuda_graph=options.cuda_graph, reference=reference, one_rank=one_rank,
+                        estimate=est)
     return GenerateSetup(spec=spec, tokenizer=tokenizer, prompt_text=text, own_notices=tuple(notices),
                          own_warnings=tuple(warnings))
