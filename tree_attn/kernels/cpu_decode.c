@@ -30,17 +30,41 @@
 
 #define CHUNK 256 /* tokens per chunk: the chunk's scores [heads, CHUNK] float32 stay in cache */
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E4M3FNUZ = 4 };
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* An fp8 byte as float32, exactly, with integer and float arithmetic and selects only (no table:
+ * a 256-entry gather does not vectorise). e4m3fn (OCP): sign, 4 exponent bits of bias 7, 3 mantissa
+ * bits; NaN at 0x7f and 0xff, no infinity. e4m3fnuz (AMD CDNA3): bias 8, NaN at 0x80 only (no -0).
+ * Normal numbers: the exponent and mantissa bits moved under float32's (mantissa to bits 20-22,
+ * exponent to 23-26) and the exponent rebased by adding (127 - bias) << 23. Subnormals (exponent
+ * bits 0: m/8 x 2^(1 - bias)) and zero: the 3-bit mantissa converted to float and scaled by
+ * 2^(-2 - bias), which never forms a float32 subnormal (slow on some CPUs). */
+INLINE float load_fp8(uint32_t b, int fnuz) {
+    const uint32_t em = b & 0x7fu;
+    uint32_t u = (em << 20) + ((fnuz ? 119u : 120u) << 23);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    const float sub = (float)(int32_t)em * (fnuz ? 0x1p-10f : 0x1p-9f);
+    f = em < 8u ? sub : f;
+    memcpy(&u, &f, sizeof u);
+    u |= (b & 0x80u) << 24;
+    const uint32_t nan = fnuz ? b == 0x80u : em == 0x7fu;
+    u = nan ? 0x7fc00000u : u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* Element i of a K/V array of dtype dt, as float32. dt is a compile-time constant after inlining.
  * Half floats are widened with integer operations (no _Float16 or F16C needed, and vectorisable):
  * the exponent and mantissa bits moved into a float and multiplied by 2^112 give normal and
- * subnormal halves exactly; infinities and NaN are set apart. */
+ * subnormal halves exactly; infinities and NaN are set apart. fp8: load_fp8. */
 INLINE float load(const void *restrict base, int64_t i, int dt) {
     if (dt == DT_F32)
         return ((const float *)base)[i];
+    if (dt == DT_E4M3 || dt == DT_E4M3FNUZ)
+        return load_fp8(((const uint8_t *)base)[i], dt == DT_E4M3FNUZ);
     const uint32_t h = ((const uint16_t *)base)[i];
     uint32_t u;
     float f;
@@ -121,7 +145,7 @@ INLINE void widen(float *restrict w, const void *restrict x, int64_t d, int dt) 
 
 /* The address of element i of an array of dtype dt. */
 INLINE const void *at(const void *base, int64_t i, int dt) {
-    return (const char *)base + i * (dt == DT_F32 ? 4 : 2);
+    return (const char *)base + i * (dt == DT_F32 ? 4 : (dt == DT_E4M3 || dt == DT_E4M3FNUZ) ? 1 : 2);
 }
 
 /* Below this, exp is taken at EXP_LO: exp(-87.3) ~ 1.2e-38 instead of a smaller number or 0. Every
@@ -348,10 +372,25 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
 DEFINE_DECODE(decode_f32, DT_F32)
 DEFINE_DECODE(decode_bf16, DT_BF16)
 DEFINE_DECODE(decode_f16, DT_F16)
+DEFINE_DECODE(decode_e4m3, DT_E4M3)
+DEFINE_DECODE(decode_e4m3fnuz, DT_E4M3FNUZ)
 
 /* Which dtypes this build supports: bit DT set for each. */
 int tree_attn_cpu_dtypes(void) {
-    return (1 << DT_F32) | (1 << DT_BF16) | (1 << DT_F16);
+    return (1 << DT_F32) | (1 << DT_BF16) | (1 << DT_F16) | (1 << DT_E4M3) | (1 << DT_E4M3FNUZ);
+}
+
+/* out[0 .. n) = x[0 .. n) of dtype dt as float32, with the kernel's own widening (the tests check
+ * every 16-bit and fp8 code against torch's conversion). Returns 0, -2 for an unknown dtype. */
+int tree_attn_cpu_widen(int dt, const void *restrict x, int64_t n, float *restrict out) {
+    switch (dt) {
+    case DT_F32: widen(out, x, n, DT_F32); return 0;
+    case DT_BF16: widen(out, x, n, DT_BF16); return 0;
+    case DT_F16: widen(out, x, n, DT_F16); return 0;
+    case DT_E4M3: widen(out, x, n, DT_E4M3); return 0;
+    case DT_E4M3FNUZ: widen(out, x, n, DT_E4M3FNUZ); return 0;
+    default: return -2;
+    }
 }
 
 /* The entry point: decode attention of sq query tokens per row over keys [t0, t1) of every row.
@@ -370,6 +409,8 @@ int tree_attn_cpu_decode(int dt, DECODE_ARGS) {
     case DT_F32: return decode_f32(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     case DT_BF16: return decode_bf16(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     case DT_F16: return decode_f16(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_E4M3: return decode_e4m3(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
+    case DT_E4M3FNUZ: return decode_e4m3fnuz(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     default: return -2;
     }
 }

@@ -39,7 +39,7 @@ from .plan import ReductionPlan, default_plan
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    return 1 + dtypes.NAMES.index(dtypes.parse_dtype(dtype))
+    return 1 + dtypes.NAMES.index(dtypes.parse_kv_dtype(dtype))
 
 
 def exchange_shapes(
