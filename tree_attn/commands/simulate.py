@@ -55,6 +55,7 @@ class SimulateOptions:
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
     dtype: str = "bf16"
+    kv_dtype: str | None = None  # None: dtype (fp8: 1 byte per element, and its scales)
     fanout: int = 2
     step_overhead_us: float | None = None  # replaces the parameters' fixed step overhead
 
@@ -169,6 +170,10 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     seqs = parse_list(opts.seq_lens, "--seq-lens", parse_tokens)
     if opts.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16")
+    if opts.kv_dtype is not None:
+        from ..dtypes import parse_kv_dtype
+
+        parse_kv_dtype(opts.kv_dtype)
     if isinstance(opts.fanout, bool) or not isinstance(opts.fanout, int) or opts.fanout < 2:
         raise ConfigError(f"--fanout must be an integer >= 2; got {opts.fanout!r}")
     if opts.fanout > max(max(worlds), 2):
@@ -196,7 +201,7 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
                 "cores share them, as the model prices" if cluster.device.shared_cores and not cluster.pair_links else "")
         raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
                           f"use world sizes up to {g}{more}")
-    workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype)
+    workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype, opts.kv_dtype)
     result = SimulateResult(cluster.name, source, workload, cluster)
     for world in worlds:
         c = shape_for(cluster, world, g)

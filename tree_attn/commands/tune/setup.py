@@ -31,6 +31,7 @@ class TuneRequest(LaunchOptions):
     ``tree-attn tune``."""
 
     dtype: str = "bf16"  # what checkpoints ship in; the kernel is tuned per dtype
+    kv_dtype: str | None = None  # the KV cache's (fp8: the fp8 buckets); None: dtype's
     topology_file: str | None = None
     output: str | None = None
     force: bool = False
@@ -96,7 +97,7 @@ def check_output_free(path: str, force: bool) -> None:
 def plan_tune(request: TuneRequest) -> TuneSetup:
     """Resolve ``request`` against this machine. Raises ConfigError for bad options, TopologyError
     for an unreadable topology, ProfileError when the output exists (without ``force``)."""
-    from ...dtypes import parse_dtype
+    from ...dtypes import parse_dtype, parse_kv_dtype
     from ...launch.env import check_timeout, resolve_backend, resolve_device_kind
     from ...launch.memory import check_host_memory
     from ...launch.setup import LaunchSetup, resolve_launch
@@ -111,6 +112,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     if request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
+    kv_dtype = None if request.kv_dtype is None else parse_kv_dtype(request.kv_dtype)
     # The device kind picks the topology (CPU ranks or the probed GPUs), whose size is the world's.
     device_kind, n_gpus = resolve_device_kind(request.device)
     topo = _topology(request, device_kind)
@@ -129,8 +131,9 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         reason = f"it has {world} GPUs, torch sees {n_gpus} here"
     probed = topo.notes if device_kind == "cuda" and not request.topology_file else ()
     if reason is None:
-        launch = resolve_launch(request.launch_request(world_size=world, dtype=dtype, join_torchrun=False,
-                                                       activity="tuning for", timed="plan timings"))
+        launch = resolve_launch(request.launch_request(world_size=world, dtype=dtype, kv_dtype=kv_dtype,
+                                                       join_torchrun=False, activity="tuning for",
+                                                       timed="plan timings"))
         notices = [*probed, *launch.notices, *launch.warnings]
         if device_kind == "cpu":  # the plans' messages, before any rank allocates them
             check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False, request.heads)
@@ -138,10 +141,10 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         # Nothing is started: the launch only describes the topology's ranks for the model.
         backend = resolve_backend(request.backend, device_kind)
         launch = LaunchSetup(world_size=world, device_kind=device_kind, backend=backend, timeout_s=request.timeout_s,
-                             dtype=dtype)
+                             dtype=dtype, kv_dtype=kv_dtype)
         notices = [*probed, f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
                             "nothing can be timed here, so the profile is model-derived (origin: model)"]
     options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
-                          head_dim=request.head_dim, quick=request.quick)
+                          head_dim=request.head_dim, kv_dtype=kv_dtype, quick=request.quick)
     return TuneSetup(topology=topo, options=options, measurable=reason is None, output=output,
                      force=request.force, notices=tuple(notices), model_reason=reason)
