@@ -28,6 +28,7 @@ from tree_attn.launch.spawn import launch_ranks
 WORLDS = tuple(range(1, MAX_WORLD + 1))
 TRAFFIC_LENS = {w: tuple(0 if r == 1 else 5 + 3 * r for r in range(w)) for w in WORLDS}  # rank 1 empty
 TRAFFIC_SHAPE = (2, 2, 16)  # B, Hkv, D
+STRATEGIES = ("tree", "allreduce", "ring")
 
 
 def _cases_for(world: int) -> list[F8Case]:
@@ -37,9 +38,9 @@ def _cases_for(world: int) -> list[F8Case]:
     causal_valid = tuple((n, n if r == world - 1 else max(n - 3, 0)) for r, n in enumerate(causal_lens))
     s = 100 * world
     return [
-        *(F8Case(f"{st}-gqa4-uneven", st, uneven, valid, seed=s + i) for i, st in enumerate(("tree", "allreduce", "ring"))),
-        *(F8Case(f"{st}-paged5-sq3-causal", st, causal_lens, causal_valid, sq=3, causal=True, block_size=5, seed=s + 10 + i)
-          for i, st in enumerate(("tree", "allreduce", "ring"))),
+        *(F8Case(f"{st}-gqa4-uneven", st, uneven, valid, seed=s + i) for i, st in enumerate(STRATEGIES)),
+        *(F8Case(f"{st}-paged5-sq3-causal", st, causal_lens, causal_valid, sq=3, causal=True, block_size=5,
+                 seed=s + 10 + i) for i, st in enumerate(STRATEGIES)),
         F8Case("allreduce-scalar-tensor-scales-mha", "allreduce", uneven, valid, per_head=False, q_heads=4, kv_heads=4,
                seed=s + 20),
         F8Case("ring-number-scales-gqa8", "ring", uneven, valid, per_head=False, number_scales=True, kv_heads=1,

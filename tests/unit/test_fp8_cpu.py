@@ -119,7 +119,8 @@ def test_decode_attention_scale_forms(form):
     """decode_attention takes a scale per KV head, a 0-d tensor, a Python number or another float
     dtype (converted); one scalar scale for every head (quantized with per_head=False)."""
     per_head = form in ("tensor_hkv", "float64_tensor")
-    q, k8, v8, ks, vs, k64, v64 = _case(2, 1, 8, 4, 64, 100, seed=3, per_head=per_head, gains=([1, 4, 0.1, 1], [1, 1, 9, 0.3]))
+    gains = ([1, 4, 0.1, 1], [1, 1, 9, 0.3])
+    q, k8, v8, ks, vs, k64, v64 = _case(2, 1, 8, 4, 64, 100, seed=3, per_head=per_head, gains=gains)
     if form == "tensor_scalar":
         ks, vs = ks[0].clone(), vs[0].clone()
     elif form == "python_float":
@@ -190,7 +191,8 @@ def _fp8_inputs():
     [
         ("missing both", dict(k_scale=None, v_scale=None), "needs its dequantization scales: pass k_scale and v_scale"),
         ("missing v", dict(v_scale=None), "pass v_scale"),
-        ("wrong shape", dict(k_scale=torch.ones(3)), r"scalar or one scale per KV head \[Hkv\] = \[2\]; got shape \(3,\)"),
+        ("wrong shape", dict(k_scale=torch.ones(3)),
+         r"scalar or one scale per KV head \[Hkv\] = \[2\]; got shape \(3,\)"),
         ("2-d", dict(v_scale=torch.ones(2, 1)), "got shape"),
         ("int dtype", dict(k_scale=torch.ones(2, dtype=torch.int32)), "must be a float32 tensor"),
         ("fp8 dtype", dict(k_scale=torch.ones(2).to(FN)), "must be a float32 tensor"),
@@ -227,3 +229,37 @@ def test_nan_scale_checked_on_every_cpu_call():
     bad[1] = float("nan")
     with pytest.raises(ConfigError, match="NaN"):
         decode_attention(q, k8, v8, k_scale=bad, v_scale=vs)
+
+
+def test_paged_kv_shard_in_fp8_quantizes_as_it_writes():
+    """The generate back end's pools in fp8: the prefill fixes per-layer, per-head scales; later
+    tokens are quantized with them (a value beyond the prefill's maximum saturates, not NaN); the
+    pools decode against float64 on the dequantized cache."""
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+
+    g = torch.Generator().manual_seed(4)
+    store = PagedKVShard.allocate(2, 40, 2, 16, dtype=FN, device="cpu", page_size=8, seed=1)
+    assert store.fp8 and store.k_scale == [None, None]
+    with pytest.raises(ConfigError, match="no scales yet"):
+        store.scales(0)
+    k = torch.randn(30, 2, 16, generator=g) * torch.tensor([1.0, 5.0])[:, None]
+    v = torch.randn(30, 2, 16, generator=g)
+    for layer in range(2):
+        store.write(layer, 0, k * (layer + 1), v)
+    store.set_length(30)
+    assert torch.equal(store.k_scale[1], 2 * store.k_scale[0])
+    assert torch.equal(store.k_scale[0], k.abs().amax(dim=(0, 2)) / 448)
+    new_k = torch.full((1, 2, 16), 1e4)  # far beyond the prefill's largest key
+    store.write(0, 30, new_k, v[:1])
+    store.set_length(31)
+    assert torch.equal(store.k[0][store.block_table[0, 30 // 8].long(), 30 % 8].float(), torch.full((2, 16), 448.0))
+    assert store.nbytes == 4 * 5 * 8 * 2 * 16 + 4 * 2 * 4  # four fp8 pools of 5 pages, four scale vectors
+    q = torch.randn(1, 4, 16, generator=g).bfloat16()
+    kk, vv = store.read(0)
+    truth = _truth(q[:, None], dequantize(kk[None], store.k_scale[0]), dequantize(vv[None], store.v_scale[0]),
+                   torch.tensor([31]))
+    out, lse = decode_attention(q, store.k[0], store.v[0], seq_lens=store.seq_lens, block_table=store.block_table,
+                                **store.scales(0))
+    assert_decode_close(out[:, None], lse[:, None], *truth, TOL, what="paged store")
+    plain = PagedKVShard.allocate(1, 8, 2, 16, dtype=torch.bfloat16, device="cpu")
+    assert not plain.fp8 and plain.scales(0) == {}

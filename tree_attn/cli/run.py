@@ -74,7 +74,8 @@ def run_command(
                           + (" (an empty cache: nothing to time or check)" if seq_len == 0 else ""))
     options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, kv_dtype=kv_dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend, device=device,
+        dtype=dtype, kv_dtype=kv_dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend,
+        device=device,
         seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     )
     if plot:

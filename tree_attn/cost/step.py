@@ -289,7 +289,8 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     sizes = w.shard_sizes(p)
     per_token = 2 * w.batch * w.kv_heads * w.head_dim * w.elem_bytes
     per_block = 4 * w.batch + w.scale_bytes
-    sent = max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p)) + per_block * (p - 1)
+    sent = (max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
+            + per_block * (p - 1))
     scale_msgs = 1 if w.scale_bytes else 0
     msgs = max(sum((3 if n else 1) + scale_msgs for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
     # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).

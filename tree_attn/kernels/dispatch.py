@@ -46,5 +46,6 @@ def decode_attention(
     """
     # Resolved once per signature (checks, config, workspace), then only launched: see prepared.py.
     prepared = prepared_decode(q, k, v, seq_lens, block_table=block_table,
-                               options=DecodeOptions(scale, impl, config, causal=causal), k_scale=k_scale, v_scale=v_scale)
+                               options=DecodeOptions(scale, impl, config, causal=causal), k_scale=k_scale,
+                               v_scale=v_scale)
     return prepared(q, k, v, seq_lens, block_table=block_table, k_scale=k_scale, v_scale=v_scale)

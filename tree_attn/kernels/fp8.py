@@ -113,7 +113,9 @@ def scales_for(amax: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
     return torch.where(amax > 0, amax.float() / top, torch.ones_like(amax, dtype=torch.float32)).contiguous()
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x [..., Hkv, D]`` stored as fp8 with the given scales ``[Hkv]``: ``x / scale[h]`` rounded to
     nearest (even), saturated at the format's largest finite value (a value beyond it, e.g. a new
     token larger than the prefill's maximum, is stored as that maximum, never NaN); NaN and
@@ -158,9 +160,11 @@ def quantize_kv(
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.dtype.is_floating_point or is_fp8(t.dtype):
             what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ConfigError(f"quantize_kv: {name} must be a float32/float16/bfloat16 tensor [..., Hkv, D]; got {what}")
+            raise ConfigError(f"quantize_kv: {name} must be a float32/float16/bfloat16 tensor [..., Hkv, D]; "
+                              f"got {what}")
     if k.shape[-2] != v.shape[-2]:
-        raise ConfigError(f"quantize_kv: k and v must have the same KV heads; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ConfigError(f"quantize_kv: k and v must have the same KV heads; got k {tuple(k.shape)}, "
+                          f"v {tuple(v.shape)}")
     dtype = _check_fp8_dtype(dtype)
     k_scale, v_scale = scales_for(head_amax(k), dtype), scales_for(head_amax(v), dtype)
     return quantize(k, k_scale, dtype), quantize(v, v_scale, dtype), k_scale, v_scale
@@ -193,7 +197,8 @@ def check_fp8_backend(kv_dtype: torch.dtype, device: torch.device) -> None:
         if kv_dtype not in ROCM_FP8_DTYPES:
             raise ConfigError(
                 f"{kv_dtype} caches are not supported on ROCm GPUs (converted in software there, unmeasured): use "
-                "torch.float8_e4m3fnuz, MI300's hardware fp8 (tree_attn.quantize_kv(k, v, dtype=torch.float8_e4m3fnuz)), "
+                "torch.float8_e4m3fnuz, MI300's hardware fp8 "
+                "(tree_attn.quantize_kv(k, v, dtype=torch.float8_e4m3fnuz)), "
                 "or a bfloat16 cache"
             )
         return
@@ -229,7 +234,8 @@ def _form(name: str, s: Any, kv_heads: int, device: torch.device) -> tuple:
         raise ConfigError(f"{name} must be a positive finite number or a float32 tensor (a scalar or [Hkv]); got "
                           f"{type(s).__name__}")
     if not s.dtype.is_floating_point or is_fp8(s.dtype):
-        raise ConfigError(f"{name} must be a float32 tensor (float16, bfloat16 and float64 are converted); got {s.dtype}")
+        raise ConfigError(f"{name} must be a float32 tensor (float16, bfloat16 and float64 are converted); "
+                          f"got {s.dtype}")
     if tuple(s.shape) not in ((), (1,), (kv_heads,)):
         raise ConfigError(f"{name} must be a scalar or one scale per KV head [Hkv] = [{kv_heads}]; got shape "
                           f"{tuple(s.shape)}")

@@ -246,7 +246,8 @@ def tree_decode(
             k_scale=k_scale, v_scale=v_scale,
         )
     local = prepared_decode(q, k, v, seq_lens, block_table=block_table,
-                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine), k_scale=k_scale, v_scale=v_scale)
+                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine), k_scale=k_scale,
+                            v_scale=v_scale)
     out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table, k_scale=k_scale, v_scale=v_scale)
     # Fresh outputs: the merge's buffers are reused by the next call.
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
@@ -299,7 +300,8 @@ class TreeDecodeStep(StaticStep):
         # The graph's function holds the step's parts, not the step (no step -> graph -> step
         # cycle: dropping the step frees its graph at once, see graphs.CapturedStep).
         self.graph = CapturedStep(
-            partial(_tree_step, self.decoder, self.tensors, self.block_table, self.out, self.lse, self.scales), q.device,
+            partial(_tree_step, self.decoder, self.tensors, self.block_table, self.out, self.lse, self.scales),
+            q.device,
             enabled=cuda_graph, communicates=dist.get_world_size(group) > 1,
             timeout_s=timeout_s if timeout_s is not None else group_timeout_s(group),
             abort=partial(abort_group, group), rank=dist.get_rank(), name=f"the {plan.label} decode step",
