@@ -52,6 +52,20 @@ def test_c_widening_is_exact_for_every_code(fmt):
     assert float(torchs[~nan].abs().max()) == FP8_MAX[fmt]
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", [FN, FNUZ], ids=["e4m3fn", "e4m3fnuz"])
+def test_c_fast_fp8_path_is_exact_for_every_finite_code(fmt):
+    """The decode loops' AVX2 + F16C widening (half-float bits and a power of two) on every code
+    but the NaN ones, which the loops send to the exact path (test_nan_codes_... below)."""
+    fast = cpu_native.native_kernel().widen_fp8_fast
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
+    if fast(codes) is None:
+        pytest.skip("this build of the C kernel has no AVX2 + F16C fp8 path")
+    finite = codes[~torch.isnan(codes.float())]
+    finite = torch.cat([finite, finite[: (-finite.numel()) % 16]])  # a multiple of 16
+    assert torch.equal(_bits(fast(finite)), _bits(finite.float()))
+
+
 def _case(b, sq, hq, hkv, d, n, *, q_dtype=torch.bfloat16, fmt=FN, seed=0, per_head=True, gains=None):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, sq, hq, d, generator=g).to(q_dtype)
@@ -75,6 +89,7 @@ CASES = {
     "gqa4_short_and_empty_rows": (3, 1, 8, 2, 128, 517, [517, 0, 19], False),
     "gqa8_d80_two_tokens_causal": (2, 2, 8, 1, 80, 70, [70, 33], True),
     "gqa2_sq4": (1, 4, 4, 2, 64, 40, [40], False),
+    "gqa2_d40_no_fast_path": (2, 1, 4, 2, 40, 77, [77, 5], False),  # D not a multiple of 16: load_fp8
 }
 
 
@@ -263,3 +278,28 @@ def test_paged_kv_shard_in_fp8_quantizes_as_it_writes():
     assert_decode_close(out[:, None], lse[:, None], *truth, TOL, what="paged store")
     plain = PagedKVShard.allocate(1, 8, 2, 16, dtype=torch.bfloat16, device="cpu")
     assert not plain.fp8 and plain.scales(0) == {}
+
+
+@pytest.mark.parametrize("fmt", [FN, FNUZ], ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("g", [1, 4, 8])
+def test_nan_codes_propagate_as_in_the_float64_truth(fmt, g):
+    """NaN codes in the cache (e4m3fn 0x7f/0xff, fnuz 0x80): a NaN key element makes its KV head's
+    rows NaN, a NaN value element makes that output element NaN; everything else is unchanged. The
+    C kernel's fast path checks each token's head vector for NaN codes and takes the exact path for
+    it: the NaN pattern must equal the float64 truth's, on every path, with NaNs at token positions
+    inside and outside groups of four."""
+    hkv = 2
+    q, k8, v8, ks, vs, _, _ = _case(1, 1, hkv * g, hkv, 64, 300, fmt=fmt, seed=g)
+    nan_code = 0x80 if fmt == FNUZ else 0xFF
+    kb, vb = k8.view(torch.uint8), v8.view(torch.uint8)
+    kb[0, 5, 0, 3] = nan_code  # head 0's rows: NaN
+    vb[0, 9, 1, 17] = 0x7F if fmt == FN else 0x80  # head 1's rows: element 17 NaN
+    vb[0, 299, 1, 40] = nan_code  # the chunk's last token, past the groups of four
+    ref_out, ref_lse = decode_attention_float64(q[:, 0], k8, v8, k_scale=ks, v_scale=vs)
+    for native in ([True, False] if STATUS.available else [False]):
+        out, lse = decode_attention_cpu(q[:, 0], k8, v8, native=native, k_scale=ks, v_scale=vs)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref_out)), native
+        assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), native
+        fin = ~torch.isnan(ref_out)
+        assert bool(torch.isnan(ref_out[0, :g]).all()) and int(torch.isnan(ref_out[0, g:]).sum()) == 2 * g
+        assert (out.double()[fin] - ref_out[fin]).abs().max() < 2e-2

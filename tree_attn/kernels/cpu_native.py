@@ -80,6 +80,7 @@ class NativeKernel:
     dtypes: frozenset[torch.dtype]
     function: ctypes._CFuncPtr  # tree_attn_cpu_decode
     widen_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen (the tests check it on every code)
+    widen_fp8_fast_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_fp8_fast (AVX2 + F16C path)
 
     def widen(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a CPU tensor of one of :attr:`dtypes`) as float32 with the kernel's own widening."""
@@ -89,6 +90,16 @@ class NativeKernel:
                                                                out.data_ptr()) != 0:
             raise ValueError(f"this build of the C kernel cannot widen {x.dtype}")
         return out.view(x.shape)
+
+    def widen_fp8_fast(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` (fp8, a multiple of 16 elements) as float32 through the decode loops' fast fp8
+        path (AVX2 + F16C builds), NaN codes as that path alone would read them; None when this
+        build has no such path."""
+        src = x.contiguous().reshape(-1)
+        out = torch.empty(src.shape, dtype=torch.float32)
+        fn = self.widen_fp8_fast_function
+        code = -3 if fn is None else fn(_DTYPE_CODES[x.dtype], src.data_ptr(), src.numel(), out.data_ptr())
+        return out.view(x.shape) if code == 0 else None
 
 
 @dataclass(frozen=True)
@@ -167,7 +178,8 @@ def _load() -> NativeKernel:
         except OSError as e:
             errors.append(f"loading {path.name}: {e}")
             continue
-        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib))
+        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib),
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"))
     raise _Unavailable("; ".join(errors))
 
 
@@ -261,8 +273,8 @@ def _bind(lib: ctypes.CDLL):
     return fn
 
 
-def _bind_widen(lib: ctypes.CDLL):
-    fn = getattr(lib, "tree_attn_cpu_widen", None)
+def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
+    fn = getattr(lib, name, None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         fn.restype = ctypes.c_int
