@@ -55,12 +55,12 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn import decode_attention  # noqa: E402
-from tree_attn.kernels.cpu_decode import decode_attention_cpu  # noqa: E402
-from tree_attn.kernels.cpu_native import native_status  # noqa: E402
-from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64  # noqa: E402
+from tree_attn import decode_attention
+from tree_attn.kernels.cpu_decode import decode_attention_cpu
+from tree_attn.kernels.cpu_native import native_status
+from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128)}  # (Hq, Hkv, D): MHA 8 x 128; Llama-3.1-8B
@@ -85,7 +85,7 @@ def load_peer(path: str | None):
     sys.path.insert(0, str(Path(path).resolve()))
     try:
         from ring_attention_pytorch.tree_attn_decoding import tree_attn_decode
-    except Exception as exc:  # missing einops / jaxtyping / beartype, or an incompatible torch
+    except Exception as exc:  # noqa: BLE001 - missing einops / jaxtyping / beartype, or an incompatible torch
         return None, f"peer not available: import failed ({type(exc).__name__}: {exc})"
     return tree_attn_decode, "ok"
 

@@ -31,11 +31,11 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu  # noqa: E402
-from tree_attn.kernels.cpu_native import native_status  # noqa: E402
-from tree_attn.kernels.reference import decode_attention_float64  # noqa: E402
+from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu
+from tree_attn.kernels.cpu_native import native_status
+from tree_attn.kernels.reference import decode_attention_float64
 
 SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128)}  # q heads, KV heads, head size
 
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = sq * hq // hkv
             default = "C" if rows <= NATIVE_MAX_QUERY_ROWS else "torch"
             print(f"{name:5} {args.tokens:>7} {sq:>3} {rows:>5} {best[True]:>9.2f} {best[False]:>9.2f} "
-                  f"{best[False] / best[True]:>8.2f} {default:>8} {errors['c']:>8.1e} {errors['torch']:>8.1e}", flush=True)
+                  f"{best[False] / best[True]:>8.2f} {default:>8} {errors['c']:>8.1e} {errors['torch']:>8.1e}",
+                  flush=True)
             results.append({"shape": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "tokens": args.tokens,
                             "sq": sq, "rows": rows, "c_ms": best[True], "torch_ms": best[False],
                             "default": default, "max_error": errors})

@@ -26,9 +26,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.run.decode import RunSpec, run_decode  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup  # noqa: E402
+from tree_attn.commands.run.decode import RunSpec, run_decode
+from tree_attn.launch.setup import LaunchSetup
+from tree_attn.reduce.plan import ReductionPlan
 
 
 def predicted_bytes(strategy: str, world: int, seq_len: int, spec: RunSpec, fanout: int = 2) -> float:

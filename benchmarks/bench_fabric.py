@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,8 +51,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason  # noqa: E402
-from tree_attn.commands.defaults import parse_tokens  # noqa: E402
+from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason
+from tree_attn.commands.defaults import parse_tokens
 
 SCHEMA = 1
 STRATEGIES = ("tree", "allreduce", "ring")
@@ -132,7 +131,7 @@ def measure(fab: Fabric, opts, rate: str, seq_len: int, strategy: str) -> dict:
     base = ["run", "--device", "cpu", "-n", str(seq_len), "--heads", str(opts.heads), "--kv-heads",
             str(opts.kv_heads), "--head-dim", str(opts.head_dim), "-s", strategy, "--timeout", str(opts.timeout),
             "--json"]
-    short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node, opts.job_timeout)
+    _short, d_short = run_job(fab, base + ["--warmup", "0", "--steps", "1"], opts.ranks_per_node, opts.job_timeout)
     data, d_long = run_job(fab, base + ["--warmup", str(warmup), "--steps", str(steps)], opts.ranks_per_node,
                            opts.job_timeout)
     extra = warmup + steps - 1  # steps the measured job ran beyond the short one
@@ -204,7 +203,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--rate", default="100mbit", help="tc rate of every node's link (e.g. 100mbit, 1gbit; 'none': unshaped)")
+    ap.add_argument("--rate", default="100mbit",
+                    help="tc rate of every node's link (e.g. 100mbit, 1gbit; 'none': unshaped)")
     ap.add_argument("--rates", help="comma list of rates to sweep instead of --rate (e.g. 10mbit,100mbit,1gbit,10gbit)")
     ap.add_argument("--burst", type=int, help="tbf bucket in bytes (default: max(64 KiB, 5 ms of the rate))")
     ap.add_argument("--seq-len", default="65536", help="total KV tokens, or a comma list (16K,64K)")
@@ -265,7 +265,8 @@ def main() -> int:
         "bench": "bench_fabric",
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
-        "fabric": {"nodes": opts.nodes, "ranks_per_node": opts.ranks_per_node, "link": "veth to a bridge, tbf both ways",
+        "fabric": {"nodes": opts.nodes, "ranks_per_node": opts.ranks_per_node,
+                   "link": "veth to a bridge, tbf both ways",
                    "tbf": (f"burst {opts.burst} B" if opts.burst else "burst max(64 KiB, 5 ms of the rate)")
                    + ", latency 50 ms"},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -291,7 +292,8 @@ def _ring_estimate_s(opts, seq_len: int, rate_bps: float) -> float:
 
 def print_progress(row: dict) -> None:
     if "skipped" in row:
-        print(f"[{row['rate']} {row['seq_len']} {row['strategy']}] skipped: {row['skipped']}", file=sys.stderr, flush=True)
+        print(f"[{row['rate']} {row['seq_len']} {row['strategy']}] skipped: {row['skipped']}", file=sys.stderr,
+              flush=True)
         return
     c = row["crossing"]
     print(f"[{row['rate']} {row['seq_len']} {row['strategy']}] median {row['step_ms_median']:.2f} ms, "

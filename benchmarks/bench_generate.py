@@ -33,13 +33,13 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn.dtypes import parse_dtype  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup, default_dtype  # noqa: E402
-from tree_attn.commands.generate.models import PRESETS, ModelSource  # noqa: E402
+from tree_attn.commands.generate.decode import GenerateSpec, decode_in_one_process, decode_on_ranks
+from tree_attn.commands.generate.models import PRESETS, ModelSource
+from tree_attn.dtypes import parse_dtype
+from tree_attn.launch.setup import LaunchSetup, default_dtype
+from tree_attn.reduce.plan import ReductionPlan
 
 CASES = {"small": ModelSource(preset="small"), "8b-2layers": ModelSource(preset="llama-3.1-8b", layers=2)}
 
@@ -89,7 +89,8 @@ def main() -> int:
             same = r.matches_reference and r.ranks_agree
             failed |= not same
             records.append(dict(case=args.case, context=ctx, ranks=world, name=r.name, median_ms=1e3 * r.median_s,
-                                p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s, bytes_per_rank_per_token=r.bytes_per_token,
+                                p95_ms=1e3 * r.p95_s, tokens_per_s=r.tokens_per_s,
+                                bytes_per_rank_per_token=r.bytes_per_token,
                                 messages_per_rank_per_token=r.messages_per_token, same_tokens=same,
                                 ring_over_this=(ring[world] / r.median_s) if world in ring else None,
                                 prefill_s=local.prefill_s))
@@ -99,8 +100,8 @@ def main() -> int:
           f"{'sent/rank/token':>16} {'ring/this':>9} {'same':>5}")
     for rec in records:
         ratio = f"{rec['ring_over_this']:.2f}x" if rec["ring_over_this"] is not None else "-"
-        print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {rec['median_ms']:>10.2f} {rec['p95_ms']:>9.2f} "
-              f"{rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} {ratio:>9} "
+        print(f"{rec['context']:>8} {rec['ranks']:>5} {rec['name']:<10} {rec['median_ms']:>10.2f} "
+              f"{rec['p95_ms']:>9.2f} {rec['tokens_per_s']:>7.1f} {rec['bytes_per_rank_per_token']:>16,} {ratio:>9} "
               f"{'yes' if rec['same_tokens'] else 'NO':>5}")
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=_ints, default=None, help="comma list, e.g. 1,4,16")
     ap.add_argument("--lens", type=_ints, default=None, help="comma list of KV lengths, e.g. 1k,64k,1m")
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    ap.add_argument("--config", type=str, default=None, help='DecodeConfig as JSON, e.g. \'{"block_n": 64, "num_splits": 32}\'')
+    ap.add_argument("--config", type=str, default=None,
+                    help='DecodeConfig as JSON, e.g. \'{"block_n": 64, "num_splits": 32}\'')
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
     ap.add_argument("--repeats", type=int, default=20, help="timed samples per point (median reported)")
     ap.add_argument("--kv-dtypes", type=str, default="bf16,fp8",
@@ -214,15 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kernel: torch is not installed", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench_kernel: no CUDA or ROCm GPU visible: this benchmark times GPU kernels and has nothing to do here.", file=sys.stderr)
+        print("bench_kernel: no CUDA or ROCm GPU visible: this benchmark times GPU kernels and has nothing to do here.",
+              file=sys.stderr)
         return 2
     import torch.nn.functional as F
     import triton
 
     from tree_attn import decode_attention
-    from tree_attn.kernels.config import DecodeConfig, resolve_config
     from tree_attn.cost.devices import DeviceSpec
     from tree_attn.cost.kernel import predict_time_us
+    from tree_attn.kernels.config import DecodeConfig, resolve_config
     from tree_attn.kernels.reference import decode_attention_float64
     from tree_attn.kernels.shapes import DecodeShape
     from tree_attn.timing import measure_copy_bandwidth, rotation_count, time_calls
@@ -254,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     err_out = (out.cpu().double() - ref_out).abs().max().item()
     err_lse = (lse.cpu().double() - ref_lse).abs().max().item()
     if not (err_out <= 2e-2 and err_lse <= 2e-3):
-        print(f"bench_kernel: kernel disagrees with float64 (max |out| err {err_out:.3g}, |lse| err {err_lse:.3g}); not timing it.", file=sys.stderr)
+        print(f"bench_kernel: kernel disagrees with float64 (max |out| err {err_out:.3g}, |lse| err {err_lse:.3g}); "
+              "not timing it.", file=sys.stderr)
         return 1
     sdpa_err = None
     if not args.no_sdpa:
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"fp8 check vs float64 on the dequantized cache: max |out| err {fp8_check['max_abs_out_err']:.2e}, "
              f"max |lse| err {fp8_check['max_abs_lse_err']:.2e} ({fp8_path})")
         if not (fp8_check["max_abs_out_err"] <= 2e-2 and fp8_check["max_abs_lse_err"] <= 2e-3):
-            print("bench_kernel: the fp8 kernel disagrees with float64 on the dequantized cache; not timing it.", file=sys.stderr)
+            print("bench_kernel: the fp8 kernel disagrees with float64 on the dequantized cache; not timing it.",
+                  file=sys.stderr)
             return 1
         del k8, v8, k64, v64
     del q, k, v, out, lse
@@ -294,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                 kv_bytes = 2 * b * n * HKV * HEAD_DIM * elem
                 free, _ = torch.cuda.mem_get_info()
                 if kv_bytes > 0.7 * free:
-                    _log(f"skip B={b} N={n} {kv_name}: K+V need {kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+                    _log(f"skip B={b} N={n} {kv_name}: K+V need {kv_bytes / 2**30:.1f} GiB, "
+                         f"{free / 2**30:.1f} GiB free")
                     continue
                 n_buf = rotation_count(kv_bytes, l2, free, cap=64)
                 bufs = []
@@ -348,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["device_vs_sdpa"] = row["graph_us"] / row["sdpa_graph_us"] if row["sdpa_graph_us"] else None
                 rows.append(row)
                 _log(
-                    f"B={b} N={n} {kv_name}: graph {row['graph_us']:.1f} us ({100 * row['frac_copy']:.1f}% of copy), eager "
-                    f"{row['eager_us']:.1f} us, host {row['host_us']:.1f} us; SDPA "
+                    f"B={b} N={n} {kv_name}: graph {row['graph_us']:.1f} us ({100 * row['frac_copy']:.1f}% of copy), "
+                    f"eager {row['eager_us']:.1f} us, host {row['host_us']:.1f} us; SDPA "
                     + (f"{row['sdpa_graph_us']:.1f} us" if row["sdpa_graph_us"] else str(row["sdpa_error"]))
                     + (f"; fp8/bf16 {row['fp8_over_bf16']:.2f}" if row["fp8_over_bf16"] else "")
                 )
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             f"eager host time <= {GOAL_HOST_US:.0f} us at batch 1":
                 (bf16_rows, [r for r in bf16_rows if r["batch"] == 1 and r["host_us"] > GOAL_HOST_US]),
             f"eager <= {GOAL_EAGER_OVER_GRAPH}x graph for N >= {GOAL_EAGER_MIN_LEN}":
-                (bf16_rows, [r for r in bf16_rows if r["kv_len"] >= GOAL_EAGER_MIN_LEN and r["eager_over_graph"] > GOAL_EAGER_OVER_GRAPH]),
+                (bf16_rows, [r for r in bf16_rows
+                             if r["kv_len"] >= GOAL_EAGER_MIN_LEN and r["eager_over_graph"] > GOAL_EAGER_OVER_GRAPH]),
             "device time <= SDPA's at every shape":
                 (bf16_rows, [r for r in bf16_rows if r["device_vs_sdpa"] is None or r["device_vs_sdpa"] > 1.0]),
         })

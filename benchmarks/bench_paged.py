@@ -33,10 +33,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from tree_attn import decode_attention  # noqa: E402
-from tree_attn.kernels.reference import decode_attention_float64  # noqa: E402
+from tree_attn import decode_attention
+from tree_attn.kernels.reference import decode_attention_float64
 
 
 def _paged(k, v, block_size, gen):
@@ -66,7 +66,7 @@ def _columns(args, dev):
     impl = "torch" if dev.type == "cpu" else "triton"
     cols = {}
     q1 = torch.randn(b, hq, d, generator=gen).to(dtype)
-    on = lambda *ts: [t.to(dev) for t in ts]  # noqa: E731
+    on = lambda *ts: [t.to(dev) for t in ts]
     kd, vd, kpd, vpd, td, ld, q1d = on(k, v, kp, vp, table, lens, q1)
     cols["contig sq1"] = (lambda: decode_attention(q1d, kd, vd, seq_lens=ld, impl=impl), (q1, k, v, lens, None, False))
     cols["paged sq1"] = (lambda: decode_attention(q1d, kpd, vpd, seq_lens=ld, block_table=td, impl=impl),
@@ -75,11 +75,13 @@ def _columns(args, dev):
         qs = torch.randn(b, s, hq, d, generator=gen).to(dtype)
         (qsd,) = on(qs)
         cols[f"contig sq{s} causal"] = (
-            lambda qsd=qsd: decode_attention(qsd, kd, vd, seq_lens=ld, impl=impl, causal=True), (qs, k, v, lens, None, True))
+            lambda qsd=qsd: decode_attention(qsd, kd, vd, seq_lens=ld, impl=impl, causal=True),
+            (qs, k, v, lens, None, True))
         cols[f"paged sq{s} causal"] = (
             lambda qsd=qsd: decode_attention(qsd, kpd, vpd, seq_lens=ld, block_table=td, impl=impl, causal=True),
             (qs, kp, vp, lens, table, True))
-        cols[f"{s} x sq1"] = (lambda s=s: [decode_attention(q1d, kd, vd, seq_lens=ld, impl=impl) for _ in range(s)], None)
+        cols[f"{s} x sq1"] = (
+            lambda s=s: [decode_attention(q1d, kd, vd, seq_lens=ld, impl=impl) for _ in range(s)], None)
     return cols
 
 
@@ -102,7 +104,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--block-size", type=int, default=16, help="tokens per page (vLLM's default: 16)")
-    p.add_argument("--sq", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16], help="query tokens per row, comma-separated")
+    p.add_argument("--sq", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16],
+                   help="query tokens per row, comma-separated")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
@@ -126,7 +129,8 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     load_after = os.getloadavg()[0]
     base = statistics.median(times["contig sq1"])
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    device_name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                   else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"device: {device_name}; load average before {load_before:.2f}, after {load_after:.2f}")
     print(f"B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} tokens={args.tokens} "
           f"block_size={args.block_size} threads={args.threads if dev.type == 'cpu' else '-'} repeats={args.repeats}")
@@ -138,7 +142,8 @@ def main() -> None:
         print(f"{name:<22}{med:>10.2f}{med / base:>8.2f}{'' if err is None else f'{err:.1e}':>10}")
         rows.append(dict(column=name, median_ms=med, vs_sq1=med / base, max_err=err, times_ms=times[name]))
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=device_name, args=vars(args), load=[load_before, load_after], rows=rows), indent=1))
+        record = dict(device=device_name, args=vars(args), load=[load_before, load_after], rows=rows)
+        Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

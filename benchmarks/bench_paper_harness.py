@@ -160,7 +160,7 @@ def _measure(devices: int, tokens: int, strategy: str, mode: str, steady_calls: 
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, __file__, "--child", str(devices), str(tokens), strategy, mode,
            "--steady-calls", str(steady_calls)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{strategy} at {devices} devices failed ({proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_child(int(devices), int(tokens), strategy, mode, args.steady_calls)))
         return 0
     try:
-        import jax  # noqa: F401  (only to say early that it is missing)
+        import jax  # only to say early that it is missing
     except ImportError:
         print("this benchmark needs JAX: pip install jax", file=sys.stderr)
         return 2
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     headline = _headline(one_off)
     if headline:
         print("\npaper headline (128 H100, 5.12M tokens): the cost model's steady step + a one-off cost measured above")
-        print(f"{'from':>8} {'added':>10} {'tree ms':>9} {'ring ms':>9} {'first-call ring/tree':>20} {'steady':>7} {'paper':>6}")
+        print(f"{'from':>8} {'added':>10} {'tree ms':>9} {'ring ms':>9} {'first-call ring/tree':>20} {'steady':>7} "
+              f"{'paper':>6}")
         for h in headline:
             print(f"{str(h['from_devices']) + ' dev':>8} {h['added'].removesuffix('_ms'):>10} "
                   f"{h['model_tree_ms'] + h['added_tree_ms']:>9.1f} {h['model_ring_ms'] + h['added_ring_ms']:>9.1f} "

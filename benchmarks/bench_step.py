@@ -74,10 +74,9 @@ def _time_steps(env, step, steps: int, warmup: int) -> dict:
 
 def rank_main(env, lens: list[int], steps: int, warmup: int) -> list[dict]:
     import torch
+    import torch.distributed as dist
 
     from tree_attn import DecodeStep, ReductionPlan, TreeDecodeStep, ring_decode
-
-    import torch.distributed as dist
 
     dev = torch.device(env.device)
     rows = []
@@ -151,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         r["tree_graph_over_kernel"] = r["tree_graph"]["device_us"] / r["kernel"]["device_us"]
         print(f"{r['kv_len']:>12} " + " ".join(f"{c:>20}" for c in cells) + f" {r['tree_graph_over_kernel']:>18.2f}")
     if world == 1:
-        missed = [r["kv_len"] for r in rows if "skipped" not in r and r["tree_graph_over_kernel"] > GOAL_STEP_OVER_KERNEL]
+        missed = [r["kv_len"] for r in rows
+                  if "skipped" not in r and r["tree_graph_over_kernel"] > GOAL_STEP_OVER_KERNEL]
         print(f"goal: a graph-replayed step within {GOAL_STEP_OVER_KERNEL}x of the kernel at world size 1: "
               + ("met" if not missed else f"NOT met at {missed}"))
     if args.out:

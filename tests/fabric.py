@@ -41,6 +41,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 PREFIX = "tafab"
 SUBNET = "10.88.0"  # node i is SUBNET.(i + 1)/24; private to the fabric's namespaces
@@ -77,14 +81,15 @@ def tbf_burst_bytes(rate_bps: float) -> int:
 
 
 def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise FabricError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
     return proc
 
 
 def _tc(ns: str, *args: str) -> None:
-    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20)
+    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20,
+                          check=False)
     if proc.returncode != 0:
         raise FabricError(f"tc {' '.join(args)} (in {ns}): {proc.stderr.strip() or proc.returncode}")
 
@@ -92,7 +97,7 @@ def _tc(ns: str, *args: str) -> None:
 def _sysctl_ipv6_off(ns: str) -> None:
     for key in ("all", "default"):
         subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"],
-                       capture_output=True, timeout=20)
+                       capture_output=True, timeout=20, check=False)
 
 
 def list_namespaces() -> list[str]:
@@ -197,7 +202,7 @@ def unavailable_reason() -> str | None:
 
 
 # Every fabric not yet torn down, for atexit and the signal handlers.
-_LIVE: set["Fabric"] = set()
+_LIVE: set[Fabric] = set()
 _LIVE_LOCK = threading.Lock()
 _HANDLERS_INSTALLED = False
 
@@ -255,7 +260,7 @@ class LinkCounters:
     tx_packets: int
     rx_packets: int
 
-    def __sub__(self, other: "LinkCounters") -> "LinkCounters":
+    def __sub__(self, other: LinkCounters) -> LinkCounters:
         return LinkCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
                             self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
 
@@ -282,7 +287,7 @@ class NodeResult:
 class TorchrunJob:
     """Torchrun processes started by :meth:`Fabric.torchrun`, one per started node."""
 
-    fabric: "Fabric"
+    fabric: Fabric
     procs: dict[int, subprocess.Popen]
     logs: dict[int, tuple[Path, Path]]
     started: float
@@ -385,14 +390,14 @@ class Fabric:
 
     # -- building and tearing down ------------------------------------------------------------
 
-    def __enter__(self) -> "Fabric":
+    def __enter__(self) -> Self:
         self.up()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def up(self) -> "Fabric":
+    def up(self) -> Fabric:
         reason = unavailable_reason()
         if reason is not None:
             raise FabricError(reason)
@@ -480,7 +485,8 @@ class Fabric:
         burst = str(self.burst_bytes or tbf_burst_bytes(bps))
         # Both directions: out of the node (its fab0) and into it (the switch's port toward it).
         _tc(node.ns, "qdisc", verb, "dev", node.ifname, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
-        _tc(self.switch, "qdisc", verb, "dev", node.port, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+        _tc(self.switch, "qdisc", verb, "dev", node.port, "root", "tbf", "rate", rate, "burst", burst, "latency",
+            "50ms")
 
     def set_rate(self, node: int, rate: str | None) -> None:
         """Shape node ``node``'s link (both directions) to ``rate`` now; None removes the shaping.
@@ -508,16 +514,16 @@ class Fabric:
         names = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
         script = "; ".join(f"cat /sys/class/net/{n.ifname}/statistics/{k}" for k in names)
         proc = subprocess.run(["ip", "netns", "exec", n.ns, "sh", "-c", script], capture_output=True, text=True,
-                              timeout=20)
+                              timeout=20, check=False)
         if proc.returncode != 0:
             raise FabricError(f"reading {n.ifname} counters in {n.ns}: {proc.stderr.strip()}")
         return LinkCounters(*(int(x) for x in proc.stdout.split()))
 
     # -- running things in nodes -----------------------------------------------------------------
 
-    def exec(self, node: int, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    def exec(self, node: int, argv: list[str], *, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
         """Run ``argv`` in node ``node``'s namespace to completion (``subprocess.run`` arguments)."""
-        return subprocess.run(["ip", "netns", "exec", self.nodes[node].ns, *argv], **kwargs)
+        return subprocess.run(["ip", "netns", "exec", self.nodes[node].ns, *argv], check=check, **kwargs)
 
     def popen(self, node: int, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` in node ``node``'s namespace, in a session of its own; killed at close."""

@@ -75,7 +75,8 @@ def tol_for(*dtypes: torch.dtype, device: torch.device | str = "cpu", large_logi
     row = TOLERANCES[max(dtypes, key=_ORDER.index)]
     tol = row.gpu if torch.device(device).type == "cuda" else row.fp32
     if large_logits:
-        tol = replace(tol, out_atol=max(tol.out_atol, LARGE_LOGIT_OUT_ATOL), lse_atol=max(tol.lse_atol, LARGE_LOGIT_LSE_ATOL))
+        tol = replace(tol, out_atol=max(tol.out_atol, LARGE_LOGIT_OUT_ATOL),
+                      lse_atol=max(tol.lse_atol, LARGE_LOGIT_LSE_ATOL))
     return tol
 
 
@@ -94,7 +95,8 @@ def assert_decode_close(out, lse, ref_out, ref_lse, tol: Tol, what: str = "") ->
     assert not torch.isposinf(lse).any(), f"{what}: +inf in lse"
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty), (
-        f"{what}: lse must be -inf exactly where the row has no keys: {torch.isneginf(lse).tolist()} vs {empty.tolist()}"
+        f"{what}: lse must be -inf exactly where the row has no keys: "
+        f"{torch.isneginf(lse).tolist()} vs {empty.tolist()}"
     )
     if empty.any():
         assert torch.all(out[empty] == 0), f"{what}: rows without keys must give out 0"
@@ -104,7 +106,8 @@ def assert_decode_close(out, lse, ref_out, ref_lse, tol: Tol, what: str = "") ->
         lse_bound = tol.lse_atol + tol.lse_rtol * ref_lse[fin].abs()
         worst = int((lse_err - lse_bound).argmax())
         assert bool((lse_err <= lse_bound).all()), (
-            f"{what}: lse error {lse_err[worst].item():.3e} > {lse_bound[worst].item():.1e} (max lse error {lse_err.max().item():.3e})"
+            f"{what}: lse error {lse_err[worst].item():.3e} > {lse_bound[worst].item():.1e} "
+            f"(max lse error {lse_err.max().item():.3e})"
         )
     if out.numel():
         out_err = (out - ref_out).abs()
@@ -117,7 +120,8 @@ def assert_decode_close(out, lse, ref_out, ref_lse, tol: Tol, what: str = "") ->
         if rows.any():
             rel = (out - ref_out).norm(dim=-1)[rows] / ref_norm[rows]
             worst_rel = rel.max().item()
-            assert worst_rel <= tol.out_rel_norm, f"{what}: out off by {worst_rel:.3g} of its norm (limit {tol.out_rel_norm:g})"
+            assert worst_rel <= tol.out_rel_norm, (
+                f"{what}: out off by {worst_rel:.3g} of its norm (limit {tol.out_rel_norm:g})")
 
 
 def assert_state_close(out, lse, ref_out, ref_lse, dtype: torch.dtype, large_logits: bool = False) -> None:

@@ -45,22 +45,22 @@ _LAZY = {
 }
 
 __all__ = [
+    "ConfigError",
+    "DecodeStep",
+    "DistributedError",
+    "KernelUnavailableError",
+    "ProfileError",
+    "ReductionPlan",
+    "ShapeError",
+    "TopologyError",
+    "TreeAttnError",
+    "TreeDecodeStep",
+    "__version__",
     "decode_attention",
     "merge_partials",
-    "tree_decode",
-    "ring_decode",
-    "ReductionPlan",
-    "DecodeStep",
-    "TreeDecodeStep",
     "quantize_kv",
-    "TreeAttnError",
-    "ShapeError",
-    "ConfigError",
-    "DistributedError",
-    "TopologyError",
-    "ProfileError",
-    "KernelUnavailableError",
-    "__version__",
+    "ring_decode",
+    "tree_decode",
 ]
 
 
@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kernels.dispatch import decode_attention
     from .kernels.fp8 import quantize_kv
     from .kernels.prepared import DecodeStep
-    from .reduce.state import merge_partials
     from .reduce.collectives import TreeDecodeStep, tree_decode
     from .reduce.plan import ReductionPlan
     from .reduce.ring import ring_decode
+    from .reduce.state import merge_partials

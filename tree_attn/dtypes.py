@@ -60,7 +60,8 @@ FP8: frozenset[str] = frozenset(d.name for d in TABLE if d.kv_only)
 
 
 def canonical(dtype: Any) -> str | None:
-    """Canonical name of a torch dtype or an alias such as ``"bf16"`` or ``"torch.bfloat16"``; ``None`` if not one of ours."""
+    """Canonical name of a torch dtype or an alias such as ``"bf16"`` or ``"torch.bfloat16"``;
+    ``None`` if not one of ours."""
     if not isinstance(dtype, str) and not hasattr(dtype, "is_floating_point"):  # neither a name nor a torch.dtype
         return None
     key = str(dtype).strip().lower()

@@ -8,10 +8,11 @@ One helper each, used by every reader and writer (topologies, dumps, profiles, J
   :class:`YAMLAliasError`, a ``yaml.YAMLError`` with the line and column, at the first anchor.
 - :func:`atomic_write_text` / :func:`atomic_write_bytes`: a temporary file in the target folder,
   fsynced, then renamed over the target (or hard-linked, when an existing file must not be
-  replaced), so a crash or a full disk never leaves half a file. A symbolic link is written
-  through (its target replaced), and a target that is not a regular file is refused. ``mkstemp`` creates the file with mode 0600; it is given the mode a
-  plain ``open()`` would (0666 less the umask) before the rename, so that a CI uploader running
-  as another user can read a JUnit report written under umask 022.
+  replaced), so a crash or a full disk never leaves half a file. A symbolic link is written through
+  (its target replaced), and a target that is not a regular file is refused. ``mkstemp`` creates the
+  file with mode 0600; it is given the mode a plain ``open()`` would (0666 less the umask) before
+  the rename, so that a CI uploader running as another user can read a JUnit report written under
+  umask 022.
 
 Callers turn ``OSError`` and ``yaml.YAMLError`` into their own :class:`TreeAttnError` subclasses.
 Imports nothing of the project.
@@ -36,7 +37,7 @@ class YAMLAliasError(ComposerError):
 class _NoAliasLoader(yaml.SafeLoader):
     """``SafeLoader`` that stops at the first anchor or alias, before anything is expanded."""
 
-    def compose_node(self, parent, index):  # noqa: D401 - PyYAML's hook
+    def compose_node(self, parent, index):  # PyYAML's hook
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"

@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -202,7 +203,7 @@ class CapturedStep:
                 # unsafe calls).
                 with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                     self.outputs = self.fn()
-            except Exception as exc:  # noqa: BLE001 - reported, then the step runs eagerly
+            except Exception as exc:  # reported, then the step runs eagerly
                 if self.communicates:
                     from .errors import DistributedError
 
@@ -299,7 +300,7 @@ class CapturedStep:
         # The last reference went: free the graph now, not whenever the collector would run.
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - nowhere to report from a finaliser
+        except Exception:  # noqa: BLE001, S110 - nowhere to report from a finaliser
             pass
 
 

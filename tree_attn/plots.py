@@ -1,8 +1,9 @@
 """Pictures: simulated latency and speedup, a measured sequence-length sweep, a topology.
 
 matplotlib is an optional extra (``pip install matplotlib``, or ``pip install ".[plot]"`` in a
-checkout), imported inside the functions with the non-interactive Agg backend; without it :func:`require_matplotlib` raises a
-ConfigError saying how to install it. Figures are written small (PNG, 100 dpi) for READMEs.
+checkout), imported inside the functions with the non-interactive Agg backend; without it
+:func:`require_matplotlib` raises a ConfigError saying how to install it. Figures are written small
+(PNG, 100 dpi) for READMEs.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def plot_sweep(sweep: list[dict[str, Any]], path: str, title: str) -> None:
     for res in sweep:
         n = res["config"]["seq_len"]
         for r in res["results"]:
-            by.setdefault(r["strategy"], []).append((n, r["step_ms_median"], r["step_ms_p95"], r["bytes_sent_per_step"]))
+            by.setdefault(r["strategy"], []).append((n, r["step_ms_median"], r["step_ms_p95"],
+                                                     r["bytes_sent_per_step"]))
     for strat, pts in by.items():
         pts.sort()
         xs = [p[0] for p in pts]

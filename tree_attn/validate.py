@@ -19,7 +19,8 @@ No torch, no imports beyond the errors: every package may use it.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, NoReturn
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
 
 from .errors import ConfigError
 

@@ -35,7 +35,7 @@ def _env(**extra) -> dict:
 def _cli(*args, **env) -> subprocess.CompletedProcess:
     """``python -m tree_attn ARGS`` with stdout a pipe (not a terminal), stdin closed."""
     return subprocess.run([sys.executable, "-m", "tree_attn", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, env=_env(**env), timeout=240)
+                          stdin=subprocess.DEVNULL, env=_env(**env), timeout=240, check=False)
 
 
 # -- run --seq-len 0 ------------------------------------------------------------------------------
@@ -68,8 +68,8 @@ def planned(monkeypatch, capsys):
     """Stand-ins for each command's planner: they record what the command parsed and stop."""
     import tree_attn.commands.generate.setup as generate_setup
     import tree_attn.commands.run.setup as run_setup
-    import tree_attn.commands.run.sweep as sweep
     import tree_attn.commands.tune.setup as tune_setup
+    from tree_attn.commands.run import sweep
 
     seen: dict = {}
 
@@ -168,7 +168,8 @@ def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
     actual = named(H200, "NVIDIA H200", tmp_path / "h200.yaml")
     assert main(["check", "--expect", str(expected), "--from", str(actual), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["differences"] == ["different GPU model: expected NVIDIA H100 80GB HBM3, found NVIDIA H200 (all 8 GPUs)"]
+    assert report["differences"] == [
+        "different GPU model: expected NVIDIA H100 80GB HBM3, found NVIDIA H200 (all 8 GPUs)"]
     assert report["checks"][0]["name"] == "device model"
     assert main(["check", "--expect", str(expected), "--from", str(expected)]) == 0
     out = capsys.readouterr().out
@@ -176,7 +177,7 @@ def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
 
 
 def test_check_on_a_host_without_gpu_says_so(tmp_path, monkeypatch, capsys):
-    import tree_attn.topology as topology
+    from tree_attn import topology
     from tree_attn.topology import host_topology, load_dump, save_topology
 
     remote = tmp_path / "remote.yaml"
@@ -285,7 +286,7 @@ def test_one_rank_reads_one_rank_without_a_fan_out(capsys):
     assert "1 ranks" not in text and "k=2" not in text
     assert "300 tokens on 1 rank" in captured.err and "strategies: tree, ring" in captured.err
     assert "300 tokens on 1 rank" in captured.out
-    assert re.search(r"^ tree +eager", captured.out, re.M)
+    assert re.search(r"^ tree +eager", captured.out, re.MULTILINE)
 
 
 def test_plot_without_sweep_is_refused(tmp_path, capsys):
@@ -306,7 +307,7 @@ def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     render_sweep([RunResult(spec={"world_size": 2, "seq_len": 1024}, device="cpu", backend="gloo",
                             results=[row("tree", 1.0), row("ring", 3.0)])])
     out = capsys.readouterr().out
-    assert re.search(r"^ *1,024 +tree k=2 +1\.0 .* 3\.0 *$", out, re.M), out  # ring 3 ms / tree 1 ms
+    assert re.search(r"^ *1,024 +tree k=2 +1\.0 .* 3\.0 *$", out, re.MULTILINE), out  # ring 3 ms / tree 1 ms
     assert ("ring/x = ring's median step divided by this row's median step, at the same length (above 1: this "
             "row is faster than ring)") in " ".join(out.split())
 
@@ -323,11 +324,13 @@ def test_run_footnote_says_how_eager_rows_device_time_was_taken(capsys):
 
     spec = {"world_size": 2, "seq_len": 1024}
     render_run(RunResult(spec=spec, device="GPU", backend="nccl",
-                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH), row("ring", "eager", DEVICE_TIME_HELD)]))
+                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH),
+                                  row("ring", "eager", DEVICE_TIME_HELD)]))
     out = " ".join(capsys.readouterr().out.split())
     assert ("device = CUDA-event time of the step (slowest rank); eager rows: extra steps queued behind a spin "
             "kernel (JSON device_time)") in out, out
-    render_run(RunResult(spec=spec, device="GPU", backend="nccl", results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH)]))
+    render_run(RunResult(spec=spec, device="GPU", backend="nccl",
+                         results=[row("tree", "cuda graph", DEVICE_TIME_GRAPH)]))
     out = " ".join(capsys.readouterr().out.split())
     assert "device = CUDA-event time of the step (slowest rank)" in out and "eager rows" not in out
 
@@ -335,6 +338,6 @@ def test_run_footnote_says_how_eager_rows_device_time_was_taken(capsys):
 def test_subprocesses_keep_their_temporary_files_in_the_sessions_folder(_subprocess_tmpdir):
     # torchrun's agent writes a torchelastic_* folder under the temporary folder: the session's.
     proc = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
-                          capture_output=True, text=True, env=_env(), timeout=60)
+                          capture_output=True, text=True, env=_env(), timeout=60, check=False)
     assert proc.stdout.strip() == _subprocess_tmpdir
     assert os.environ["TMPDIR"] == _subprocess_tmpdir and os.path.isdir(_subprocess_tmpdir)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.topology import fakes
 from tree_attn.cli.app import main
 from tree_attn.topology import load_dump, load_topology, probe_nvml, save_topology
-from tests.topology import fakes
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 H100 = FIX / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"
@@ -26,7 +26,8 @@ def test_probe_json_from_dump(capsys):
     assert d["schema_version"] == 1 and len(d["fingerprint"]) == 16
     assert [x["index"] for x in d["devices"]] == list(range(8)) and all("name" in x for x in d["devices"])
     l01 = d["links"][0]
-    assert (l01["a"], l01["b"], l01["kind"], l01["nvlinks"], l01["p2p"], l01["bandwidth_gbps"]) == (0, 1, "nvlink", 18, "ok", 450.0)
+    assert ((l01["a"], l01["b"], l01["kind"], l01["nvlinks"], l01["p2p"], l01["bandwidth_gbps"])
+            == (0, 1, "nvlink", 18, "ok", 450.0))
     assert d["hierarchy"] == [{"kind": "nvlink", "groups": [list(range(8))]}]
     assert "NIC0" in out.err  # notices on stderr, stdout is pure JSON
 
@@ -224,7 +225,8 @@ def test_errors_from_ranks_with_bracketed_paths_are_one_line(monkeypatch, capsys
     from tree_attn.errors import DistributedError
 
     def fail(*args, **kwargs):
-        raise DistributedError("rank 1 failed: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+        raise DistributedError("rank 1 failed: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                               "Connection closed by peer")
 
     monkeypatch.setattr(probe, "render_topology", fail)
     code = main(["probe", "--backend", "host", "--cpu-ranks", "2"])

@@ -77,6 +77,7 @@ def test_simulate_table_fits_80_columns(capsys):
     (["-n", "0"], "sequence length '0': expected 1 to 100,000,000 tokens"),
     (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
     (["--dtype", "int8"], "--dtype 'int8'"),
+    (["--dtype", "float8_e4m3fn"], "--dtype 'float8_e4m3fn': expected fp32, fp16 or bf16"),
     (["--dtype", "fp8"], "give it as the KV dtype (--kv-dtype fp8)"),
     (["--kv-dtype", "int8"], "KV dtype must be one of"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
@@ -84,7 +85,8 @@ def test_simulate_table_fits_80_columns(capsys):
     (["-n", "200M"], "sequence length '200M': expected 1 to 100,000,000 tokens"),
     (["-g", "0"], "--gpus-per-node must be an integer in 1..4096; got 0"),
     (["-w", "8,16", "-k", "100"], "--fanout 100 is larger than the largest world size 16"),
-    (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)], "give one source of parameters, not --profile and --topology"),
+    (["--profile", "h100-8x-nvswitch", "--topology", str(DGX1)],
+     "give one source of parameters, not --profile and --topology"),
 ])
 def test_simulate_bad_inputs_are_one_line(capsys, args, text):
     # (a length that is not a count, "32Q" or "0.3K", is the option parser's exit 2:
@@ -107,11 +109,29 @@ def test_simulate_from_a_dump_and_from_a_parameters_file(capsys, tmp_path):
     assert d["source"] == f"parameters file {params}" and d["cluster"]["intra"]["kind"] == "pcie_host"
 
 
+def test_simulate_reads_every_dtype_spelling(capsys):
+    rows = {}
+    for dtype in ("bf16", "BF16", "bfloat16", "torch.bfloat16"):
+        assert main(["simulate", "--dtype", dtype, "-w", "8", "-n", "64K", "--json"]) == 0, capsys.readouterr().err
+        rows[dtype] = json.loads(capsys.readouterr().out)["rows"]
+    assert all(r == rows["bf16"] for r in rows.values())
+    assert main(["simulate", "--dtype", "fp32", "-w", "8", "-n", "64K", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] != rows["bf16"]  # twice the KV bytes
+
+
+def test_a_dump_naming_no_gpu_takes_the_device_of_the_preset_given(capsys):
+    assert main(["simulate", "--topology", str(DGX1), "--preset", "rtx4090-pcie", "-w", "8", "-n", "64K",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "device from preset rtx4090-pcie" in d["source"]
+    assert d["cluster"]["device"] == cluster_to_dict(preset("rtx4090-pcie"))["device"]
+
+
 def test_plots_without_matplotlib_say_how_to_install(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from tree_attn.cli.app import main\n"
             f"sys.exit(main(['simulate', '-w', '8', '--plot', {str(tmp_path / 'x.png')!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1 and 'pip install matplotlib' in proc.stderr and 'pip install ".[plot]"' in proc.stderr
     assert not (tmp_path / "x.png").exists()
 
@@ -131,7 +151,8 @@ def test_run_sweep_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     assert main(["run", "--device", "cpu", "-w", "2", "--sweep", "1000,3001", "--heads", "4", "--kv-heads", "2",
-                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot", str(png)]) == 0
+                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot",
+                 str(png)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [r["config"]["seq_len"] for r in d["sweep"]] == [1000, 3001]
     for res in d["sweep"]:

@@ -61,7 +61,7 @@ def test_tune_quick_writes_a_measured_profile_that_run_uses(profile_dir, capsys)
         "name": profile.name, "origin": "measured", "path": str(out), "chosen_by": "explicit"}
     tree_row = with_profile["results"][0]
     assert tree_row["plan"] == profile.reduction.plan.label
-    without, err2 = _run_json(capsys, "--strategy", "tree,ring")
+    without, _err2 = _run_json(capsys, "--strategy", "tree,ring")
     # Same inputs, same exact attention, whichever plan merged it.
     assert tree_row["max_abs_err"] < 1e-5 and without["results"][0]["max_abs_err"] < 1e-5
     assert with_profile["config"]["seed"] == without["config"]["seed"]
@@ -108,7 +108,7 @@ def test_tune_device_option(capsys):
     # No GPU visible, on any machine: a fresh process with CUDA_VISIBLE_DEVICES="".
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "tree_attn", "tune", "--device", "cuda", "--quick"],
-                          capture_output=True, text=True, env=env, timeout=240)
+                          capture_output=True, text=True, env=env, timeout=240, check=False)
     assert proc.returncode == 1
     assert "no GPU is visible" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -159,14 +159,16 @@ def test_run_refuses_a_bad_profile_with_the_field_named(profile_dir, capsys, tmp
         text = good + "colour: red\n"
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", str(bad)])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile",
+                 str(bad)])
     err = capsys.readouterr().err
     assert code == 1 and field in err and "Traceback" not in err
     assert bad.read_text() == text
 
 
 def test_run_refuses_a_profile_for_another_machine(profile_dir, capsys):
-    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile", "h100-8x-nvswitch"])
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "64", "--steps", "1", "--profile",
+                 "h100-8x-nvswitch"])
     err = capsys.readouterr().err
     assert code == 1 and "another machine" in err and "tree-attn tune" in err
 
@@ -175,9 +177,9 @@ def test_every_rank_uses_rank_0s_plan():
     """Plans are timed in batches of back-to-back iterations between barriers (the ranks' start
     skew counts once per batch, not once per iteration); every rank returns the same timings'
     plans and rank 0's choice, the plan of the lowest median."""
-    from tree_attn.reduce.hier_plan import candidate_plans
-    from tree_attn.launch.spawn import launch_ranks
     from tree_attn.commands.tune.timing import time_plans_rank
+    from tree_attn.launch.spawn import launch_ranks
+    from tree_attn.reduce.hier_plan import candidate_plans
 
     cands = candidate_plans(3, [("node", [[0, 1], [2]]), ("sys", [[0, 1, 2]])])
     results = launch_ranks(time_plans_rank, 3, args=(cands, 1, 4, 8, 3, 4, 1))  # 3 batches of 4, 1 warm-up
@@ -201,8 +203,8 @@ def test_plan_timing_batches():
 
 
 def test_run_takes_the_kernel_config_of_the_matching_shard_bucket():
-    from tree_attn.profiles import load_builtin
     from tree_attn.launch.plans import kernel_config_for
+    from tree_attn.profiles import load_builtin
 
     profile = load_builtin("h100-8x-nvswitch")
     got = kernel_config_for(profile, "bfloat16", 32, 8, 128, 8 * 65536, 8)  # 64K tokens per rank
@@ -226,7 +228,8 @@ def test_tune_the_gpus_then_run_under_the_profile(profile_dir, capsys, tmp_path)
     assert profile.kernel.buckets and all(b.candidates_tried >= 1 for b in profile.kernel.buckets)
     for b in profile.kernel.buckets:  # "model" where every timing was host-bound (see commands.tune.timing)
         assert (b.chosen_by == "measured" and b.time_us > 0) or (b.chosen_by == "model" and b.time_us is None)
-    code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile", str(out), "--json"])
+    code = main(["run", "--device", "cuda", "--seq-len", "8192", "--steps", "2", "--warmup", "1", "--profile",
+                 str(out), "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)

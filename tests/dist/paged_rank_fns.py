@@ -82,7 +82,7 @@ def run_mt_cases(env, cases: list[MTCase], step_case: MTCase | None):
             steps[strategy] = _step_loop(env, step_case, strategy)
     error = None
     if env.world_size == 1 and dev.type == "cpu":
-        q, shard = _rank_inputs(cases[0], 0)
+        _q, shard = _rank_inputs(cases[0], 0)
         k, v = shard[0], shard[1]
         short = torch.tensor([k.shape[1], 2], dtype=torch.int32)  # row 1 holds 2 keys, Sq is 3
         try:

@@ -3,7 +3,7 @@ cores) and check every case of that size on the results: one test per (world siz
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 

@@ -109,7 +109,7 @@ def ring_lengths_and_dtype_checks(env):
     return plain, given, wrong, dtype_err
 
 
-def _shard_inputs(seed: int, world: int, lens, batch=2, q_heads=8, kv_heads=2, head_dim=16, dtype=torch.float32):
+def shard_inputs(seed: int, world: int, lens, batch=2, q_heads=8, kv_heads=2, head_dim=16, dtype=torch.float32):
     """q and every rank's shard from one seed (identical in every process)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
@@ -188,7 +188,7 @@ def repeated_identical_calls(env, strategy: str, calls: int, seed: int):
     must be bitwise those of the first (buffers reused across isend/irecv must not race)."""
     g = torch.Generator().manual_seed(seed)
     lens = [int(x) for x in torch.randint(0, 9, (env.world_size,), generator=g)]
-    q, shards = _shard_inputs(seed, env.world_size, lens)
+    q, shards = shard_inputs(seed, env.world_size, lens)
     k, v = shards[env.rank]
     outs = []
     for _ in range(calls):
@@ -207,7 +207,7 @@ def nan_inputs(env):
     for strategy in ("tree", "allreduce", "ring"):
         for what in ("key", "value", "query"):
             lens = [3 + r for r in range(world)]
-            q, shards = _shard_inputs(17, world, lens)
+            q, shards = shard_inputs(17, world, lens)
             k, v = (t.clone() for t in shards[env.rank])
             bad_rank = min(2, world - 1)
             if what == "query":

@@ -32,5 +32,6 @@ def test_a_tree_attn_error_is_raised_as_it_was():
 def test_a_crash_or_death_names_the_work():
     with pytest.raises(DistributedError, match=r"^the test work \(a child process\) failed: ZeroDivisionError"):
         run_in_child(child_fns.crash, what="the test work", timeout_s=30)
-    with pytest.raises(DistributedError, match=r"^the test work \(a child process\) died \(exit code 7\) without reporting$"):
+    with pytest.raises(DistributedError,
+                       match=r"^the test work \(a child process\) died \(exit code 7\) without reporting$"):
         run_in_child(child_fns.die, what="the test work", timeout_s=30)

@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from tree_attn import DistributedError
-from tree_attn.launch.spawn import launch_ranks
+from tests.dist.per_world import each_case
 from tests.dist.rank_fns import (
     Case,
     dies_on_rank_2,
@@ -22,8 +21,9 @@ from tests.dist.rank_fns import (
     ring_lengths_and_dtype_checks,
     run_cases,
 )
-from tests.dist.per_world import each_case
 from tests.tolerances import assert_state_close
+from tree_attn import DistributedError
+from tree_attn.launch.spawn import launch_ranks
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 

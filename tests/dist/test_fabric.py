@@ -9,6 +9,7 @@ The fixture's own mechanics (teardown on exit and on SIGTERM, the stale sweep) a
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -19,8 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.fabric import (PREFIX, Fabric, list_namespaces, namespace_pids, run_report, sweep_stale,
-                          unavailable_reason)
+from tests.fabric import PREFIX, Fabric, list_namespaces, namespace_pids, run_report, sweep_stale, unavailable_reason
 from tests.processes import alive as _alive
 from tests.tolerances import TOLERANCES
 
@@ -41,7 +41,7 @@ def _no_rank_tracebacks(results) -> None:
     # torch's elastic error handler prefixes an uncaught exception's lines with "[rankN]:"; a
     # rank that failed with a TreeAttnError printed one line instead.
     for r in results:
-        assert not re.search(r"^\[rank\d+\]:", r.stderr, re.M), r.stderr[-3000:]
+        assert not re.search(r"^\[rank\d+\]:", r.stderr, re.MULTILINE), r.stderr[-3000:]
 
 
 # -- the fixture itself -------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_fabric_links_shaping_and_teardown():
         fab.set_rate(1, "10mbit")
         shown = fab.exec(1, ["tc", "qdisc", "show", "dev", "fab0"], capture_output=True, text=True).stdout
         port = subprocess.run(["ip", "netns", "exec", fab.switch, "tc", "qdisc", "show", "dev", "p1"],
-                              capture_output=True, text=True).stdout
+                              capture_output=True, text=True, check=False).stdout
         assert "rate 10Mbit" in shown and "rate 10Mbit" in port
         # A TCP transfer node 0 -> node 2 crosses: both links count it (payload + headers).
         server = fab.popen(2, [sys.executable, "-c", textwrap.dedent("""
@@ -103,7 +103,7 @@ def test_stale_namespaces_of_dead_owners_are_swept():
         assert orphan.wait(timeout=10) == -9  # killed with it
     finally:
         for ns in (stale, live):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def test_sigterm_tears_the_fabric_down():
@@ -218,7 +218,7 @@ def test_rate_dropped_tenfold_mid_run_stays_exact():
     # What is sent does not depend on the rate: the root's 2 states of [1, 32, 129] float32.
     assert row["bytes_sent_per_step"] == 2 * 32 * 129 * 4 and row["messages_per_step"] == 2
     # Recorded, not asserted (a test never asserts speed): ms per step between progress lines.
-    pace = [(s1, 1e3 * (t1 - t0) / (s1 - s0)) for (t0, s0), (t1, s1) in zip(stamps, stamps[1:])]
+    pace = [(s1, 1e3 * (t1 - t0) / (s1 - s0)) for (t0, s0), (t1, s1) in itertools.pairwise(stamps)]
     print(f"rate 100mbit -> 10mbit after step ~{changed[1]}; ms/step by progress line: "
           + ", ".join(f"{s}: {ms:.1f}" for s, ms in pace)
           + f"; run: median {row['step_ms_median']:.2f} ms, p95 {row['step_ms_p95']:.2f} ms")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.rank_fns import big_result, own_tcp_addresses, sleeps, stops_itself
+from tests.processes import alive, gone
 from tree_attn.errors import DistributedError
 from tree_attn.launch import spawn as launch
 from tree_attn.launch.spawn import launch_ranks
-from tests.dist.rank_fns import big_result, own_tcp_addresses, sleeps, stops_itself
-from tests.processes import alive, gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
 

@@ -97,7 +97,7 @@ def _ring_expected(world: int, rank: int, itemsize: int, fp8: bool, shape_exchan
 @pytest.mark.parametrize("world", WORLDS)
 def test_ring_sends_fp8_blocks_at_half_the_bytes_plus_scales(world):
     per_rank = _run()
-    b, hkv, d = TRAFFIC_SHAPE
+    b, hkv, _ = TRAFFIC_SHAPE
     for rank in range(world):
         counts = per_rank[rank][1][world]
         for name, itemsize, fp8 in (("fp8", 1, True), ("bfloat16", 2, False)):

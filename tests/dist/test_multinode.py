@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from tree_attn.launch.env import NodeLayout, RankEnv, torchrun_layout
-from tree_attn.reduce.plan import ReductionTree
-from tree_attn.launch.plans import multinode_plan
 from tests.torchrun import clean_env, run_nodes
+from tree_attn.launch.env import NodeLayout, RankEnv, torchrun_layout
+from tree_attn.launch.plans import multinode_plan
+from tree_attn.reduce.plan import ReductionTree
 
 pytestmark = pytest.mark.slow  # CI runs the whole suite, slow tests included (.ci/run)
 

@@ -13,12 +13,12 @@ import functools
 import pytest
 import torch
 
-from tree_attn import DistributedError
-from tree_attn.launch.spawn import launch_ranks
 from tests.dist.paged_rank_fns import MTCase, run_mt_cases, short_last_shard
 from tests.dist.per_world import each_case
 from tests.paged_inputs import float64_over_shards
 from tests.tolerances import assert_decode_close, assert_state_close, tol_for
+from tree_attn import DistributedError
+from tree_attn.launch.spawn import launch_ranks
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 LAST_LEN = 20  # the last rank's shard: room for 16 new tokens
@@ -40,8 +40,10 @@ def _cases_for(world: int) -> list[MTCase]:
         cases += [
             MTCase(f"{s}-paged-bs3-one-token", s, lens, valid, block_size=3, q3=True, seed=seed),
             MTCase(f"{s}-contig-sq5-causal-gqa4", s, lens, valid, sq=5, causal=True, seed=seed + 1),
-            MTCase(f"{s}-paged-bs16-sq16-causal-mqa", s, lens, valid, sq=16, causal=True, block_size=16, kv_heads=1, seed=seed + 2),
-            MTCase(f"{s}-paged-bs17-sq2-bf16", s, lens, valid, sq=2, block_size=17, dtype=torch.bfloat16, seed=seed + 3),
+            MTCase(f"{s}-paged-bs16-sq16-causal-mqa", s, lens, valid, sq=16, causal=True, block_size=16, kv_heads=1,
+                   seed=seed + 2),
+            MTCase(f"{s}-paged-bs17-sq2-bf16", s, lens, valid, sq=2, block_size=17, dtype=torch.bfloat16,
+                   seed=seed + 3),
         ]
     rev = tuple(reversed(range(world)))
     for k in sorted({3, world} & set(range(3, world + 1))):
@@ -91,7 +93,8 @@ def test_tree_decode_step_follows_block_tables_and_lengths(world, strategy):
         history, captured = _run(world)[rank][1][strategy]
         assert not captured  # CPU ranks: eager
         for s, (q, all_lens, flipped, out, lse) in enumerate(history):
-            truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],) for r, (k, v, *_rest) in enumerate(shards)]
+            truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],)
+                     for r, (k, v, *_rest) in enumerate(shards)]
             ref_out, ref_lse = float64_over_shards(q, truth, True)
             assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
 
@@ -107,7 +110,9 @@ def test_causal_needs_the_new_tokens_on_the_last_rank():
 
 def test_causal_short_shard_on_the_last_of_three_ranks_stops_the_run():
     """At world size 3 it is rank 2 (the last) that raises; the run stops with its message."""
-    with pytest.raises(DistributedError, match=r"rank 2 failed: causal decoding over 3 rank\(s\): the 4 new tokens. keys must be the last 4 valid keys of the last rank.s \(rank 2\) shard"):
+    with pytest.raises(DistributedError, match=(
+            r"rank 2 failed: causal decoding over 3 rank\(s\): the 4 new tokens. keys must be the last 4 valid keys "
+            r"of the last rank.s \(rank 2\) shard")):
         launch_ranks(short_last_shard, 3, timeout_s=20)
 
 
@@ -128,13 +133,16 @@ def test_gpu_ranks_paged_multi_token_exact_and_steps_captured(world):
         ref_out, ref_lse = _truth(case)
         for rank in range(world):
             out, lse = per_rank[rank][0][index]
-            assert_decode_close(out, lse, ref_out, ref_lse, tol_for(case.dtype, device="cuda"), what=f"{case.name} rank {rank}")
+            assert_decode_close(out, lse, ref_out, ref_lse, tol_for(case.dtype, device="cuda"),
+                                what=f"{case.name} rank {rank}")
     _, shards = _step_case(world).inputs()
     for strategy in ("tree", "allreduce"):
         for rank in range(world):
             history, captured = per_rank[rank][1][strategy]
             assert captured, f"{strategy}: rank {rank} ran eagerly"
             for s, (q, all_lens, flipped, out, lse) in enumerate(history):
-                truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],) for r, (k, v, *_rest) in enumerate(shards)]
+                truth = [((k.flip(0), v.flip(0)) if flipped else (k, v)) + (all_lens[r],)
+                         for r, (k, v, *_rest) in enumerate(shards)]
                 ref_out, ref_lse = float64_over_shards(q, truth, True)
-                assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device="cuda"), what=f"{strategy} step {s}")
+                assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device="cuda"),
+                                    what=f"{strategy} step {s}")

@@ -12,9 +12,9 @@ import functools
 import pytest
 import torch
 
-from tree_attn.launch.spawn import launch_ranks
-from tests.dist.rank_fns import _shard_inputs, gpu_static_loops, prepared_checks
+from tests.dist.rank_fns import gpu_static_loops, prepared_checks, shard_inputs
 from tests.tolerances import assert_state_close
+from tree_attn.launch.spawn import launch_ranks
 
 
 def _float64(q, ks, vs, lens=None):
@@ -50,7 +50,8 @@ def _caches(world: int, capacity: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     torch.randn(2, capacity, 2, 16, generator=g)
     torch.randn(2, capacity, 2, 16, generator=g)
-    return [(torch.randn(2, capacity, 2, 16, generator=g), torch.randn(2, capacity, 2, 16, generator=g)) for _ in range(world)]
+    return [(torch.randn(2, capacity, 2, 16, generator=g), torch.randn(2, capacity, 2, 16, generator=g))
+            for _ in range(world)]
 
 
 @pytest.mark.parametrize("strategy", ["tree", "allreduce"])
@@ -66,7 +67,8 @@ def test_static_step_follows_in_place_updates(world, strategy):
             ref_out, ref_lse = _float64(q, [c[0] for c in caches], [c[1] for c in caches], lens)
             assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
             first = per_rank[0][0][s]
-            assert torch.equal(out, first[2]) and torch.equal(lse, first[3]), f"rank {rank} step {s} differs from rank 0"
+            same = torch.equal(out, first[2]) and torch.equal(lse, first[3])
+            assert same, f"rank {rank} step {s} differs from rank 0"
     if world > 1:
         # messages per step come from the plan: the tree's edges (2 (p-1) in all), or 2 all-reduces
         total = sum(r[2][0] for r in per_rank)
@@ -106,9 +108,9 @@ def test_repeated_calls_are_bitwise_identical(world, strategy):
 def test_nan_in_the_data_is_nan_in_that_row_on_every_rank_and_strategy(world):
     per_rank = [r["nan"] for r in _run(world)]
 
-    for (strategy, what), _ in per_rank[0].items():
+    for strategy, what in per_rank[0]:
         lens = [3 + r for r in range(world)]
-        q, shards = _shard_inputs(17, world, lens)
+        q, shards = shard_inputs(17, world, lens)
         ks = [s[0].clone() for s in shards]
         vs = [s[1].clone() for s in shards]
         bad = min(2, world - 1)

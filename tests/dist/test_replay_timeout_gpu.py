@@ -84,8 +84,8 @@ def test_a_capture_that_fails_on_the_gpu_leaves_the_current_stream():
 
 @pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs")
 def test_a_replayed_receive_whose_peer_never_sends_times_out_on_two_gpus(tmp_path):
-    from tree_attn.launch.spawn import launch_ranks
     from tests.dist.rank_fns import replay_without_peer
+    from tree_attn.launch.spawn import launch_ranks
 
     per_rank = launch_ranks(replay_without_peer, 2, args=(str(tmp_path / "flag"), 3.0), backend="nccl",
                             device_kind="cuda", timeout_s=60.0)

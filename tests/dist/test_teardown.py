@@ -6,8 +6,8 @@ and the replay timeout, need GPUs: tests/dist/test_replay_timeout_gpu.py.)
 
 from __future__ import annotations
 
-from tree_attn.launch.spawn import launch_ranks
 from tests.dist.rank_fns import lifetime_and_teardown
+from tree_attn.launch.spawn import launch_ranks
 
 DELAY_S = 2.0
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-WORDS = ("the of and to in is was for on that with as by at from his her an are were which be this "
-         "it not or have had one all but they there been has more when who will would their what so "
-         "tree ring attention rank shard page token cache merge decode prefill model layer head key value").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
+         "his", "her", "an", "are", "were", "which", "be", "this", "it", "not", "or", "have", "had", "one",
+         "all", "but", "they", "there", "been", "has", "more", "when", "who", "will", "would", "their",
+         "what", "so", "tree", "ring", "attention", "rank", "shard", "page", "token", "cache", "merge",
+         "decode", "prefill", "model", "layer", "head", "key", "value"]
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=4096,
@@ -27,7 +29,8 @@ def write_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
 
 
-def write_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+def write_checkpoint(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = False,
+                     **overrides) -> Path:
     """Build a tiny random model of ``model_type`` (llama, qwen2, mistral) and save it to ``folder``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

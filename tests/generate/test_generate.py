@@ -17,15 +17,28 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.generate.checkpoints import transformers_greedy, write_checkpoint  # noqa: E402
-from tree_attn.errors import ConfigError  # noqa: E402
-from tree_attn.reduce.plan import ReductionPlan  # noqa: E402
-from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec, ModelShape, decode_tokens, prefill, run_generate  # noqa: E402
-from tree_attn.commands.generate.hf_attention import DecodeContext, attention_blockwise, attention_with_lse, use_tree_attention  # noqa: E402
-from tree_attn.commands.generate.kv_store import PagedKVShard  # noqa: E402
-from tree_attn.commands.generate.models import ModelSource, build_model  # noqa: E402
-from tree_attn.launch.setup import LaunchSetup  # noqa: E402
-from tests.torchrun import clean_env, run_nodes  # noqa: E402
+from tests.generate.checkpoints import transformers_greedy, write_checkpoint
+from tests.torchrun import clean_env, run_nodes
+from tree_attn.commands.generate.decode import (
+    ONE_RANK,
+    REFERENCE,
+    GenerateSpec,
+    ModelShape,
+    decode_tokens,
+    prefill,
+    run_generate,
+)
+from tree_attn.commands.generate.hf_attention import (
+    DecodeContext,
+    attention_blockwise,
+    attention_with_lse,
+    use_tree_attention,
+)
+from tree_attn.commands.generate.kv_store import PagedKVShard
+from tree_attn.commands.generate.models import ModelSource, build_model
+from tree_attn.errors import ConfigError
+from tree_attn.launch.setup import LaunchSetup
+from tree_attn.reduce.plan import ReductionPlan
 
 SMALL = ModelSource(preset="small", layers=2, seed=3)
 TREE_AND_RING = (("tree", ReductionPlan("tree", 2)), ("ring", None))
@@ -102,7 +115,8 @@ def test_one_process_row_needs_the_whole_cache(small_model):
     shape = ModelShape.from_config(small_model.config.to_dict())
 
     def decode(first_token: int) -> list[int]:
-        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32, device="cpu")
+        store = PagedKVShard.allocate(shape.layers, 400, shape.kv_heads, shape.head_dim, dtype=torch.float32,
+                                      device="cpu")
         keep = range(first_token, pre.length)
         for layer in range(shape.layers):
             store.write(layer, 0, *pre.tokens(layer, keep.start, keep.stop))
@@ -121,7 +135,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     """The launching process computes nothing: the prefill, the reference and the one-rank row
     run in a child (on a GPU machine, so the launcher makes no CUDA context on GPU 0); the child's
     progress reaches the caller, and the prefill it saves is what the ranks split."""
-    from tree_attn.commands.generate.decode import PREFILL_FILE, _load_prefill, decode_in_one_process
+    from tree_attn.commands.generate.decode import PREFILL_FILE, decode_in_one_process, load_prefill
 
     prompt = _prompt(41, 4096, seed=4)
     spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=60.0), new_tokens=6)
@@ -132,7 +146,7 @@ def test_the_one_process_rows_run_in_a_child_process(tmp_path):
     assert local.rows[0].tokens == local.rows[1].tokens == local.reference and len(local.reference) == 6
     assert local.device.startswith("CPU") and local.prefill_s > 0
     assert any(m.startswith("prefill: 40/40") for m in said) and any(m.startswith(REFERENCE) for m in said)
-    pre = _load_prefill(str(tmp_path))
+    pre = load_prefill(str(tmp_path))
     shape = ModelShape.from_config(build_model(SMALL, dtype=torch.float32, device="cpu").config.to_dict())
     assert (tmp_path / PREFILL_FILE).is_file() and pre.length == 40 and len(pre.k) == shape.layers
     assert pre.k[0].shape == (shape.kv_heads, 40, shape.head_dim)
@@ -189,8 +203,8 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     """``--dtype auto`` (the default) resolves from the ranks' device: bf16 on GPUs (fp32 weights
     and the fp32 paged build, which spills registers, are not what a GPU user wants), float32 on
     CPU ranks. The GPU case runs here with one GPU made visible to the resolution only."""
-    from tree_attn.launch import env as launch
     from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+    from tree_attn.launch import env as launch
     from tree_attn.launch.setup import default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cpu")) == ("bfloat16", "float32")
@@ -237,7 +251,8 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
         "assert not torch.cuda.is_initialized(), 'kernel tuning initialised CUDA in the launching process'\n"
     )
     env = {**os.environ, "TREE_ATTN_PROFILE_DIR": str(tmp_path / "profiles")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["dtype"] == "bfloat16" and result["device"] != "cpu"
@@ -310,7 +325,7 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
         # -W reaches the spawned processes too (multiprocessing passes the interpreter's flags on)
         [sys.executable, "-W", "error::FutureWarning", "-m", "tree_attn", "generate", "--model", str(folder),
          "--prompt", prompt, "-w", "2", "--device", "cpu", "--new-tokens", "32", "--json"],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True, text=True, timeout=240, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -399,7 +414,7 @@ def _expected_for_cli_prompt() -> list[int]:
 @pytest.mark.slow
 def test_generate_under_torchrun_joins_the_job(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tree_attn", *GEN_ARGS]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(tmp_path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(tmp_path), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # only rank 0 prints
     assert proc.stderr.count("generating 16 tokens") == 1

@@ -132,7 +132,8 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     # Several query tokens per row (speculative verification), causal; paged too.
     "h100-bf16-sq4-causal": ("h100", Launch("bf16", "bf16", 2, sq=4, causal=True, n=8192, **LLAMA)),
     "h100-bf16-sq8-paged16-causal": ("h100", Launch("bf16", "bf16", 2, sq=8, causal=True, n=8192, page=16, **LLAMA)),
-    "mi300x-bf16-sq4-paged16-causal": ("mi300x", Launch("bf16", "bf16", 2, sq=4, causal=True, n=8192, page=16, **LLAMA)),
+    "mi300x-bf16-sq4-paged16-causal":
+        ("mi300x", Launch("bf16", "bf16", 2, sq=4, causal=True, n=8192, page=16, **LLAMA)),
     # Mixed query / KV dtypes.
     "h100-q-fp16-kv-bf16": ("h100", Launch("fp16", "bf16", 1, n=16384, **LLAMA)),
     "rtx4090-q-fp16-kv-bf16": ("rtx4090", Launch("fp16", "bf16", 1, n=16384, **LLAMA)),
@@ -143,20 +144,32 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-q-fp16-kv-bf16-mqa": ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768)),
     # Explicit configs: the tuning space's edges, on both sides of the spill boundary.
     "h100-bf16-bn64-s3": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
-    "h100-bf16-bn128-s3-w8": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=8), **LLAMA)),
-    "a100-bf16-g1-bn32-s4-w2": ("a100", Launch("bf16", "bf16", 1, 8, 8, 128, 16384, config=cfg(block_n=32, num_stages=4, num_warps=2))),
-    "h100-bf16-bn64-w2-spills": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
-    "h100-bf16-bn128-s3-w2-spills": ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=2), **LLAMA)),
-    "h100-bf16-mqa-bn128-s3-spills": ("h100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=128, num_stages=3))),
-    "rtx4090-bf16-d256-mqa-bn32-s3": ("rtx4090", Launch("bf16", "bf16", 1, 64, 1, 256, 32768, config=cfg(block_n=32, num_stages=3))),
-    "a100-bf16-mqa-bn64-s3": ("a100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64, num_stages=3))),
+    "h100-bf16-bn128-s3-w8":
+        ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=8), **LLAMA)),
+    "a100-bf16-g1-bn32-s4-w2":
+        ("a100", Launch("bf16", "bf16", 1, 8, 8, 128, 16384, config=cfg(block_n=32, num_stages=4, num_warps=2))),
+    "h100-bf16-bn64-w2-spills":
+        ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
+    "h100-bf16-bn128-s3-w2-spills":
+        ("h100", Launch("bf16", "bf16", 1, n=16384, config=cfg(block_n=128, num_stages=3, num_warps=2), **LLAMA)),
+    "h100-bf16-mqa-bn128-s3-spills":
+        ("h100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=128, num_stages=3))),
+    "rtx4090-bf16-d256-mqa-bn32-s3":
+        ("rtx4090", Launch("bf16", "bf16", 1, 64, 1, 256, 32768, config=cfg(block_n=32, num_stages=3))),
+    "a100-bf16-mqa-bn64-s3":
+        ("a100", Launch("bf16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64, num_stages=3))),
     "h100-fp32-d256-bn32-spills": ("h100", Launch("fp32", "fp32", 1, 8, 8, 256, 8192, config=cfg(block_n=32))),
-    "h100-fp32-d64-bn64-w2-spills": ("h100", Launch("fp32", "fp32", 1, 16, 4, 64, 8192, config=cfg(block_n=64, num_warps=2))),
+    "h100-fp32-d64-bn64-w2-spills":
+        ("h100", Launch("fp32", "fp32", 1, 16, 4, 64, 8192, config=cfg(block_n=64, num_warps=2))),
     "h100-fp32-d64-g64-bn64-spills": ("h100", Launch("fp32", "fp32", 1, 64, 1, 64, 8192, config=cfg(block_n=64))),
-    "h100-fp32-paged16-bn32-spills": ("h100", Launch("fp32", "fp32", 4, n=8192, page=16, config=cfg(block_n=32), **LLAMA)),
-    "h100-q-fp32-kv-fp16-mqa-bn64-spills": ("h100", Launch("fp32", "fp16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
-    "h100-q-fp16-kv-bf16-mqa-bn64-spills": ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
-    "mi300x-bf16-d96-bn64-s2": ("mi300x", Launch("bf16", "bf16", 1, 8, 8, 96, 8192, config=cfg(block_n=64, num_stages=2, waves_per_eu=0))),
+    "h100-fp32-paged16-bn32-spills":
+        ("h100", Launch("fp32", "fp32", 4, n=8192, page=16, config=cfg(block_n=32), **LLAMA)),
+    "h100-q-fp32-kv-fp16-mqa-bn64-spills":
+        ("h100", Launch("fp32", "fp16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
+    "h100-q-fp16-kv-bf16-mqa-bn64-spills":
+        ("h100", Launch("fp16", "bf16", 1, 64, 1, 128, 32768, config=cfg(block_n=64))),
+    "mi300x-bf16-d96-bn64-s2":
+        ("mi300x", Launch("bf16", "bf16", 1, 8, 8, 96, 8192, config=cfg(block_n=64, num_stages=2, waves_per_eu=0))),
     # fp8 caches (e4m3, tiles widened to fp16): defaults over bf16 / fp16 / fp32 queries, many
     # splits and one (which writes the caller's out), head dims, an MQA-like group (wgmma on
     # Hopper), paged with whole tiles per page and gathered, several query tokens, and explicit
@@ -182,19 +195,23 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "rtx4090-fp8-sq16-causal-1split": ("rtx4090", Launch("bf16", "fp8", 64, sq=16, causal=True, n=2048, **LLAMA)),
     "h100-fp8-sq8-paged16-causal": ("h100", Launch("bf16", "fp8", 2, sq=8, causal=True, n=8192, page=16, **LLAMA)),
     "h100-fp8-bn128-w8": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128, num_warps=8), **LLAMA)),
-    "rtx4090-fp8-bn64-s3": ("rtx4090", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
+    "rtx4090-fp8-bn64-s3":
+        ("rtx4090", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
     "h100-fp8-bn128-spills": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128), **LLAMA)),
-    "h100-fp8-q-fp16-bn64-w2-spills": ("h100", Launch("fp16", "fp8", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
+    "h100-fp8-q-fp16-bn64-w2-spills":
+        ("h100", Launch("fp16", "fp8", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
     "mi300x-fp8fnuz-llama-b1-64k": ("mi300x", Launch("bf16", "fp8fnuz", 1, n=65536, **LLAMA)),
     "mi300x-fp8-llama-b1-64k": ("mi300x", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
-    "mi300x-fp8fnuz-sq4-paged16-causal": ("mi300x", Launch("fp16", "fp8fnuz", 2, sq=4, causal=True, n=8192, page=16, **LLAMA)),
+    "mi300x-fp8fnuz-sq4-paged16-causal":
+        ("mi300x", Launch("fp16", "fp8fnuz", 2, sq=4, causal=True, n=8192, page=16, **LLAMA)),
     # The tree merge (stage two on the stacked messages of a node with 1 and 3 children).
     "h100-tree-merge-2": ("h100", Merge(1, 1, 32, 128)),
     "h100-tree-merge-4-d80": ("h100", Merge(3, 4, 32, 80)),
     "mi300x-tree-merge-2": ("mi300x", Merge(1, 1, 32, 128)),
 }
 
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp8fnuz": "float8_e4m3fnuz"}
+_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn",
+           "fp8fnuz": "float8_e4m3fnuz"}
 
 
 class _TargetDriver:
@@ -242,9 +259,9 @@ def _tensors(launch: Launch):
 
 def plan(target_name: str, launch: Launch):
     """The launcher's plan of this call on the target: ``(TritonDecodeLaunch, launches)``."""
+    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.config import DecodeConfig
     from tree_attn.kernels.layout import PACKED, OutLayout
-    from tree_attn.cost.devices import KNOWN_DEVICES
     from tree_attn.kernels.triton_launch import TritonDecodeLaunch
 
     target, spec_name = TARGETS[target_name]
@@ -296,7 +313,8 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         ptx = compiled.asm["ptx"]
         facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))
         facts["scalar_b8_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx))
-        facts["cp_async_16"] = bool(re.search(r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b", ptx))
+        cp_async_16 = r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b"
+        facts["cp_async_16"] = bool(re.search(cp_async_16, ptx))
         # A build another case already made comes from Triton's caches, without running ptxas.
         if buf.getvalue():
             _PTXAS[compiled.hash] = _ptxas_facts(buf.getvalue())
@@ -305,7 +323,7 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         gcn = compiled.asm["amdgcn"]
         # CDNA3's fp8 conversions (its "fnuz" formats) and the vector instructions in all.
         facts["fp8_hw_cvt"] = len(re.findall(r"\bv_cvt_(?:pk_)?f32_fp8", gcn))
-        facts["valu"] = len(re.findall(r"^\s+v_", gcn, re.M))
+        facts["valu"] = len(re.findall(r"^\s+v_", gcn, re.MULTILINE))
     return facts
 
 

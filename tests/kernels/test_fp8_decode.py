@@ -123,7 +123,8 @@ def test_scales_per_kv_head(per_head, fp8_device):
     own head's k_scale and v_scale. With one scalar scale (expanded to [Hkv]) the small heads keep
     fewer bits, which the truth on the dequantized cache accounts for exactly."""
     gain = ([1e-2, 1.0, 0.5, 2.0], [4.0, 1.0, 0.25, 1e-2])
-    q, k8, v8, ks, vs, k64, v64 = make_fp8(2, 1, 8, 4, 64, 45, torch.bfloat16, FN, seed=5, per_head=per_head, head_gain=gain)
+    q, k8, v8, ks, vs, k64, v64 = make_fp8(2, 1, 8, 4, 64, 45, torch.bfloat16, FN, seed=5, per_head=per_head,
+                                           head_gain=gain)
     assert per_head == (ks.unique().numel() == 4)
     lens = torch.tensor([45, 20], dtype=torch.int32)
     for config in (DecodeConfig(block_n=16, num_splits=3), DecodeConfig(block_n=32, num_splits=1)):
@@ -133,14 +134,14 @@ def test_scales_per_kv_head(per_head, fp8_device):
     # The scales are used, per head: the same stored values with head 0's scales everywhere differ.
     wrong_k, wrong_v = ks[:1].expand(4).contiguous(), vs[:1].expand(4).contiguous()
     if per_head:
-        out_w, lse_w = run(q, k8, v8, wrong_k, wrong_v, fp8_device, lens=lens, config=config)
+        _out_w, lse_w = run(q, k8, v8, wrong_k, wrong_v, fp8_device, lens=lens, config=config)
         assert not torch.allclose(lse_w.cpu(), lse.cpu(), atol=1e-2)
 
 
 def test_v_scale_scales_out_only(fp8_device):
     """v_scale multiplies the normalised output at the end: doubling it doubles out bit for bit
     and leaves lse bit for bit (the weights do not depend on V); k_scale changes lse."""
-    q, k8, v8, ks, vs, k64, v64 = make_fp8(2, 1, 8, 2, 64, 40, torch.float32, FN, seed=7)
+    q, k8, v8, ks, vs, _k64, _v64 = make_fp8(2, 1, 8, 2, 64, 40, torch.float32, FN, seed=7)
     lens = torch.tensor([40, 13], dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, num_splits=2)
     out, lse = run(q, k8, v8, ks, vs, fp8_device, lens=lens, config=cfg)
@@ -174,7 +175,8 @@ MULTI = [(2, True, None, torch.bfloat16), (5, True, 3, torch.float16), (5, False
 
 
 @pytest.mark.parametrize("sq,causal,block_size,q_dtype", MULTI,
-                         ids=[f"sq{s}-{'causal' if c else 'full'}-{'bs' + str(b) if b else 'contig'}-{_qname(t)}" for s, c, b, t in MULTI])
+                         ids=[f"sq{s}-{'causal' if c else 'full'}-{'bs' + str(b) if b else 'contig'}-{_qname(t)}"
+                              for s, c, b, t in MULTI])
 def test_several_query_tokens(sq, causal, block_size, q_dtype, fp8_device):
     """q [B, Sq, Hq, D] over fp8, causal or not, contiguous and paged; rows shorter than Sq (some
     tokens see no key under causal) and a row of length 0; GQA 4, D=80."""
@@ -209,7 +211,8 @@ def test_every_finite_fp8_value_and_a_custom_scale(fp8_device):
         out, lse = run(q, k8, v8, ks, vs, fp8_device, config=DecodeConfig(block_n=16, num_splits=3), scale=0.05)
         lens = torch.full((b,), n, dtype=torch.int32)
         o64, l64 = truth(q, dequantize(k8, ks), dequantize(v8, vs), lens, scale=0.05)
-        assert_decode_close(out, lse, o64, l64, _tol(torch.float32, fp8_device), what=f"every finite {FP8_SHORT[fmt]} value")
+        assert_decode_close(out, lse, o64, l64, _tol(torch.float32, fp8_device),
+                            what=f"every finite {FP8_SHORT[fmt]} value")
 
 
 @pytest.mark.gpu
@@ -218,7 +221,7 @@ def test_nan_in_the_cache_gives_nan_rows(fp8_device):
     """An fp8 NaN inside a row's length makes that row NaN (as any NaN data does), and only it."""
     q, k8, v8, ks, vs, _, _ = make_fp8(2, 1, 4, 1, 64, 40, torch.bfloat16, FN, seed=9)
     k8[0, 5, 0, 3] = float("nan")
-    out, lse = run(q, k8, v8, ks, vs, fp8_device, config=DecodeConfig(block_n=16, num_splits=2))
+    _out, lse = run(q, k8, v8, ks, vs, fp8_device, config=DecodeConfig(block_n=16, num_splits=2))
     assert torch.isnan(lse[0]).all() and torch.isfinite(lse[1]).all()
 
 
@@ -229,7 +232,8 @@ def test_scales_are_read_at_every_call(fp8_device):
     dev = fp8_device
     q3, k8d, v8d = q[:, 0].to(dev), k8.to(dev), v8.to(dev)
     ksd, vsd = ks.to(dev), vs.to(dev)
-    launch = TritonDecodeLaunch(q3, k8d, v8d, None, config=DecodeConfig(block_n=16, num_splits=2), k_scale=ksd, v_scale=vsd)
+    launch = TritonDecodeLaunch(q3, k8d, v8d, None, config=DecodeConfig(block_n=16, num_splits=2), k_scale=ksd,
+                                v_scale=vsd)
     out, lse = launch.new_outputs()
     lens = torch.tensor([33], dtype=torch.int32)
     for factor in (1.0, 0.25):
@@ -282,7 +286,8 @@ def test_bad_scales_and_formats_are_config_errors(fp8_device):
         TritonDecodeLaunch(k8[:, 0], k8, k8, None, k_scale=one, v_scale=one)
     with pytest.raises(ShapeError, match="k and v must share a dtype"):
         TritonDecodeLaunch(q, k8, kb, None, k_scale=one, v_scale=one)
-    launch = TritonDecodeLaunch(q, k8, k8, None, k_scale=one, v_scale=one, config=DecodeConfig(block_n=16, num_splits=1))
+    launch = TritonDecodeLaunch(q, k8, k8, None, k_scale=one, v_scale=one,
+                                config=DecodeConfig(block_n=16, num_splits=1))
     out, lse = launch.new_outputs()
     with pytest.raises(ConfigError, match="pass its k_scale and v_scale"):
         launch(q, k8, k8, None, out, lse)

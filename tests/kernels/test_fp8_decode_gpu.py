@@ -38,7 +38,8 @@ def _inputs(b, n, hq=HQ, hkv=HKV, d=D, sq=0, q_dtype=torch.bfloat16, seed=0):
     if need * 1.5 > torch.cuda.mem_get_info()[0]:
         pytest.skip(f"needs ~{need * 1.5 / 2**30:.1f} GiB of GPU memory")
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, d, device="cuda", generator=g) if sq else torch.randn(b, hq, d, device="cuda", generator=g)
+    q_shape = (b, sq, hq, d) if sq else (b, hq, d)
+    q = torch.randn(q_shape, device="cuda", generator=g)
     k = torch.randn(b, n, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(b, n, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
     k8, ks = quantize(k, torch.float8_e4m3fn)
@@ -73,7 +74,8 @@ def test_groups_and_head_dims(group, d):
     q, k8, v8, ks, vs = _inputs(3, 8191, hq=group * hkv, hkv=hkv, d=d, seed=group + d)
     lens = torch.tensor([8191, 0, 1000], device="cuda")
     ref_out, ref_lse = _fp32_truth(q, k8, v8, ks, vs, lens)
-    for cfg in (None, DecodeConfig(block_n=32, num_splits=7), DecodeConfig(block_n=16, num_warps=8, num_stages=3, num_splits=1)):
+    for cfg in (None, DecodeConfig(block_n=32, num_splits=7),
+                DecodeConfig(block_n=16, num_warps=8, num_stages=3, num_splits=1)):
         out, lse = decode_attention_triton(q, k8, v8, seq_lens=lens, config=cfg, k_scale=ks, v_scale=vs)
         assert_decode_close(out, lse, ref_out, ref_lse, TOL, what=f"fp8 group {group} d{d} {cfg}")
 
@@ -85,7 +87,8 @@ def test_paged_default_config(block_size):
     lens = [n, 1, 4097, 0]
     k8c, v8c, kp, vp, table = to_paged(k8.cpu(), v8.cpu(), lens, block_size, seed=block_size)
     sl = torch.tensor(lens, device="cuda")
-    out, lse = decode_attention_triton(q, kp.cuda(), vp.cuda(), seq_lens=sl, block_table=table.cuda(), k_scale=ks, v_scale=vs)
+    out, lse = decode_attention_triton(q, kp.cuda(), vp.cuda(), seq_lens=sl, block_table=table.cuda(), k_scale=ks,
+                                       v_scale=vs)
     ref_out, ref_lse = _fp32_truth(q, k8c.cuda(), v8c.cuda(), ks, vs, sl)
     assert_decode_close(out, lse, ref_out, ref_lse, TOL, what=f"fp8 paged bs={block_size}")
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import (
     HEURISTIC_MAX_SPLITS,
@@ -18,14 +19,13 @@ from tree_attn.kernels.config import (
     dot_math,
     group_block,
     group_blocks_for,
-    resolve_config,
     paged_gather,
+    resolve_config,
     spill_free,
     split_len,
     stage1_smem_bytes,
     stage1_spill_free,
 )
-from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -145,8 +145,9 @@ def test_default_config_and_resolve():
 FP8 = "float8_e4m3fn"
 
 
-@pytest.mark.parametrize("q_dtype,dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp16", "bf16"), ("fp32", "bf16"),
-                                           ("bf16", "fp16"), ("bf16", FP8), ("fp16", FP8), ("fp32", FP8)])
+@pytest.mark.parametrize("q_dtype,dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp16", "bf16"),
+                                           ("fp32", "bf16"), ("bf16", "fp16"), ("bf16", FP8), ("fp16", FP8),
+                                           ("fp32", FP8)])
 def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype):
     """On every device, for every dtype mix, head dim, group and paged layout, the default config is
     one the spill rule passes (tests/kernels/test_triton_compile.py checks the rule against ptxas)."""
@@ -249,10 +250,12 @@ def test_mixed_and_paged_defaults():
     mqa = DecodeShape(batch=1, q_heads=64, kv_heads=1, head_dim=64, kv_len=8192)
     assert (default_config(mqa, "fp32", H100).block_n, default_config(mqa, "fp32", H100).num_warps) == (16, 4)
     shape = llama(1, 16384)
-    assert default_config(shape, "bf16", H100, q_dtype="fp16").block_n == default_config(shape, "bf16", H100).block_n == 64
+    assert (default_config(shape, "bf16", H100, q_dtype="fp16").block_n
+            == default_config(shape, "bf16", H100).block_n == 64)
     assert default_config(shape, "fp16", H100, q_dtype="bf16") == default_config(shape, "fp16", H100)
     assert default_config(shape, "fp16", H100, q_dtype="fp32").block_n == 64
     # 64 query rows in 2 parts: the parts' registers shrink the tile
     mqa = DecodeShape(batch=1, q_heads=64, kv_heads=1, head_dim=128, kv_len=8192)
     assert default_config(mqa, "bf16", H100, q_dtype="fp16").block_n < default_config(mqa, "bf16", H100).block_n
-    assert resolve_config(None, shape, "bf16", H100, q_dtype="fp32") == default_config(shape, "bf16", H100, q_dtype="fp32")
+    assert (resolve_config(None, shape, "bf16", H100, q_dtype="fp32")
+            == default_config(shape, "bf16", H100, q_dtype="fp32"))

@@ -3,11 +3,11 @@ under-filled machines penalised, candidates valid and ranked."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from tree_attn.errors import ConfigError
-from tree_attn.kernels.config import DecodeConfig, default_config
 from tree_attn.cost.devices import CPU_INTERPRETER, KNOWN_DEVICES, DeviceSpec, lookup_known_device
 from tree_attn.cost.kernel import (
     best_predicted_config,
@@ -18,6 +18,8 @@ from tree_attn.cost.kernel import (
     rank_candidates,
 )
 from tree_attn.dtypes import itemsize as dtype_bytes
+from tree_attn.errors import ConfigError
+from tree_attn.kernels.config import DecodeConfig, default_config
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -94,8 +96,8 @@ def test_bytes_counted_right():
 def test_fp8_bytes_and_candidates():
     """An fp8 cache is 1 byte per element in memory (half of bf16's bytes and time at long N),
     fp16 operands once loaded; its candidates are the 16-bit tiles that pass the fp8 spill rule."""
-    from tree_attn.kernels.config import stage1_spill_free
     from tree_attn.cost.kernel import element_sizes
+    from tree_attn.kernels.config import stage1_spill_free
 
     fp8 = torch.float8_e4m3fn
     assert element_sizes(fp8) == (1, 2) and element_sizes("float8_e4m3fnuz") == (1, 2)
@@ -106,7 +108,8 @@ def test_fp8_bytes_and_candidates():
     assert {c.block_n for c in cands} == {32, 64, 128}
     assert all(stage1_spill_free(c.block_n, c.num_warps, llama(1, 262144), fp8) for c in cands)
     # the fp8 rule prunes more: 128 keys x 4 warps spill over fp8, not over bf16
-    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in candidate_configs(llama(1, 262144), torch.bfloat16, H100)}
+    bf16_cands = candidate_configs(llama(1, 262144), torch.bfloat16, H100)
+    assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in bf16_cands}
     for shape in (llama(64, 65536), llama(1, 1 << 20)):  # enough programs to stream at the card's rate
         t8 = predict(DecodeConfig(block_n=64), shape, fp8, H100)
         t16 = predict(DecodeConfig(block_n=64), shape, torch.bfloat16, H100)
@@ -121,9 +124,10 @@ def test_fp8_bytes_and_candidates():
     ids=lambda c: c.describe(),
 )
 def test_monotonic_in_n(spec, config):
-    times = [predict_time_us(config, llama(1, n), "bf16", spec) for n in (1, 100, 4096, 65536, 262144, 1 << 20, 4 << 20)]
+    lengths = (1, 100, 4096, 65536, 262144, 1 << 20, 4 << 20)
+    times = [predict_time_us(config, llama(1, n), "bf16", spec) for n in lengths]
     if config.num_splits is not None:
-        assert all(a <= b for a, b in zip(times, times[1:])), times
+        assert all(a <= b for a, b in itertools.pairwise(times)), times
     assert times[-1] > times[0]
 
 

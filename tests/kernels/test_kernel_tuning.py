@@ -10,9 +10,9 @@ import torch
 
 from tests.tolerances import assert_decode_close, tol_for
 from tree_attn import decode_attention
+from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.commands.tune.timing import TuneOptions, tune_kernels
 from tree_attn.launch.setup import LaunchSetup
 
 pytest.importorskip("triton")
@@ -104,10 +104,15 @@ def test_kernel_search_runs_in_a_child_process(device):
 def test_the_timed_configs_span_split_counts_and_include_the_default():
     """The model's time saturates (dozens of configs tie, one split count): the survivors must
     still cover several split counts, and the default config (what runs without a profile)."""
-    from tree_attn.kernels.config import default_config
     from tree_attn.cost.devices import KNOWN_DEVICES
-    from tree_attn.cost.kernel import (RankedConfig, candidate_configs, predict_time_us, rank_candidates,
-                                       tuning_survivors)
+    from tree_attn.cost.kernel import (
+        RankedConfig,
+        candidate_configs,
+        predict_time_us,
+        rank_candidates,
+        tuning_survivors,
+    )
+    from tree_attn.kernels.config import default_config
     from tree_attn.kernels.shapes import DecodeShape
 
     spec = KNOWN_DEVICES["h100-sxm"]
@@ -159,7 +164,8 @@ def test_timing_flags_a_host_bound_measurement():
     assert not CallTiming(device_us=60.0, host_us=40.0, method="cuda-events", samples=3).host_bound
     # issued while a spin kernel held the stream: the events saw device work only
     assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-events", samples=3, held=True).host_bound
-    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound  # replays: device time
+    # replays: device time
+    assert not CallTiming(device_us=5.0, host_us=40.0, method="cuda-graph", samples=3).host_bound
     # rotated inputs: 3x L2 (50 MiB) in 4 MiB inputs -> 39 + 1, capped by 40% of free memory and by `cap`
     assert rotation_count(4 << 20, 50 << 20, 10 << 30) == 39
     assert rotation_count(4 << 20, 50 << 20, 40 << 20) == 4
@@ -193,4 +199,5 @@ def test_kernel_search_over_an_fp8_cache(device):
     out, lse = decode_attention_triton(q.to(device), k8.to(device), v8.to(device), config=r.chosen.config,
                                        k_scale=ks.to(device), v_scale=vs.to(device))
     ref_out, ref_lse = decode_attention_float64(q.float(), dequantize(k8, ks).float(), dequantize(v8, vs).float())
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device=device), what=r.chosen.config.describe())
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device=device),
+                        what=r.chosen.config.describe())

@@ -38,7 +38,8 @@ def _truth(q, k, v, lens, causal):
 def _impls(device):
     """(impl, config, device): the torch path on CPU tensors (on GPU machines too), and the Triton
     kernel with a small explicit config where this process runs Triton (GPU, or interpreter)."""
-    return [("torch", None, torch.device("cpu")), ("triton", DecodeConfig(block_n=16, num_splits=2), torch.device(device))]
+    return [("torch", None, torch.device("cpu")),
+            ("triton", DecodeConfig(block_n=16, num_splits=2), torch.device(device))]
 
 
 # name -> (B, Hq, Hkv, D, N, lens, share): GQA, D=80, rows of length 0, a shared page.
@@ -66,7 +67,8 @@ def test_paged_equals_contiguous(case, block_size, device):
         tol = tol_for(torch.float32, device=dev)
         out, lse = decode_attention(q_, kp_, vp_, seq_lens=sl_, block_table=table_, impl=impl, config=config)
         assert out.shape == (b, hq, d) and lse.shape == (b, hq)
-        assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol, what=f"{impl} paged bs={block_size} vs float64")
+        assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol,
+                            what=f"{impl} paged bs={block_size} vs float64")
         c_out, c_lse = decode_attention(q_, k_, v_, seq_lens=sl_, impl=impl, config=config)
         assert_decode_close(out, lse, c_out, c_lse, tol, what=f"{impl} paged bs={block_size} vs contiguous")
 
@@ -83,7 +85,8 @@ def test_paged_bf16_and_fp16(device):
             out, lse = decode_attention(q[:, 0].to(dev), kp.to(dev), vp.to(dev), seq_lens=sl.to(dev),
                                         block_table=table.to(dev), impl=impl, config=config)
             assert out.dtype == dtype
-            assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(dtype, device=dev), what=f"{impl} {dtype}")
+            assert_decode_close(out, lse, ref_out[:, 0], ref_lse[:, 0], tol_for(dtype, device=dev),
+                                what=f"{impl} {dtype}")
 
 
 @pytest.mark.parametrize("block_size,block_n", [(1, 16), (16, 16), (17, 16), (32, 32)])
@@ -91,8 +94,8 @@ def test_paged_fp32_with_the_h100_default_config(block_size, block_n, device):
     """fp32 pools run with the config an H100 launch of this shape picks (kernels.config): 16-key
     tiles in 16-token pages read one block id per tile (32-key tiles gathered key by key spilled
     registers), per-key gathers at 1 and 17 tokens, 32-key tiles in 32-token pages; against float64."""
-    from tree_attn.kernels.config import default_config
     from tree_attn.cost.devices import KNOWN_DEVICES
+    from tree_attn.kernels.config import default_config
     from tree_attn.kernels.shapes import DecodeShape
 
     b, hq, hkv, d, n = 2, 8, 2, 128, 90
@@ -117,7 +120,9 @@ MULTI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("sq,causal,block_size", MULTI_CASES, ids=[f"sq{s}-{'causal' if c else 'full'}-{'bs' + str(b) if b else 'contig'}" for s, c, b in MULTI_CASES])
+@pytest.mark.parametrize("sq,causal,block_size", MULTI_CASES,
+                         ids=[f"sq{s}-{'causal' if c else 'full'}-{'bs' + str(b) if b else 'contig'}"
+                              for s, c, b in MULTI_CASES])
 def test_several_query_tokens(sq, causal, block_size, device):
     """q [B, Sq, Hq, D] against float64 for out and lse; rows shorter than Sq (some tokens see
     nothing under causal), a row of length 0, GQA 4."""
@@ -135,7 +140,8 @@ def test_several_query_tokens(sq, causal, block_size, device):
         else:
             out, lse = decode_attention(q.to(dev), k.to(dev), v.to(dev), **kw)
         assert out.shape == (b, sq, hq, d) and lse.shape == (b, sq, hq)
-        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=dev), what=f"{impl} sq={sq} causal={causal}")
+        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=dev),
+                            what=f"{impl} sq={sq} causal={causal}")
 
 
 def test_multi_token_triton_group_blocks_and_splits(device):
@@ -168,7 +174,7 @@ def test_causal_token_i_is_single_token_decode_of_its_prefix():
 def test_gather_pages_roundtrip_and_unread_pages_are_zero():
     _, k, v = _inputs(3, 1, 2, 2, 8, 20, seed=1)
     lens = [20, 7, 0]
-    k, v, kp, vp, table = to_paged(k, v, lens, 6, seed=1, share=True)
+    k, v, kp, _vp, table = to_paged(k, v, lens, 6, seed=1, share=True)
     got = gather_pages(kp, table, torch.tensor(lens))
     assert got.shape == (3, table.shape[1] * 6, 2, 8)
     for row, n in enumerate(lens):
@@ -228,7 +234,8 @@ def test_block_table_pointing_outside_the_pool_names_row_block_value():
     num_blocks = 3 + 2 + 2  # pages of the two rows, plus spares
     bad = table.clone()
     bad[1, 1] = num_blocks  # row 1 (5 tokens) reads entries 0 and 1
-    with pytest.raises(ShapeError, match=rf"block_table\[1, 1\] = {num_blocks} points outside the pool of {num_blocks} blocks"):
+    with pytest.raises(ShapeError,
+                       match=rf"block_table\[1, 1\] = {num_blocks} points outside the pool of {num_blocks} blocks"):
         _paged_call(block_table=bad)
     bad = table.clone()
     bad[0, 2] = -3
@@ -251,7 +258,8 @@ def test_block_sizes_the_kernels_cannot_take(block_size):
     [
         (dict(seq_lens=None), "needs seq_lens"),
         (dict(block_table=torch.zeros(2, 4)), "block_table must be an int32 tensor"),
-        (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), r"block_table must be \[B, max_blocks\] = \[2, max_blocks\]"),
+        (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)),
+         r"block_table must be \[B, max_blocks\] = \[2, max_blocks\]"),
         (dict(block_table=[[0]]), "block_table must be an int32 torch.Tensor"),
         (dict(seq_lens=torch.tensor([12, 99])), r"seq_lens must lie in 0\.\.N=16"),
         (dict(q=torch.zeros(2, 17, 4, 16)), "1..16 query tokens per row; got Sq=17"),
@@ -287,7 +295,8 @@ def test_cpu_path_paged_chunks_and_blocks(dtype):
     k, v, kp, vp, table = to_paged(k, v, lens, 3, seed=13, share=True)
     sl = torch.tensor(lens)
     for causal in (False, True):
-        out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=5, block_tokens=10)
+        out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=5,
+                                        block_tokens=10)
         ref_out, ref_lse = _truth(q, k, v, sl, causal)
         assert_decode_close(out, lse, ref_out, ref_lse, tol_for(dtype), what=f"cpu paged causal={causal}")
 
@@ -311,7 +320,8 @@ def test_packed_message_layout_with_several_tokens(splits, device):
     assert out.shape == (2, 3, 8, 16) and out.stride() == (3 * 8 * 17, 8 * 17, 17, 1)
     prep(*args, out, lse, table.to(device))
     ref_out, ref_lse = _truth(q, k, v, sl, True)
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what=f"packed, {splits} splits")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device),
+                        what=f"packed, {splits} splits")
 
 
 @settings(max_examples=30, deadline=None)
@@ -333,4 +343,5 @@ def test_random_paged_multi_token_cpu(b, hkv, group, d, n, block_size, sq, causa
     out, lse = decode_attention_cpu(q, kp, vp, seq_lens=sl, block_table=table, causal=causal, chunk_tokens=chunk,
                                     block_tokens=None if chunk is None else 2 * chunk)
     ref_out, ref_lse = _truth(q, k, v, sl, causal)
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32), what=f"b{b} n{n} bs{block_size} sq{sq} causal={causal}")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32),
+                        what=f"b{b} n{n} bs{block_size} sq{sq} causal={causal}")

@@ -42,7 +42,8 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size,sq,causal,config", GPU_CASES, ids=[f"bs{c[0]}-sq{c[1]}-{'causal' if c[2] else 'full'}" for c in GPU_CASES])
+@pytest.mark.parametrize("block_size,sq,causal,config", GPU_CASES,
+                         ids=[f"bs{c[0]}-sq{c[1]}-{'causal' if c[2] else 'full'}" for c in GPU_CASES])
 def test_compiled_paged_multi_token_matches_float64(block_size, sq, causal, config):
     lens = [4099, 0, 1500, 37]
     n = 4099 if block_size > 1 else 700
@@ -53,7 +54,8 @@ def test_compiled_paged_multi_token_matches_float64(block_size, sq, causal, conf
     ref_out, ref_lse = float64_over_shards(q, [(k, v, sl)], causal)
     out, lse = decode_attention(q.cuda(), kp.cuda(), vp.cuda(), seq_lens=sl.cuda(), block_table=table.cuda(),
                                 causal=causal, config=config)
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=f"bs{block_size} sq{sq}")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"),
+                        what=f"bs{block_size} sq{sq}")
     c_out, c_lse = decode_attention(q.cuda(), k.cuda(), v.cuda(), seq_lens=sl.cuda(), causal=causal, config=config)
     assert_decode_close(out, lse, c_out, c_lse, tol_for(torch.bfloat16, device="cuda"), what="paged vs contiguous")
 

@@ -89,7 +89,8 @@ def test_decode_step_follows_in_place_updates(impl, dtype, device):
     where = _where(impl, device)
     q, k, v = _inputs(where, b=2, hq=8, hkv=2, d=32, n=50, dtype=dtype, seed=4)
     lens = torch.tensor([10, 0], dtype=torch.int32, device=where)
-    step = DecodeStep(q, k, v, lens, impl=impl, config=DecodeConfig(block_n=16, num_splits=2) if impl == "triton" else None)
+    step = DecodeStep(q, k, v, lens, impl=impl,
+                      config=DecodeConfig(block_n=16, num_splits=2) if impl == "triton" else None)
     assert step.captured == (where.type == "cuda")
     assert step.why_eager is None if step.captured else "nothing to capture" in step.why_eager
     g = torch.Generator().manual_seed(9)
@@ -139,7 +140,8 @@ def test_a_failed_capture_runs_eagerly_unless_the_step_communicates(monkeypatch)
 
     # Stand-ins for the CUDA calls _capture makes, so its failure path runs on any machine.
     cuda = graphs.torch.cuda
-    monkeypatch.setattr(cuda, "current_stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
+    monkeypatch.setattr(cuda, "current_stream",
+                        lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
     monkeypatch.setattr(cuda, "Stream", lambda device=None: type("S", (), {"wait_stream": lambda self, o: None})())
     monkeypatch.setattr(cuda, "set_stream", lambda s: None)
     monkeypatch.setattr(cuda, "stream", lambda s: __import__("contextlib").nullcontext())

@@ -139,7 +139,8 @@ def test_mixed_dtypes_keep_the_query_precise(q_dtype, kv_dtype, device):
             assert_decode_close(r_out.to(q_dtype), r_lse, o64, l64, tol, what="q rounded to bf16")
 
 
-@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)], ids=["q_past_fp16_max", "q_below_fp16_normals"])
+@pytest.mark.parametrize("q_scale,kv_scale,scale", [(3e5, 1e-5, 0.5), (1e-5, 1e4, 10.0)],
+                         ids=["q_past_fp16_max", "q_below_fp16_normals"])
 def test_bf16_query_outside_fp16_range_over_fp16_cache(q_scale, kv_scale, scale, device):
     """A bf16 query over an fp16 cache: q's values past fp16's largest (65504, they would become
     inf) or below its normals (2^-14, they would lose bits) are scaled into its range by a power of
@@ -164,7 +165,7 @@ def test_bf16_query_outside_fp16_range_over_fp16_cache(q_scale, kv_scale, scale,
 def test_peaked_scores_no_overflow(dtype, device):
     """Scores of magnitude ~100 (a near one-hot softmax): the online max shift must keep exp finite."""
     q, k, v = make_inputs(1, 4, 2, 64, 80, dtype, device, seed=8, q_scale=12.0)
-    out, lse = check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=3), what="peaked")
+    _out, lse = check_against_references(q, k, v, config=DecodeConfig(block_n=16, num_splits=3), what="peaked")
     assert torch.isfinite(lse).all()
 
 
@@ -188,7 +189,8 @@ def test_seq_lens_any_int_dtype_and_custom_scale(device):
     lens = torch.tensor([30, 7], dtype=torch.int64, device=device)
     out, lse = decode_attention_triton(q, k, v, seq_lens=lens, scale=0.3, config=DecodeConfig(block_n=16, num_splits=2))
     ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens, scale=0.3)
-    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device), what="int64 seq_lens, scale 0.3")
+    assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.float32, device=device),
+                        what="int64 seq_lens, scale 0.3")
 
 
 def test_amd_option_rejected_off_rocm(monkeypatch, device):
@@ -256,8 +258,8 @@ def test_stage_two_on_the_tree_merges_views(children, d, device):
     place (strides of D + 1, lse at an offset of D) and writing the packed result, against the
     merge algebra. With one child the kernel merges two states; an empty state (-inf) included."""
     from tree_attn.kernels.triton_launch import merge_splits_triton
-    from tree_attn.reduce.state import merge_states
     from tree_attn.reduce.exchange import tree_merge_views
+    from tree_attn.reduce.state import merge_states
 
     g = torch.Generator().manual_seed(23 + children)
     b, h = 2, 4

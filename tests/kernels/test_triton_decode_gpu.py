@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.tolerances import assert_decode_close, tol_for
+from tree_attn.cost.devices import DeviceSpec
+from tree_attn.cost.kernel import candidate_configs, rank_candidates
 from tree_attn.errors import ConfigError
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
-from tree_attn.cost.devices import DeviceSpec
-from tree_attn.cost.kernel import candidate_configs, rank_candidates
 from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
 from tree_attn.kernels.shapes import DecodeShape
 from tree_attn.kernels.triton_launch import decode_attention_triton
@@ -71,7 +71,8 @@ def test_float64_ground_truth_moderate_size(dtype, d):
         assert_decode_close(out, lse, o64, l64, tol_for(dtype, device="cuda"), what=f"{dtype} d{d} {cfg}")
 
 
-MIXED = [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.float32, torch.float16)]
+MIXED = [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+         (torch.float32, torch.float16)]
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", MIXED, ids=[f"q_{str(a)[6:]}-kv_{str(b)[6:]}" for a, b in MIXED])
@@ -89,7 +90,8 @@ def test_mixed_dtypes_default_config_at_llama_size(q_dtype, kv_dtype, group):
     out, lse = decode_attention(q, k, v, seq_lens=lens)
     o64, l64 = decode_attention_float64(q, k, v, seq_lens=lens)
     assert out.dtype == q_dtype
-    assert_decode_close(out, lse, o64, l64, tol_for(q_dtype, device="cuda"), what=f"q {q_dtype} over {kv_dtype}, group {group}")
+    assert_decode_close(out, lse, o64, l64, tol_for(q_dtype, device="cuda"),
+                        what=f"q {q_dtype} over {kv_dtype}, group {group}")
 
 
 def test_config_too_big_for_the_device_is_a_config_error():
@@ -113,7 +115,8 @@ def test_top_ranked_candidates_compile_and_agree():
         except ConfigError:  # the model's shared-memory estimate let through a config that does not fit
             too_big.append(r.config.describe())
             continue
-        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=r.config.describe())
+        assert_decode_close(out, lse, ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"),
+                            what=r.config.describe())
     assert len(too_big) <= len(ranked) // 4, f"too many top candidates do not fit: {too_big}"
 
 
@@ -131,7 +134,8 @@ def test_int64_offsets_multi_gigabyte_cache():
     for row in (0, 2):  # row 0 as a control; row 2 is where int32 offsets would wrap
         ref_out, ref_lse = decode_attention_torch(q[row : row + 1], k[row : row + 1], v[row : row + 1])
         assert_decode_close(
-            out[row : row + 1], lse[row : row + 1], ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"), what=f"row {row} of 1M keys"
+            out[row : row + 1], lse[row : row + 1], ref_out, ref_lse, tol_for(torch.bfloat16, device="cuda"),
+            what=f"row {row} of 1M keys"
         )
 
 

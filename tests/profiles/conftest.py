@@ -11,7 +11,8 @@ from tree_attn.reduce.plan import ReductionPlan
 from tree_attn.topology import host_topology
 
 
-def make_profile(n: int = 4, *, name: str = "test-cpu", origin: str = "measured", with_topology: bool = True) -> Profile:
+def make_profile(n: int = 4, *, name: str = "test-cpu", origin: str = "measured",
+                 with_topology: bool = True) -> Profile:
     """A profile as `tune` would write it on ``n`` CPU ranks: measured plan candidates, two
     kernel buckets (one measured, one model), full topology."""
     topo = host_topology(n)
@@ -28,8 +29,10 @@ def make_profile(n: int = 4, *, name: str = "test-cpu", origin: str = "measured"
     ]
     buckets = [
         KernelBucket("bfloat16", 128, 4, 8192, DecodeConfig(64, 4, 2, 8), "measured" if measured else "model",
-                     time_us=(21.5 if measured else None), gbps=(812.0 if measured else None), predicted_us=19.0, candidates_tried=12),
-        KernelBucket("bfloat16", 128, 4, 65536, DecodeConfig(64, 4, 3, 32), "model", predicted_us=140.0, candidates_tried=200),
+                     time_us=(21.5 if measured else None), gbps=(812.0 if measured else None), predicted_us=19.0,
+                     candidates_tried=12),
+        KernelBucket("bfloat16", 128, 4, 65536, DecodeConfig(64, 4, 3, 32), "model", predicted_us=140.0,
+                     candidates_tried=200),
         KernelBucket("float16", 64, 1, 4096, DecodeConfig(128, 4, 2, None), "default"),
     ]
     return Profile(

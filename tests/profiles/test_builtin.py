@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tree_attn.errors import ProfileError
-from tree_attn.profiles import builtin_profile_for, list_builtin_profiles, load_builtin, open_profile, profile_from_yaml
-from tree_attn.profiles import builtin_gen
+from tree_attn.profiles import (
+    builtin_gen,
+    builtin_profile_for,
+    list_builtin_profiles,
+    load_builtin,
+    open_profile,
+    profile_from_yaml,
+)
 from tree_attn.reduce.plan import default_plan
 from tree_attn.topology import host_topology
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tree_attn.cli.app import main
-from tree_attn.profiles import profile_path_for, save_profile, profile_to_yaml
+from tree_attn.profiles import profile_path_for, profile_to_yaml, save_profile
 
 
 def _flat(text: str) -> str:
@@ -54,7 +54,8 @@ def test_show_file(profile, tmp_path, capsys, profile_dir):
 
 def test_bad_profile_exit_1_names_field(profile, tmp_path, capsys, profile_dir):
     path = tmp_path / "bad.yaml"
-    path.write_text(profile_to_yaml(profile).replace("fanout: 2, label: tree k=2}\n  chosen_by", "fanout: 1, label: tree k=2}\n  chosen_by", 1))
+    path.write_text(profile_to_yaml(profile).replace("fanout: 2, label: tree k=2}\n  chosen_by",
+                                                     "fanout: 1, label: tree k=2}\n  chosen_by", 1))
     assert main(["profiles", "show", str(path)]) == 1
     cap = capsys.readouterr()
     err = _flat(cap.err)

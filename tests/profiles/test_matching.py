@@ -46,7 +46,8 @@ def test_other_gpu_model_refused():
 
 def test_other_fabric_refused():
     rtx = load_builtin("rtx4090-8x-pcie")
-    base = _named(load_dump(FIX / "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt"), "NVIDIA GeForce RTX 4090")
+    base = _named(load_dump(FIX / "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt"),
+                  "NVIDIA GeForce RTX 4090")
     # Same count and model, but peer-to-peer enabled (a patched driver): another fabric.
     p2p = base.replace(links=[dataclasses.replace(l, p2p=P2PStatus.OK, p2p_reason=None) for l in base.links])
     with pytest.raises(ProfileError) as info:

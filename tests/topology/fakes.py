@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import ClassVar
 
 # -- pynvml -----------------------------------------------------------------------------------------
 
@@ -63,17 +64,18 @@ def make_pynvml(
         setattr(m, f"NVML_ERROR_{name}", code)
 
     class NVMLError(Exception):
-        _valClassMapping: dict[int, type] = {}
+        _valClassMapping: ClassVar[dict[int, type]] = {}
 
         def __new__(cls, value):
-            if cls is NVMLError:
-                cls = NVMLError._valClassMapping.get(value, cls)
-            obj = Exception.__new__(cls)
+            # As pynvml does: NVMLError(code) makes the subclass registered for that code.
+            made = NVMLError._valClassMapping.get(value, cls) if cls is NVMLError else cls
+            obj = Exception.__new__(made)
             obj.value = value
             return obj
 
         def __str__(self):
-            return {v: k.replace("_", " ").title() for k, v in _NVML_ERRORS.items()}.get(self.value, f"NVML error {self.value}")
+            names = {v: k.replace("_", " ").title() for k, v in _NVML_ERRORS.items()}
+            return names.get(self.value, f"NVML error {self.value}")
 
     m.NVMLError = NVMLError
     for name, code in _NVML_ERRORS.items():
@@ -240,6 +242,9 @@ def _cpus(spec: str) -> list[int]:
     return out
 
 
+H100_BUSES = [0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB]  # the PCI bus of each GPU of the HGX board
+
+
 def h100_nvswitch_pynvml(*, down: dict[int, int] | None = None) -> types.ModuleType:
     """8x H100 SXM5 on an HGX board: 18 NVLink4 links per GPU, all to NVSwitches; P2P OK.
     Placement as in h100_8gpu_nonic_nvidia-smi_topo_m_thunderkittens167.txt. ``down`` maps a GPU
@@ -249,7 +254,7 @@ def h100_nvswitch_pynvml(*, down: dict[int, int] | None = None) -> types.ModuleT
     for i in range(8):
         links = [(2, f"00000000:{0x05 + k % 4:02X}:00.0", k >= down.get(i, 0)) for k in range(18)]
         gpus.append(FakeGpu(
-            name="NVIDIA H100 80GB HBM3", bus=f"00000000:{[0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB][i]:02X}:00.0",
+            name="NVIDIA H100 80GB HBM3", bus=f"00000000:{H100_BUSES[i]:02X}:00.0",
             uuid=f"GPU-h100-{i:04d}", memory=85520809984, sms=132, arch=9, numa=0 if i < 4 else 1,
             cpus=_cpus("0-47,96-143" if i < 4 else "48-95,144-191"), pcie=(5, 16), nvlinks=links, nvlink_version=4,
             mig=[0, 0],
@@ -348,7 +353,8 @@ def mi300x_amdsmi(*, link_type_as_enum: bool = False, p2p_off: set[tuple[int, in
         state["init"] = False
 
     m.amdsmi_init, m.amdsmi_shut_down = amdsmi_init, amdsmi_shut_down
-    m.amdsmi_get_processor_handles = lambda: list(handles) if state["init"] else (_ for _ in ()).throw(AmdSmiLibraryException(32))
+    m.amdsmi_get_processor_handles = (
+        lambda: list(handles) if state["init"] else (_ for _ in ()).throw(AmdSmiLibraryException(32)))
     m.amdsmi_get_gpu_device_bdf = lambda x: MI300X_BDFS[h(x)]
     m.amdsmi_get_gpu_device_uuid = lambda x: f"a1ff74a1-0000-1000-80{h(x):02d}-000000000000"
     m.amdsmi_get_gpu_asic_info = lambda x: {
@@ -368,7 +374,8 @@ def mi300x_amdsmi(*, link_type_as_enum: bool = False, p2p_off: set[tuple[int, in
         ia, ib = h(a), h(b)
         if ia == ib:
             return {"hops": 0, "type": AmdSmiLinkType.AMDSMI_LINK_TYPE_INTERNAL if link_type_as_enum else 0}
-        return {"hops": 1, "type": AmdSmiLinkType.AMDSMI_LINK_TYPE_XGMI if link_type_as_enum else int(AmdSmiIoLinkType.XGMI)}
+        return {"hops": 1,
+                "type": AmdSmiLinkType.AMDSMI_LINK_TYPE_XGMI if link_type_as_enum else int(AmdSmiIoLinkType.XGMI)}
 
     m.amdsmi_topo_get_link_type = link_type
     m.amdsmi_topo_get_link_weight = lambda a, b: 0 if h(a) == h(b) else 15

@@ -211,7 +211,8 @@ def test_nvml_keeps_the_gpus_cuda_visible_devices_leaves_in_cudas_order(monkeypa
         assert (got.kind, got.p2p, got.bandwidth_gbps) == (want.kind, want.p2p, want.bandwidth_gbps)
     assert "machine GPU 5, 1, 2 are cuda:0, 1, 2" in some.notes[-1]
     # CUDA's parsing: stop at the first entry naming no GPU (or one named already)
-    assert [d.uuid for d in probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="3,99,0").devices] == ["GPU-4090-0003"]
+    assert [d.uuid for d in probe_nvml(fakes.rtx4090_pcie_pynvml(),
+                                       visible_devices="3,99,0").devices] == ["GPU-4090-0003"]
     assert len(probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="2,2,0")) == 1
     assert len(probe_nvml(fakes.rtx4090_pcie_pynvml(), visible_devices="0,1,2,3,4,5,6,7")) == 8
     # MIG instances are not in the topology: the whole machine, with a note
@@ -233,10 +234,12 @@ def test_amd_smi_keeps_the_gpus_rocm_leaves_visible():
 
     whole = probe_amdsmi(fakes.mi300x_amdsmi())
     uuids = [d.uuid for d in whole.devices]
-    some = probe_amdsmi(fakes.mi300x_amdsmi(), environ={"ROCR_VISIBLE_DEVICES": "1,3,5,7", "HIP_VISIBLE_DEVICES": "2,0"})
+    some = probe_amdsmi(fakes.mi300x_amdsmi(),
+                        environ={"ROCR_VISIBLE_DEVICES": "1,3,5,7", "HIP_VISIBLE_DEVICES": "2,0"})
     assert [d.uuid for d in some.devices] == [uuids[5], uuids[1]]
     assert [n for n in some.notes if "VISIBLE" in n][-1].startswith("HIP_VISIBLE_DEVICES='2,0'")
-    assert [d.uuid for d in probe_amdsmi(fakes.mi300x_amdsmi(), environ={"CUDA_VISIBLE_DEVICES": "6"}).devices] == [uuids[6]]
+    assert [d.uuid for d in probe_amdsmi(fakes.mi300x_amdsmi(),
+                                         environ={"CUDA_VISIBLE_DEVICES": "6"}).devices] == [uuids[6]]
     by_uuid = probe_amdsmi(fakes.mi300x_amdsmi(), environ={"ROCR_VISIBLE_DEVICES": "GPU-1234abcd"})
     assert len(by_uuid) == 8 and "other than their index" in by_uuid.notes[-1]
     with pytest.raises(BackendUnavailable, match="HIP_VISIBLE_DEVICES='-1' leaves none"):

@@ -244,7 +244,8 @@ def test_detect_format_of_each_fixture():
 
 def test_combining_dumps_fills_names_and_p2p(tmp_path):
     names = tmp_path / "L.txt"
-    names.write_text("GPU 0: NVIDIA GeForce RTX 5090 (UUID: GPU-aaaa)\nGPU 1: NVIDIA GeForce RTX 5090 (UUID: GPU-bbbb)\n")
+    names.write_text("GPU 0: NVIDIA GeForce RTX 5090 (UUID: GPU-aaaa)\n"
+                     "GPU 1: NVIDIA GeForce RTX 5090 (UUID: GPU-bbbb)\n")
     m = tmp_path / "m.txt"
     m.write_text("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tPHB\t0-15\t0\nGPU1\tPHB\t X \t0-15\t0\n")
     t = load_dumps([FIX / "geforce_rtx5090_2gpu_nvidia-smi_topo_p2p_rw_gns.txt", names, m])

@@ -20,13 +20,13 @@ from tree_attn.topology import (
     format_ranges,
     host_topology,
     load_topology,
+    probe_nvml,
     save_topology,
     topology_warnings,
 )
 from tree_attn.topology.bandwidth import estimate, pcie_gbps
 
 from . import fakes
-from tree_attn.topology import probe_nvml
 
 
 def topo(n, kind_of, **kw):

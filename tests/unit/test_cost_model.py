@@ -11,7 +11,14 @@ import math
 import pytest
 
 from tree_attn.cost import (
-    PRESETS, ClusterSpec, DeviceParams, LinkParams, Workload, cluster_plan, predict_step, preset,
+    PRESETS,
+    ClusterSpec,
+    DeviceParams,
+    LinkParams,
+    Workload,
+    cluster_plan,
+    predict_step,
+    preset,
 )
 from tree_attn.cost.fit import cluster_from_dict, cluster_from_topology
 from tree_attn.cost.links import link_class
@@ -284,7 +291,8 @@ def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):
     links = [dataclasses.replace(l, bandwidth_gbps=2.0 + l.a, bandwidth_source="measured", latency_us=50.0 + l.b)
              for l in topo.links]
     meas = Measurement("gloo", 5, 4096, 8, 16512, 400.0, "cpu")
-    c = cluster_from_topology(topo.replace(links=links, measurement=meas), device=dataclasses.replace(DEV, collective_us=0.0))
+    c = cluster_from_topology(topo.replace(links=links, measurement=meas),
+                              device=dataclasses.replace(DEV, collective_us=0.0))
     assert c.link(0, 2).p2p_gbps == 2.0 and c.link(1, 2).p2p_latency_us == 52.0 and c.link(0, 1).kind == "host_loopback"
     assert c.link(0, 1).ar_step_us == pytest.approx(400.0 / (2 * 2))
     with pytest.raises(ConfigError, match="CPU ranks needs the CPU device"):
@@ -368,7 +376,8 @@ def test_a_gpu_calibration_borrows_only_what_one_node_cannot_measure():
     for c in (c1, c8):
         big = c.with_shape(16, 8)
         for strat in ("tree", "allreduce", "ring"):
-            assert predict_step(big, Workload(5_120_000), strat).time_us > predict_step(c, Workload(32_768), strat).local_us
+            assert (predict_step(big, Workload(5_120_000), strat).time_us
+                    > predict_step(c, Workload(32_768), strat).local_us)
 
 
 
@@ -393,15 +402,16 @@ def test_the_allreduce_steps_at_its_slowest_link_whatever_the_cluster_shape():
     "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt", "mi300x_8gpu_amd-smi_topology.txt",
     "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt", "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt",
 ])
-def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
+def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys, tmp_path, monkeypatch):
     """tune's plan pricing (cost.plan: the built-in profiles, tune --topology) and simulate's step
     model read one link-class table and one merge: every candidate plan on a recorded topology costs
-    what `tree-attn simulate --topology` predicts for its merge."""
+    what `tree-attn simulate --topology` predicts for its merge, in the profile tune writes too."""
     import json
 
     from tree_attn.cli.app import main
     from tree_attn.cost import merge_us
     from tree_attn.cost.plan import plan_cluster, predict_plan_us
+    from tree_attn.profiles import load_profile
     from tree_attn.reduce.hier_plan import candidate_plans
     from tree_attn.topology.dumps import load_dump
 
@@ -424,3 +434,12 @@ def test_tune_prices_a_plan_as_simulate_predicts_its_merge(dump, capsys):
         step = predict_step(cluster, w, plan.strategy, plan if plan.strategy == "tree" else None)
         priced = predict_plan_us(plan, topo, msg, lse)
         assert priced == step.comm_us == merge_us(cluster, plan, msg, lse), plan.label
+    # `tune --topology` (model-derived: nothing timed) writes those very prices, lse bytes included.
+    monkeypatch.setenv("TREE_ATTN_PROFILE_DIR", str(tmp_path / "saved"))
+    out = tmp_path / "tuned.yaml"
+    assert main(["tune", "--device", "cpu", "--topology", path, "--output", str(out)]) == 0, capsys.readouterr().err
+    tuned = load_profile(out)
+    assert tuned.origin == "model" and tuned.reduction.message_bytes == msg
+    by_label = {c.label: c.predicted_us for c in tuned.reduction.candidates}
+    assert by_label == {p.label: predict_plan_us(p, topo, msg, lse) for p in plans}
+    assert by_label["allreduce"] == row["allreduce"]["comm_us"]

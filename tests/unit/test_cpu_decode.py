@@ -12,11 +12,11 @@ takes, when it is built here) and with the C kernel turned off (the torch ops fo
 import pytest
 import torch
 
+from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn import decode_attention
+from tree_attn.kernels import cpu_decode
 from tree_attn.kernels.cpu_decode import CHUNK_BYTES, SCORE_ELEMENTS, cpu_chunk_tokens, decode_attention_cpu
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64, decode_attention_torch
-from tree_attn.kernels import cpu_decode
-from tests.tolerances import assert_state_close, random_decode_inputs
 
 
 @pytest.fixture(autouse=True, params=["default", "torch-only"])

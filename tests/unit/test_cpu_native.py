@@ -189,7 +189,8 @@ def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
         cpu_native._load()
     # A compiler that answers but cannot build: the reason is its error, and no file is left.
     fake = tmp_path / "broken-cc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\necho "error: no" >&2\nexit 1\n')
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
+                    'echo "error: no" >&2\nexit 1\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     with pytest.raises(cpu_native._Unavailable, match="compiling cpu_decode.c .*error: no"):
@@ -206,7 +207,8 @@ def test_processes_starting_together_build_once(tmp_path):
 
     code = "from tree_attn.kernels import cpu_native as c; s = c.native_status(); print(s.available, s.detail)"
     env = {**__import__("os").environ, "TREE_ATTN_CACHE_DIR": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs) and all(o.startswith("True cpu_decode-") for o in outs), outs
     assert len({o.split()[1] for o in outs}) == 1

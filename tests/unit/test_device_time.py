@@ -13,14 +13,20 @@ import json
 import pytest
 import torch
 
+from tree_attn.commands.run import decode as decode_run
+from tree_attn.commands.run.decode import (
+    DEVICE_TIME_GRAPH,
+    DEVICE_TIME_HELD,
+    DEVICE_TIME_HOST_BOUND,
+    DEVICE_TIME_NO_HOLD,
+    RankReport,
+    RunSpec,
+    device_summary,
+    held_device_times,
+)
 from tree_attn.launch.env import RankEnv
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.commands.run import decode as decode_run
-from tree_attn.commands.run.decode import (
-    DEVICE_TIME_GRAPH, DEVICE_TIME_HELD, DEVICE_TIME_HOST_BOUND, DEVICE_TIME_NO_HOLD, RankReport, RunSpec,
-    _device_summary, _held_device_times,
-)
 
 SPEC = RunSpec(LaunchSetup(world_size=1, plans=(("tree", ReductionPlan("tree", 2)),)), seq_len=16, q_heads=4,
                kv_heads=2, head_dim=8, steps=4, warmup=0)
@@ -34,15 +40,15 @@ def _report(device_s, how):
 
 def test_a_row_reports_the_slowest_ranks_device_time_and_how_it_was_taken():
     reps = [_report([1e-3, 5e-3, 2e-3], DEVICE_TIME_GRAPH), _report([4e-3, 1e-3, 3e-3], DEVICE_TIME_GRAPH)]
-    got = _device_summary(reps, 3)
+    got = device_summary(reps, 3)
     assert got == {"device_ms_median": pytest.approx(4.0), "device_time": DEVICE_TIME_GRAPH}  # max per step: 4, 5, 3
 
 
 def test_a_rank_without_device_times_leaves_the_row_without_one_and_says_why():
     reps = [_report([1e-3] * 3, DEVICE_TIME_HELD), _report([], DEVICE_TIME_HOST_BOUND)]
-    assert _device_summary(reps, 3) == {"device_ms_median": None, "device_time": DEVICE_TIME_HOST_BOUND}
+    assert device_summary(reps, 3) == {"device_ms_median": None, "device_time": DEVICE_TIME_HOST_BOUND}
     # CPU ranks: neither
-    assert _device_summary([_report([], None)], 3) == {"device_ms_median": None, "device_time": None}
+    assert device_summary([_report([], None)], 3) == {"device_ms_median": None, "device_time": None}
 
 
 def test_the_json_row_carries_the_label():
@@ -96,7 +102,7 @@ def _measure(state, issue_s=1e-4):
     def finish(what, done):
         waits.append(what)
 
-    got = _held_device_times(RankEnv(1, 1, "nccl", "cuda:0"), SPEC, "tree k=2", step, q_static, issue_s, finish)
+    got = held_device_times(RankEnv(1, 1, "nccl", "cuda:0"), SPEC, "tree k=2", step, q_static, issue_s, finish)
     return got, calls, waits
 
 

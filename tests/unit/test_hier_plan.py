@@ -66,7 +66,8 @@ def test_random_hierarchies(n, fanout):
 
 
 def test_pcie_box_with_two_switches_merges_pairs_first():
-    levels = [("pix", [[0, 1], [2, 3], [4, 5], [6, 7]]), ("pxb", [[0, 1, 2, 3], [4, 5, 6, 7]]), ("sys", [list(range(8))])]
+    levels = [("pix", [[0, 1], [2, 3], [4, 5], [6, 7]]), ("pxb", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+              ("sys", [list(range(8))])]
     parents = hierarchical_parents(levels, 2)
     assert parents[1] == 0 and parents[3] == 2 and parents[5] == 4 and parents[7] == 6  # pairs under a switch
     assert parents[2] == 0 and parents[6] == 4  # then the switch leaders

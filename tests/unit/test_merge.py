@@ -1,5 +1,6 @@
 """The merge of partial states: exactness, empty states, and its algebra (hypothesis)."""
 
+import itertools
 import math
 
 import pytest
@@ -7,16 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn import ShapeError, merge_partials
 from tree_attn.kernels.reference import decode_attention_float64
 from tree_attn.reduce.state import merge_two
-from tests.tolerances import assert_state_close, random_decode_inputs
 
 
 def _split_states(q, k, v, cuts):
     """States of the key ranges between consecutive ``cuts`` (float64 truth per range)."""
     outs, lses = [], []
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         o, l = decode_attention_float64(q, k[:, a:b], v[:, a:b])
         outs.append(o.float())
         lses.append(l.float())

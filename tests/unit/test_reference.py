@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn import ConfigError, KernelUnavailableError, ShapeError, decode_attention
 from tree_attn.kernels.reference import decode_attention_float64, decode_attention_torch
-from tests.tolerances import assert_state_close, random_decode_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -43,7 +43,8 @@ def test_custom_scale():
 
 def test_chunking_keeps_memory_bounded_shape_independent():
     # The chunk size adapts to B * Hkv * D so one float32 chunk is at most ~16 MiB.
-    from tree_attn.kernels.reference import CHUNK_ELEMENTS, chunk_tokens_for as _chunk_tokens
+    from tree_attn.kernels.reference import CHUNK_ELEMENTS
+    from tree_attn.kernels.reference import chunk_tokens_for as _chunk_tokens
 
     assert _chunk_tokens(1, 8, 128) * 8 * 128 <= CHUNK_ELEMENTS
     assert _chunk_tokens(16, 8, 128) * 16 * 8 * 128 <= CHUNK_ELEMENTS

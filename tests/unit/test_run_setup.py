@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
+from tree_attn.commands.tune.setup import TuneRequest, plan_tune
 from tree_attn.errors import ConfigError, ProfileError
 from tree_attn.launch import env as launch
-from tree_attn.reduce.plan import ReductionPlan
-from tree_attn.commands.run.setup import RunOptions, plan_run, strategies_beyond_tolerance
 from tree_attn.launch.plans import ProfileChoice
-from tree_attn.commands.tune.setup import TuneRequest, plan_tune
+from tree_attn.reduce.plan import ReductionPlan
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
@@ -165,17 +165,18 @@ def test_tune_bad_options(tmp_path):
 
 
 def test_profile_buckets_keep_how_the_kernel_search_chose():
-    from tree_attn.kernels.config import DecodeConfig
+    from tree_attn.commands.tune.profile import kernel_bucket
     from tree_attn.commands.tune.timing import BucketResult, KernelTiming
-    from tree_attn.commands.tune.profile import _kernel_bucket
+    from tree_attn.kernels.config import DecodeConfig
 
     cfg = DecodeConfig(block_n=64, num_splits=4)
     timing = KernelTiming(config=cfg, predicted_us=18.0, median_us=20.0, gbps=900.0, host_us=35.0,
                           copy_fraction=0.3, method="cuda-graph")
     base = dict(dtype="bfloat16", head_dim=128, group=4, max_shard_len=16384, timings=[timing] * 3, chosen=timing)
-    measured = _kernel_bucket(BucketResult(**base, copy_gbps=3000.0))
-    assert (measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried) == ("measured", 20.0, 900.0, 3)
+    measured = kernel_bucket(BucketResult(**base, copy_gbps=3000.0))
+    assert ((measured.chosen_by, measured.time_us, measured.gbps, measured.candidates_tried)
+            == ("measured", 20.0, 900.0, 3))
     assert (measured.copy_fraction, measured.host_us, measured.timing) == (0.3, 35.0, "cuda-graph")
-    model = _kernel_bucket(BucketResult(**base, chosen_by="model"))  # every timing host-bound
+    model = kernel_bucket(BucketResult(**base, chosen_by="model"))  # every timing host-bound
     assert (model.chosen_by, model.time_us, model.gbps, model.predicted_us) == ("model", None, None, 18.0)
     assert model.copy_fraction is None and model.timing is None

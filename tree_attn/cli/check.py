@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -22,14 +21,16 @@ HELP = "Compare the GPU fabric with an expected topology, device model first; ex
 def check_command(
     expect: Path = typer.Option(..., "--expect", help="Expected topology: a YAML from `tree-attn probe --output`, "
                                 "a profile YAML with a topology section, or a recorded dump."),
-    from_: Optional[list[Path]] = typer.Option(None, "--from", help="Check recorded dump(s) instead of this machine."),
-    measure: bool = typer.Option(False, "--measure", help="Measure bandwidths and check them against the expected ones."),
-    min_bandwidth_ratio: Optional[float] = typer.Option(
-        None, "--min-bandwidth-ratio", help=f"Measured bandwidth must reach R x expected (default {DEFAULT_MIN_RATIO} with --measure)."),
-    junit: Optional[Path] = typer.Option(None, "--junit", help="Write a JUnit XML report (one testcase per check)."),
+    from_: list[Path] | None = typer.Option(None, "--from", help="Check recorded dump(s) instead of this machine."),
+    measure: bool = typer.Option(False, "--measure",
+                                 help="Measure bandwidths and check them against the expected ones."),
+    min_bandwidth_ratio: float | None = typer.Option(
+        None, "--min-bandwidth-ratio",
+        help=f"Measured bandwidth must reach R x expected (default {DEFAULT_MIN_RATIO} with --measure)."),
+    junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report (one testcase per check)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host."),
-    cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement."),
 ) -> None:
     from ..errors import ConfigError, TopologyError
@@ -81,6 +82,7 @@ def check_command(
             out_console.print("[yellow]the links are as expected; the GPU model was not compared[/yellow] "
                               "(a dump without names: add `nvidia-smi -L` output as another --from)")
         else:
-            out_console.print(f"[bold red]{len(report.differences)} difference(s) from the expected topology[/bold red]")
+            count = len(report.differences)
+            out_console.print(f"[bold red]{count} difference(s) from the expected topology[/bold red]")
     if not report.ok:
         raise typer.Exit(code=1)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape

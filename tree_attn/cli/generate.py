@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -32,22 +32,22 @@ HELP = (
 
 
 def generate_command(
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model.")] = DEFAULTS.model,
     preset: Annotated[str, typer.Option(
         "--preset", help="Without --model: small (a small Llama) or llama-3.1-8b (the 8B's layer shapes with a "
         "32,000-token vocabulary); random weights.")] = DEFAULTS.preset,
-    layers: Annotated[Optional[int], typer.Option(
+    layers: Annotated[int | None, typer.Option(
         "--layers", help="Layers of the preset (small: 4, llama-3.1-8b: 2).")] = DEFAULTS.layers,
     seed: Annotated[int, typer.Option(
         "--seed", help="Seed of a preset's weights, the random prompt and the page tables.")] = DEFAULTS.seed,
-    prompt: Annotated[Optional[str], typer.Option(
+    prompt: Annotated[str | None, typer.Option(
         "--prompt", help="Text (with a checkpoint's tokenizer) or comma-separated token ids.")] = DEFAULTS.prompt,
     prompt_len: Annotated[int, count_option(
         "--prompt-len", help="Without --prompt: this many random token ids.")] = DEFAULTS.prompt_len,
     new_tokens: Annotated[int, count_option(
         "--new-tokens", help="Tokens to generate (one decode step each).")] = DEFAULTS.new_tokens,
-    max_len: Annotated[Optional[int], count_option(
+    max_len: Annotated[int | None, count_option(
         "--max-len", help="Longest sequence (prompt + new tokens) allowed; default: the model's max "
         "positions.")] = DEFAULTS.max_len,
     world_size: WorldSize = DEFAULTS.world_size,
@@ -76,7 +76,7 @@ def generate_command(
         f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over "
         f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}); strategies: "
         f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"))
-    say = lambda text: err_console.print(text, markup=False, style="dim")  # noqa: E731
+    say = lambda text: err_console.print(text, markup=False, style="dim")
     result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return

@@ -15,7 +15,7 @@ ConfigError naming it).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -75,8 +75,9 @@ def int_list_option(*names: str, help: str) -> Any:
 
 # -- where and how the ranks run (run, generate, tune) ---------------------------------------------
 
-WorldSize = Annotated[Optional[int], typer.Option(
-    "--world-size", "-w", help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun).")]
+WorldSize = Annotated[int | None, typer.Option(
+    "--world-size", "-w",
+    help="Ranks (default: GPUs present, else 4 CPU ranks; torchrun's WORLD_SIZE under torchrun).")]
 Device = Annotated[str, typer.Option(
     "--device", help="auto, cpu or cuda: where the ranks compute (auto: the GPUs if torch sees any, else CPU ranks).")]
 Backend = Annotated[str, typer.Option("--backend", help="auto, gloo or nccl (auto: nccl on GPUs, gloo on CPU).")]
@@ -88,8 +89,8 @@ Timeout = Annotated[float, typer.Option(
 
 Strategy = Annotated[str, typer.Option(
     "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring.")]
-Fanout = Annotated[Optional[int], typer.Option("--fanout", "-k", help="Fan-out of the tree strategy (2..world size).")]
-Profile = Annotated[Optional[str], typer.Option(
+Fanout = Annotated[int | None, typer.Option("--fanout", "-k", help="Fan-out of the tree strategy (2..world size).")]
+Profile = Annotated[str | None, typer.Option(
     "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the "
                             "one saved for this machine's fingerprint, else a built-in one for the same machine, else "
                             "built-in defaults.")]

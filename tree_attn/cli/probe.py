@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -21,23 +20,28 @@ HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hi
 
 
 def probe_command(
-    from_: Optional[list[Path]] = typer.Option(
+    from_: list[Path] | None = typer.Option(
         None, "--from", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo -m / -p2p, "
         "nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo. Repeat to combine dumps of one machine."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); an existing file is refused unless --force."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); "
+                                                                    "an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
-    measure: bool = typer.Option(False, "--measure", help="Measure per-pair bandwidth and latency and the decode all-reduce."),
+    measure: bool = typer.Option(False, "--measure",
+                                 help="Measure per-pair bandwidth and latency and the decode all-reduce."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
-    cpu_ranks: Optional[int] = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped (needs matplotlib)."),
+    plot: str | None = typer.Option(None, "--plot", help=(
+        "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
+        "(needs matplotlib).")),
 ) -> None:
-    from ..errors import ConfigError, TopologyError
+    from ..errors import TopologyError
     from ..topology import load_dumps, probe_topology, save_topology, topology_warnings
+    from ..validate import check_int
 
-    if measure and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
-        raise ConfigError(f"--iterations must be an integer >= 1; got {iterations!r}")
+    if measure:
+        check_int(iterations, "--iterations", minimum=1, must=True)
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..launch.env import check_cpu_ranks
 
@@ -46,7 +50,8 @@ def probe_command(
         if output.is_dir():
             raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
         if output.exists() and not force:
-            raise TopologyError(f"{output} already exists; pass --force to overwrite it (or write elsewhere with --output FILE)")
+            raise TopologyError(f"{output} already exists; pass --force to overwrite it "
+                                "(or write elsewhere with --output FILE)")
     check_plot(plot)
     if from_:
         if measure:
@@ -57,7 +62,8 @@ def probe_command(
     if measure:
         from ..topology.measure import measure_topology
 
-        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...", markup=False)
+        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...",
+                          markup=False)
         topo = measure_topology(topo, iterations=iterations)
     for n in topo.notes:
         notice(n)
@@ -138,8 +144,9 @@ def render_topology(topo) -> None:
         out_console.print(styled(text))
     if topo.measurement and topo.measurement.allreduce_latency_us is not None:
         m = topo.measurement
-        out_console.print(styled(f"all-reduce of {m.allreduce_bytes} B (decode message): {m.allreduce_latency_us:.1f} us "
-                                 f"median over {m.iterations} iterations ({m.method}, {m.device})"))
+        out_console.print(styled(f"all-reduce of {m.allreduce_bytes} B (decode message): "
+                                 f"{m.allreduce_latency_us:.1f} us median over {m.iterations} iterations "
+                                 f"({m.method}, {m.device})"))
     legend = [(k.upper() if k != "nvlink" else "NV#", s) for k, s in KIND_STYLE.items() if k not in ("xgmi", "net")]
     parts: list = ["\nlegend: "]
     for i, piece in enumerate(legend):

@@ -8,7 +8,6 @@ it was chosen. Nothing here probes the machine or imports torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich import box
@@ -28,14 +27,15 @@ profiles_app = typer.Typer(
 
 
 _JSON_OPT = typer.Option(False, "--json", help="Print JSON instead of a table.")
-_DIR_OPT = typer.Option(None, "--dir", help="Folder of saved profiles (default: $TREE_ATTN_PROFILE_DIR or the user's cache).")
+_DIR_OPT = typer.Option(None, "--dir",
+                        help="Folder of saved profiles (default: $TREE_ATTN_PROFILE_DIR or the user's cache).")
 
 
 @profiles_app.callback()
 def profiles_root(
     ctx: typer.Context,
     json_out: bool = _JSON_OPT,
-    directory: Optional[Path] = _DIR_OPT,
+    directory: Path | None = _DIR_OPT,
 ) -> None:
     """List the profiles when no subcommand is given."""
     if ctx.invoked_subcommand is None:
@@ -43,7 +43,7 @@ def profiles_root(
 
 
 @profiles_app.command("list", help="List the built-in profiles and those saved by `tree-attn tune`.")
-def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OPT) -> None:
+def list_command(json_out: bool = _JSON_OPT, directory: Path | None = _DIR_OPT) -> None:
     from ..profiles.builtin import builtin_entries
     from ..profiles.store import default_profile_dir, list_saved_profiles
 
@@ -79,11 +79,13 @@ def list_command(json_out: bool = _JSON_OPT, directory: Optional[Path] = _DIR_OP
             warn(e.error)
 
 
-@profiles_app.command("show", help="Print one profile: a file path, a built-in name, or a saved profile's name or fingerprint.")
+@profiles_app.command("show", help="Print one profile: a file path, a built-in name, "
+                                   "or a saved profile's name or fingerprint.")
 def show_command(
-    ref: str = typer.Argument(..., metavar="NAME|PATH", help="Profile file, built-in name, or saved profile name/fingerprint."),
+    ref: str = typer.Argument(..., metavar="NAME|PATH", help="Profile file, built-in name, "
+                                                             "or saved profile name/fingerprint."),
     json_out: bool = _JSON_OPT,
-    directory: Optional[Path] = _DIR_OPT,
+    directory: Path | None = _DIR_OPT,
 ) -> None:
     from ..profiles.builtin import open_profile
 
@@ -120,7 +122,8 @@ def _us(x: float | None) -> str:
 def render_profile(prof) -> None:
     """The human report of one profile on stdout (every value a Text, never markup)."""
     m, v = prof.machine, prof.versions
-    out_console.print(line((prof.name, "bold"), f"  origin {prof.origin}, created {prof.created}, schema {prof.schema_version}"))
+    out_console.print(line((prof.name, "bold"), f"  origin {prof.origin}, created {prof.created}, "
+                                                f"schema {prof.schema_version}"))
     if prof.description:
         out_console.print(styled(prof.description))
     out_console.print(styled(
@@ -131,7 +134,8 @@ def render_profile(prof) -> None:
     if m.link_classes:
         out_console.print(styled("links: " + ", ".join(f"{k} {n}" for k, n in m.link_classes.items())
                                  + ("; p2p: " + ", ".join(f"{k} {n}" for k, n in m.p2p.items()) if m.p2p else "")))
-    out_console.print(styled("versions: " + ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS)))
+    versions = ", ".join(f"{k.replace('_', '-')} {getattr(v, k) or 'unknown'}" for k in v.FIELDS)
+    out_console.print(styled("versions: " + versions))
 
     if prof.kernel.buckets:
         # Fits 80 columns without cutting a config: the bucket in one cell, no vertical rules.

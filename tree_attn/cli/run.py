@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from ..commands.run.setup import RunOptions
-from .common import (announce_setup, check_plot, err_console, error, fmt_bytes, line, notice, out_console, plan_name,
-                     print_json, ranks, report, styled)
-from .options import (Backend, Batch, Device, Fanout, HeadDim, Heads, Json, KvHeads, Profile, Strategy, Timeout,
-                      WorldSize, count_list_option, count_option)
+from .common import (
+    announce_setup,
+    check_plot,
+    err_console,
+    error,
+    fmt_bytes,
+    line,
+    notice,
+    out_console,
+    plan_name,
+    print_json,
+    ranks,
+    report,
+    styled,
+)
+from .options import (
+    Backend,
+    Batch,
+    Device,
+    Fanout,
+    HeadDim,
+    Heads,
+    Json,
+    KvHeads,
+    Profile,
+    Strategy,
+    Timeout,
+    WorldSize,
+    count_list_option,
+    count_option,
+)
 
 DEFAULTS = RunOptions()
 
@@ -38,7 +65,7 @@ def run_command(
     head_dim: HeadDim = DEFAULTS.head_dim,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="fp32, fp16 or bf16 (auto: bf16 on GPUs, fp32 on CPU ranks).")] = DEFAULTS.dtype,
-    kv_dtype: Annotated[Optional[str], typer.Option(
+    kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="KV cache dtype: fp32, fp16, bf16, or fp8 (float8_e4m3fn: each rank quantizes its "
         "--dtype shard per KV head, scale amax/448). Default: --dtype. With fp8, 'max err' is against float64 on "
         "the dequantized cache and 'quant err' against float64 on the unquantized one.")] = DEFAULTS.kv_dtype,
@@ -55,17 +82,17 @@ def run_command(
         "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each tree/allreduce step (local kernel, merge, NCCL "
         "messages) as a CUDA graph and replay it (default), or run it eagerly. The ring baseline always runs "
         "eagerly.")] = DEFAULTS.cuda_graph,
-    sweep: Annotated[Optional[str], count_list_option(
+    sweep: Annotated[str | None, count_list_option(
         "--sweep", help="Comma list of sequence lengths to run one after the other instead of --seq-len; one table "
         "row per length and strategy.")] = None,
-    plot: Annotated[Optional[str], typer.Option(
+    plot: Annotated[str | None, typer.Option(
         "--plot", help="With --sweep: write median step time and bytes per rank vs sequence length, per strategy, to "
         "FILE.png (log axes; needs matplotlib).")] = None,
     json_out: Json = False,
 ) -> None:
-    from ..errors import ConfigError
     from ..commands.run.decode import run_decode
     from ..commands.run.setup import plan_run, strategies_beyond_tolerance
+    from ..errors import ConfigError
 
     if sweep is None and seq_len < 1:
         # The library takes an empty shard, but a benchmark of an empty cache times nothing and
@@ -169,7 +196,8 @@ def render_run(result) -> None:
     cfg = result.config if hasattr(result, "config") else result.spec
     # Fits 80 columns: no vertical rules, units in the headers.
     table = Table(
-        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens {_over(cfg['world_size'])}, {result.device} ({result.backend})"),
+        title=styled(f"tree-attn run: {cfg['seq_len']:,} tokens {_over(cfg['world_size'])}, "
+                     f"{result.device} ({result.backend})"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
@@ -221,4 +249,5 @@ def render_run(result) -> None:
     if result.speedup_vs_ring is not None:
         x = result.speedup_vs_ring
         verdict = ((f"{x:.1f}x", "bold"), " faster") if x >= 1 else ((f"{1 / x:.1f}x", "bold"), " slower")
-        out_console.print(line(f"{result.compared}: ", *verdict, " per decode step than ring (median step, slowest rank)"))
+        out_console.print(line(f"{result.compared}: ", *verdict,
+                               " per decode step than ring (median step, slowest rank)"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -29,21 +29,21 @@ HELP = (
 
 
 def simulate_command(
-    preset: Annotated[Optional[str], typer.Option(
+    preset: Annotated[str | None, typer.Option(
         "--preset", help="Built-in cluster: h100-sxm, mi300x or rtx4090-pcie (default: the one of the device a "
         "--topology/--profile names, else h100-sxm).")] = DEFAULTS.preset,
-    topology: Annotated[Optional[str], typer.Option(
+    topology: Annotated[str | None, typer.Option(
         "--topology", "-t", help="A node's topology: probe YAML (measured numbers used) or a recorded "
         "dump.")] = DEFAULTS.topology,
-    profile: Annotated[Optional[str], typer.Option(
+    profile: Annotated[str | None, typer.Option(
         "--profile", "-p", help="A profile (path or name): topology, kernel bandwidth, plan "
         "timings.")] = DEFAULTS.profile,
-    params: Annotated[Optional[str], typer.Option(
+    params: Annotated[str | None, typer.Option(
         "--params", help="A parameters file written by benchmarks/calibrate_costmodel.py.")] = DEFAULTS.params,
     world_sizes: Annotated[str, int_list_option(
         "--world-sizes", "-w", help="Comma list of GPU counts (multiples of --gpus-per-node above one "
         "node).")] = DEFAULTS.world_sizes,
-    gpus_per_node: Annotated[Optional[int], typer.Option(
+    gpus_per_node: Annotated[int | None, typer.Option(
         "--gpus-per-node", "-g", help="GPUs per node (default: the preset's or topology's).")] = DEFAULTS.gpus_per_node,
     seq_lens: Annotated[str, count_list_option(
         "--seq-lens", "-n", help="Comma list of total tokens (1 to 100M).")] = DEFAULTS.seq_lens,
@@ -53,16 +53,16 @@ def simulate_command(
     head_dim: HeadDim = DEFAULTS.head_dim,
     dtype: Annotated[str, typer.Option("--dtype", help="Query dtype, and the KV cache's without --kv-dtype: fp32, "
                                        "fp16 or bf16.")] = DEFAULTS.dtype,
-    kv_dtype: Annotated[Optional[str], typer.Option(
+    kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="KV cache dtype: fp32, fp16, bf16 or fp8 (1 byte per element; ring blocks carry their "
         "scales). Default: --dtype.")] = DEFAULTS.kv_dtype,
     fanout: Annotated[int, typer.Option(
         "--fanout", "-k", help="Fan-out of the topology-aware tree.")] = DEFAULTS.fanout,
-    step_overhead_us: Annotated[Optional[float], typer.Option(
+    step_overhead_us: Annotated[float | None, typer.Option(
         "--step-overhead-us", help="Fixed time per decode step besides attention and its communication (a "
         "framework's Python, a graph launch), in microseconds; replaces the parameters' "
         "own.")] = DEFAULTS.step_overhead_us,
-    plot: Annotated[Optional[str], typer.Option(
+    plot: Annotated[str | None, typer.Option(
         "--plot", help="Write latency vs sequence length and speedup vs world size to FILE.png (needs "
         "matplotlib).")] = None,
     json_out: Json = False,

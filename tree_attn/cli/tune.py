@@ -6,7 +6,7 @@ output path, times (or models) and builds the profile.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,13 +30,13 @@ HELP = (
 
 
 def tune_command(
-    topology_file: Annotated[Optional[str], typer.Option(
+    topology_file: Annotated[str | None, typer.Option(
         "--topology", help="A topology YAML or a recorded dump (nvidia-smi topo -m, amd-smi topology...) instead of "
         "probing.")] = DEFAULTS.topology_file,
-    world_size: Annotated[Optional[int], typer.Option(
+    world_size: Annotated[int | None, typer.Option(
         "--world-size", "-w", help="Ranks (default: the GPUs, else 4 CPU ranks).")] = DEFAULTS.world_size,
     device: Device = DEFAULTS.device,
-    output: Annotated[Optional[str], typer.Option(
+    output: Annotated[str | None, typer.Option(
         "--output", "-o", help="Profile path (default: the cache folder, named by fingerprint).")] = DEFAULTS.output,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing profile.")] = DEFAULTS.force,
     quick: Annotated[bool, typer.Option(
@@ -48,7 +48,7 @@ def tune_command(
     head_dim: HeadDim = DEFAULTS.head_dim,
     dtype: Annotated[str, typer.Option("--dtype", help="Query (and, without --kv-dtype, KV) dtype the kernel is tuned "
                                        "for (GPUs): fp32, fp16 or bf16.")] = DEFAULTS.dtype,
-    kv_dtype: Annotated[Optional[str], typer.Option(
+    kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="KV cache dtype the kernel is tuned for (GPUs): fp32, fp16, bf16 or fp8 (float8_e4m3fn, "
         "with scales; its own kernel configs). Default: --dtype.")] = DEFAULTS.kv_dtype,
     backend: Backend = DEFAULTS.backend,
@@ -109,7 +109,8 @@ def _render(profile, path: str) -> None:
 
     red = profile.reduction
     # The heading as a line of its own: a table's title wraps at the table's (narrow) width.
-    out_console.print(styled(f"reduction plans ({red.chosen_by}), message {red.message_bytes:,} B per rank"), soft_wrap=True)
+    out_console.print(styled(f"reduction plans ({red.chosen_by}), message {red.message_bytes:,} B per rank"),
+                      soft_wrap=True)
     table = Table()
     # Plan labels and configs stay whole (no_wrap): the numbers' columns give way first.
     for col in ("", "plan", "median", "p95", "predicted"):
@@ -127,7 +128,8 @@ def _render(profile, path: str) -> None:
         for col in ("bucket", "config", "time", "GB/s", "tried"):
             kt.add_column(col, no_wrap=col in ("bucket", "config"))
         for b in profile.kernel.buckets:
-            kt.add_row(styled(f"{b.dtype} D={b.head_dim} G={b.group} N<={b.max_shard_len:,}"), styled(b.config.describe()),
+            kt.add_row(styled(f"{b.dtype} D={b.head_dim} G={b.group} N<={b.max_shard_len:,}"),
+                       styled(b.config.describe()),
                        us(b.time_us), f"{b.gbps:,.0f}" if b.gbps else "-", str(b.candidates_tried))
         out_console.print(kt)
     for note in profile.notes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..launch.setup import AUTO, DEFAULT_TIMEOUT_S
 from ..sizes import parse_count
+from ..validate import is_int
 
 # Llama-3.1-8B's attention: 32 query heads, 8 KV heads, head dim 128.
 HEADS = 32
@@ -26,7 +27,7 @@ MAX_SEED = 2**40
 
 def check_seed(seed: int, what: str = "--seed") -> None:
     """A seed is an integer in 0..:data:`MAX_SEED` (both ends included)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    if not is_int(seed) or not 0 <= seed <= MAX_SEED:  # check_int would spell 2**40 out
         raise ConfigError(f"{what} must be an integer in 0..2**40; got {seed!r}")
 
 

@@ -14,12 +14,16 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
-from ..dtypes import ALIASES as DTYPE_BYTES  # every spelling of a dtype
+from ..dtypes import FP8, canonical, parse_kv_dtype
 from ..errors import ConfigError
+from ..validate import check_int, is_number
 from .defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS, parse_tokens
 
 MAX_WORLD = 4096
 DEFAULT_PRESET = "h100-sxm"
+# The query dtypes simulate offers for --dtype (its --help says fp32, fp16, bf16), in any spelling
+# dtypes.canonical reads; --kv-dtype also takes fp8.
+SIMULATED_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
 def parse_list(text: str, what: str, parse) -> list:
@@ -147,10 +151,11 @@ def resolve_cluster(opts: SimulateOptions) -> tuple[ClusterSpec, str]:
             topo = load_dump(path)
         refuse_cpu_ranks(topo, f"topology {path}")
         base = base_for(topo.devices[0])
-        named = fit.device_for(topo.devices[0].name)
-        device = named or base.device
+        device = fit.topology_device(topo, fallback=base.device)
+        named = fit.device_for(topo.devices[0].name) is not None
         where = f"topology {path}" + ("" if named else f"; device from preset {base.name} (the topology names none)")
-        return fit.cluster_from_topology(topo, device=device, network=base.network), where + f"; network from preset {base.name}"
+        cluster = fit.cluster_from_topology(topo, device=device, network=base.network)
+        return cluster, where + f"; network from preset {base.name}"
     return base, f"built-in preset {base.name}"
 
 
@@ -168,14 +173,13 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     """Predict every (world size, sequence length) of ``opts`` for tree, allreduce and ring."""
     worlds = parse_list(opts.world_sizes, "--world-sizes", parse_world)
     seqs = parse_list(opts.seq_lens, "--seq-lens", parse_tokens)
-    if opts.dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16")
+    if canonical(opts.dtype) not in SIMULATED_DTYPES:
+        kv_only = canonical(opts.dtype) in FP8
+        raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16"
+                          + ("; fp8 holds KV caches only: give it as the KV dtype (--kv-dtype fp8)" if kv_only else ""))
     if opts.kv_dtype is not None:
-        from ..dtypes import parse_kv_dtype
-
         parse_kv_dtype(opts.kv_dtype)
-    if isinstance(opts.fanout, bool) or not isinstance(opts.fanout, int) or opts.fanout < 2:
-        raise ConfigError(f"--fanout must be an integer >= 2; got {opts.fanout!r}")
+    check_int(opts.fanout, "--fanout", minimum=2, must=True)
     if opts.fanout > max(max(worlds), 2):
         raise ConfigError(f"--fanout {opts.fanout} is larger than the largest world size {max(worlds)}; "
                           f"use 2..{max(max(worlds), 2)}")
@@ -186,19 +190,19 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     cluster, source = resolve_cluster(opts)
     if opts.step_overhead_us is not None:
         over = opts.step_overhead_us
-        if isinstance(over, bool) or not isinstance(over, (int, float)) or not 0 <= over <= 1e9:
+        if not is_number(over) or not 0 <= over <= 1e9:
             raise ConfigError(f"--step-overhead-us must be a number of microseconds from 0 to 1e9; got {over!r}")
         cluster = dataclasses.replace(cluster, step_overhead_us=float(over))
         source += f"; step overhead set to {over:g} us"
     g = cluster.ranks_per_node if opts.gpus_per_node is None else opts.gpus_per_node
-    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_WORLD:
-        raise ConfigError(f"--gpus-per-node must be an integer in 1..{MAX_WORLD}; got {g!r}")
+    check_int(g, "--gpus-per-node", minimum=1, maximum=MAX_WORLD, must=True)
     if cluster.pair_links and g != cluster.ranks_per_node:
         raise ConfigError(f"the topology describes nodes of {cluster.ranks_per_node} devices; --gpus-per-node {g} "
                           "would invent the rest: omit it")
     if g < max(worlds) and cluster.network is None:
         more = (f", or --gpus-per-node {max(worlds)}: ranks of one host beyond its {cluster.device.shared_cores} "
-                "cores share them, as the model prices" if cluster.device.shared_cores and not cluster.pair_links else "")
+                "cores share them, as the model prices"
+                if cluster.device.shared_cores and not cluster.pair_links else "")
         raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
                           f"use world sizes up to {g}{more}")
     workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype, opts.kv_dtype)
@@ -224,12 +228,12 @@ def memory_notes(rows: list[SimRow], mem: int) -> list[str]:
     shard = {r.seq_len: r.tree.peak_mem_bytes - r.tree.extra_mem_bytes for r in rows}  # the largest KV shard
     too_big = sorted(n for n, b in shard.items() if b > mem)
     if too_big:
-        return [f"{world} GPUs: from {too_big[0]:,} tokens the KV shard alone ({shard[too_big[0]] / 2**30:,.1f} GiB "
-                f"per rank) exceeds the device's {mem / 2**30:,.1f} GiB: no strategy runs there"]
+        return [(f"{world} GPUs: from {too_big[0]:,} tokens the KV shard alone ({shard[too_big[0]] / 2**30:,.1f} GiB "
+                 f"per rank) exceeds the device's {mem / 2**30:,.1f} GiB: no strategy runs there")]
     worst = max(rows, key=lambda r: r.ring.peak_mem_bytes)
     if worst.ring.peak_mem_bytes > mem:
         flying = min(2, world - 1)
-        return [f"{world} GPUs: ring's peak per rank (KV shard + {flying} block{'s' if flying > 1 else ''} in flight) "
-                f"reaches {worst.ring.peak_mem_bytes / 2**30:,.1f} GiB at {worst.seq_len:,} tokens, beyond the "
-                f"device's {mem / 2**30:,.1f} GiB"]
+        return [(f"{world} GPUs: ring's peak per rank (KV shard + {flying} block{'s' if flying > 1 else ''} in flight) "
+                 f"reaches {worst.ring.peak_mem_bytes / 2**30:,.1f} GiB at {worst.seq_len:,} tokens, beyond the "
+                 f"device's {mem / 2**30:,.1f} GiB")]
     return []

@@ -11,12 +11,22 @@ from .links import LINK_CLASSES, LINK_COSTS, LinkParams
 from .params import ClusterSpec, DeviceParams
 from .presets import PRESETS, preset
 from .step import (
-    StepPrediction, Workload, allreduce_us, cluster_hierarchy, cluster_plan, decode_message_bytes,
-    local_attention_us, merge_us, predict_allreduce, predict_ring, predict_step, predict_tree,
+    StepPrediction,
+    Workload,
+    allreduce_us,
+    cluster_hierarchy,
+    cluster_plan,
+    decode_message_bytes,
+    local_attention_us,
+    merge_us,
+    predict_allreduce,
+    predict_ring,
+    predict_step,
+    predict_tree,
 )
 
 __all__ = [
-    "LINK_CLASSES", "LINK_COSTS", "ClusterSpec", "DeviceParams", "LinkParams", "PRESETS", "preset",
-    "StepPrediction", "Workload", "allreduce_us", "cluster_hierarchy", "cluster_plan", "decode_message_bytes",
-    "local_attention_us", "merge_us", "predict_allreduce", "predict_ring", "predict_step", "predict_tree",
+    "LINK_CLASSES", "LINK_COSTS", "PRESETS", "ClusterSpec", "DeviceParams", "LinkParams", "StepPrediction", "Workload",
+    "allreduce_us", "cluster_hierarchy", "cluster_plan", "decode_message_bytes", "local_attention_us", "merge_us",
+    "predict_allreduce", "predict_ring", "predict_step", "predict_tree", "preset",
 ]

@@ -210,7 +210,8 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     topo = measure_topology(host_topology(2), iterations=iterations)
     link = topo.links[0]
     meas = topo.measurement
-    res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo", device_kind="cpu")
+    res = launch_ranks(_time_local, n, args=((SHORT_TOKENS, LONG_TOKENS), dtype, repeats), backend="gloo",
+                       device_kind="cpu")
     per_token = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * itemsize(dtype)
     local = {tok: max(r["local"][tok] for r in res) for tok in (SHORT_TOKENS, LONG_TOKENS)}
     fixed_us, gbps = line_through(local, per_token)
@@ -252,11 +253,11 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     return ClusterSpec(
         "cpu ranks (calibrated)", dev, ranks_per_node=cores, nodes=1, intra=lp, network=None,
         step_overhead_us=barrier_us,
-        notes=(f"calibrated on {cores} cores: local line {fixed_us:.0f} us + bytes / {gbps:.2f} GB/s, "
-               f"merge {merge_us:.0f} us, barrier {barrier_us:.0f} us, p2p {alpha_us:.0f} us + bytes / "
-               f"{beta:.2f} GB/s, ring exchange {bulk_fixed_us or 0:.0f} us + bytes / {bulk or 0:.2f} GB/s "
-               f"({100 * (bulk_cpu or 0):.0f}% of it on a core), all-reduce of {ALLREDUCE_BYTES} B {ar_us:.0f} us "
-               f"(back to back, probe --measure: {meas.allreduce_latency_us:.0f} us)",),
+        notes=((f"calibrated on {cores} cores: local line {fixed_us:.0f} us + bytes / {gbps:.2f} GB/s, "
+                f"merge {merge_us:.0f} us, barrier {barrier_us:.0f} us, p2p {alpha_us:.0f} us + bytes / "
+                f"{beta:.2f} GB/s, ring exchange {bulk_fixed_us or 0:.0f} us + bytes / {bulk or 0:.2f} GB/s "
+                f"({100 * (bulk_cpu or 0):.0f}% of it on a core), all-reduce of {ALLREDUCE_BYTES} B {ar_us:.0f} us "
+                f"(back to back, probe --measure: {meas.allreduce_latency_us:.0f} us)"),),
     )
 
 
@@ -310,9 +311,10 @@ def gpu_cluster(topo, dev: DeviceParams, *, fixed_us: float, gbps: float) -> Clu
     if len(topo) == 1:
         return dataclasses.replace(
             like, name=f"{dev.name} (calibrated on one GPU; {like.name} links)", device=dev, step_overhead_us=0.0,
-            notes=like.notes + (measured, f"one GPU here: no link was measured; the node's links and the "
-                                          f"network are the {like.name} preset's"),
+            notes=like.notes + (measured, (f"one GPU here: no link was measured; the node's links and the "
+                                           f"network are the {like.name} preset's")),
         )
-    cluster = cluster_from_topology(topo, device=dev, network=like.network, name=f"{len(topo)}x {dev.name} (calibrated)")
+    cluster = cluster_from_topology(topo, device=dev, network=like.network,
+                                    name=f"{len(topo)}x {dev.name} (calibrated)")
     return dataclasses.replace(cluster, step_overhead_us=0.0, notes=cluster.notes + (
         measured, f"the network between nodes is the {like.name} preset's (not measured)"))

@@ -86,12 +86,12 @@ class DeviceSpec:
         """Bandwidth a perfect streaming kernel reaches: the measured copy rate, or ~90% of a datasheet peak."""
         return self.mem_bandwidth_gbps * (1.0 if self.bandwidth_source == "measured" else 0.9)
 
-    def with_measured_bandwidth(self, gbps: float) -> "DeviceSpec":
+    def with_measured_bandwidth(self, gbps: float) -> DeviceSpec:
         """A copy whose bandwidth is ``gbps`` measured on this card (e.g. by a device-to-device copy)."""
         return replace(self, mem_bandwidth_gbps=float(gbps), bandwidth_source="measured")
 
     @classmethod
-    def from_torch_device(cls, device: Any = None) -> "DeviceSpec":
+    def from_torch_device(cls, device: Any = None) -> DeviceSpec:
         """The spec of a live torch device (:func:`tree_attn.cost.probe.probe_device_spec`, which
         imports torch)."""
         from .probe import probe_device_spec

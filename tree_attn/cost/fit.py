@@ -47,15 +47,19 @@ def device_for(name: str) -> DeviceParams | None:
                                          "the rest as the H100 preset")
 
 
-def topology_device(topo) -> DeviceParams:
+def topology_device(topo, fallback: DeviceParams | None = None) -> DeviceParams:
     """The device a topology's ranks are priced with where nothing better is given: the
-    catalogue's for its device name, else (a recorded dump names none) the device of the preset
-    of its kind of GPU (:func:`presets.preset_for_device`, as ``simulate --topology`` takes it);
-    CPU ranks :data:`presets.CPU_RANK` (merges only: their local attention needs calibrating)."""
+    catalogue's for its device name, else (a recorded dump names none) ``fallback`` (``simulate
+    --preset``'s device), by default the device of the preset of its kind of GPU
+    (:func:`presets.preset_for_device`); CPU ranks :data:`presets.CPU_RANK` (merges only: their
+    local attention needs calibrating)."""
     dev = topo.devices[0]
     if dev.vendor == "cpu":
         return CPU_RANK
-    return device_for(dev.name) or preset(preset_for_device(f"{dev.name} {dev.vendor}")).device
+    named = device_for(dev.name)
+    if named is not None:
+        return named
+    return fallback if fallback is not None else preset(preset_for_device(f"{dev.name} {dev.vendor}")).device
 
 
 def cluster_from_topology(topo, *, device: DeviceParams | None = None, nodes: int = 1,
@@ -118,8 +122,8 @@ def cluster_from_profile(profile, **kw) -> ClusterSpec:
     pairs = cluster.pair_links
     if ar is not None and n > 1:
         step = max(0.0, ar.median_us / 2 - dev.collective_us) / (2 * (n - 1))  # two all-reduces per merge
-        pairs = {k: dataclasses.replace(l, ar_step_us=step, source=l.source + f"; all-reduce step from profile {profile.name}")
-                 for k, l in pairs.items()}
+        note = f"; all-reduce step from profile {profile.name}"
+        pairs = {k: dataclasses.replace(l, ar_step_us=step, source=l.source + note) for k, l in pairs.items()}
     return dataclasses.replace(cluster, device=dev, pair_links=pairs)
 
 
@@ -136,7 +140,8 @@ def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
              "hierarchy", "notes", "measured"}
     unknown = set(d) - known
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected some of {', '.join(sorted(known))}")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"expected some of {', '.join(sorted(known))}")
     try:
         dev = DeviceParams(**_mapping(d["device"], "device"))
         intra = LinkParams(**_mapping(d["intra"], "intra")) if d.get("intra") else None

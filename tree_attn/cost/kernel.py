@@ -17,13 +17,27 @@ published microbenchmarks, each field says which). Pure Python: no torch at impo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import itemsize
-from ..kernels.config import (HEURISTIC_MAX_SPLITS, MIN_TILES_PER_SPLIT, SMEM_HEADROOM, STAGE2_SPLIT_TILE, DecodeConfig,
-                              default_config, default_num_splits, dot_math, group_block, group_blocks_for, padded_head_dim,
-                              split_len, stage1_smem_bytes, stage1_spill_free)
+from ..kernels.config import (
+    HEURISTIC_MAX_SPLITS,
+    MIN_TILES_PER_SPLIT,
+    SMEM_HEADROOM,
+    STAGE2_SPLIT_TILE,
+    DecodeConfig,
+    default_config,
+    default_num_splits,
+    dot_math,
+    group_block,
+    group_blocks_for,
+    padded_head_dim,
+    split_len,
+    stage1_smem_bytes,
+    stage1_spill_free,
+)
 from ..validate import check_int, check_number
 from .devices import DeviceSpec
 
@@ -226,7 +240,8 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
     """The tuning search space for one shape on one device: every config with an explicit
     ``num_splits`` (powers of two up to the tile count, plus the heuristic's pick), block_n in
     {32, 64, 128} ({16, 32, 64} for fp32; fp8 as 16-bit: 256-key tiles, tried, spill registers
-    where the rule passes them) whose pipelined K/V tiles fit in 85% of the SM's shared memory, 2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
+    where the rule passes them) whose pipelined K/V tiles fit in 85% of the SM's shared memory,
+    2/4/8 warps (those that do not spill registers, :func:`stage1_spill_free`), 1-4 pipeline
     stages on NVIDIA and 1-2 with waves_per_eu in {0, 1, 2, 4} on AMD.
     """
     kv_elem, elem = element_sizes(dtype)

@@ -17,6 +17,7 @@ from ..validate import check_int, check_number
 from .devices import DeviceSpec
 from .links import LINK_CLASSES, LinkParams
 
+
 @dataclass(frozen=True)
 class DeviceParams:
     """One rank's device: the local attention and the merge.
@@ -60,7 +61,7 @@ class DeviceParams:
 
     @classmethod
     def from_spec(cls, spec: DeviceSpec, *, kernel_fraction: float, merge_us: float, collective_us: float,
-                  kernel_fixed_us: float | None = None, name: str | None = None, **kw: Any) -> "DeviceParams":
+                  kernel_fixed_us: float | None = None, name: str | None = None, **kw: Any) -> DeviceParams:
         """A catalogued card's parameters: its name, memory bandwidth and memory from ``spec`` (the
         catalogue, :mod:`tree_attn.cost.devices`), the local attention's fixed cost by default the
         two launches of the split-KV kernel (2 x ``spec.launch_gap_us``)."""
@@ -112,7 +113,8 @@ class ClusterSpec:
         for name in ("ranks_per_node", "nodes"):
             check_int(getattr(self, name), name, minimum=1)
         if self.intra is None and self.ranks_per_node > 1 and not self.pair_links:
-            raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node need an intra-node link class")
+            raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node "
+                              "need an intra-node link class")
         if self.network is None and self.nodes > 1:
             raise ConfigError(f"cluster {self.name}: {self.nodes} nodes need a network link class (--network)")
         check_number(self.step_overhead_us, "step_overhead_us")
@@ -131,7 +133,7 @@ class ClusterSpec:
         la, lb = sorted((a % self.ranks_per_node, b % self.ranks_per_node))
         return self.pair_links.get((la, lb), self.intra)
 
-    def with_shape(self, nodes: int, ranks_per_node: int) -> "ClusterSpec":
+    def with_shape(self, nodes: int, ranks_per_node: int) -> ClusterSpec:
         """The same parameters for another number of nodes and ranks per node. A node described by
         per-pair links keeps them at its own size; with fewer ranks per node, the sub-node of its
         local ranks ``0 .. ranks_per_node - 1`` (their pairs' links and their part of the
@@ -150,7 +152,8 @@ class ClusterSpec:
         """Every distinct link class in use, fastest (by latency) first."""
         seen: dict[str, LinkParams] = {}
         if self.ranks_per_node > 1:
-            for l in ([self.intra] if self.intra is not None and not self.pair_links else list(self.pair_links.values())):
+            node_links = [self.intra] if self.intra is not None and not self.pair_links else self.pair_links.values()
+            for l in node_links:
                 seen.setdefault(l.kind + l.source, l)
         if self.nodes > 1:
             seen.setdefault("network" + self.network.source, self.network)

@@ -10,8 +10,9 @@ into a profile; without one, :func:`default_config` picks a config from the shap
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .. import validate
 from ..errors import ConfigError
@@ -86,7 +87,8 @@ class DecodeConfig:
         _check_int("num_splits", self.num_splits, 1, MAX_NUM_SPLITS, optional=True)
         _check_int("waves_per_eu", self.waves_per_eu, 0, MAX_WAVES_PER_EU, optional=True)
         # Configs key the prepared-launch cache on every eager call: hash the fields once.
-        object.__setattr__(self, "_hash", hash((self.block_n, self.num_warps, self.num_stages, self.num_splits, self.waves_per_eu)))
+        object.__setattr__(self, "_hash", hash((self.block_n, self.num_warps, self.num_stages, self.num_splits,
+                                                self.waves_per_eu)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -96,7 +98,7 @@ class DecodeConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DecodeConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> DecodeConfig:
         """Build from a mapping such as a profile's ``kernel:`` section; unknown keys are rejected.
 
         Missing keys take the dataclass defaults.
@@ -111,7 +113,7 @@ class DecodeConfig:
             )
         return cls(**dict(data))
 
-    def with_splits(self, num_splits: int) -> "DecodeConfig":
+    def with_splits(self, num_splits: int) -> DecodeConfig:
         """A copy with ``num_splits`` set."""
         return replace(self, num_splits=num_splits)
 
@@ -257,7 +259,7 @@ def paged_gather(block_size: int, block_n: int) -> bool:
 
 
 def stage1_spill_free(
-    block_n: int, num_warps: int, shape: "DecodeShape", dtype: Any, warp_size: int = 32, *, q_dtype: Any = None
+    block_n: int, num_warps: int, shape: DecodeShape, dtype: Any, warp_size: int = 32, *, q_dtype: Any = None
 ) -> bool:
     """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
     query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
@@ -312,7 +314,7 @@ def default_num_splits(
     return best
 
 
-def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None) -> DecodeConfig:
+def default_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec, *, q_dtype: Any = None) -> DecodeConfig:
     """The config used when none is given, with ``num_splits`` resolved.
 
     ``dtype`` is the KV cache's, ``q_dtype`` the query's (``None``: the same); together they say
@@ -347,7 +349,8 @@ def default_config(shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", 
     num_stages = 1 if amd else 2
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
+    smem_budget = SMEM_HEADROOM * device_spec.smem_per_sm_bytes
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > smem_budget:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:
@@ -386,7 +389,7 @@ def group_blocks_for(group: int) -> int:
 
 
 def resolve_config(
-    config: DecodeConfig | None, shape: "DecodeShape", dtype: Any, device_spec: "DeviceSpec", *, q_dtype: Any = None
+    config: DecodeConfig | None, shape: DecodeShape, dtype: Any, device_spec: DeviceSpec, *, q_dtype: Any = None
 ) -> DecodeConfig:
     """``config`` with ``num_splits`` filled in by the heuristic if it is ``None``; default if no
     config (``dtype``: the cache's, ``q_dtype``: the query's, ``None`` = the same)."""

@@ -5,11 +5,12 @@ The float64 truth it is tested against is :func:`tree_attn.kernels.reference.dec
 
 A contiguous or paged cache with a dense head dimension, with one query token per row (the decode
 step of ``run``, ``tree_decode`` and ``generate``) or several (a verify step), goes to the C kernel
-of :mod:`tree_attn.kernels.cpu_native` (``cpu_decode.c``) when this machine could build it: it
-reads K and V once, in memory order, and reached 83-97% of one core's read bandwidth at MHA 8 x 128
-fp32 where the torch ops below reach 42-47% (numbers and command in ``benchmarks/RESULTS.md``). Calls with many query rows per KV head
-(``NATIVE_MAX_QUERY_ROWS``; MKL's GEMM wins there), caches whose head dimension is strided,
-explicit chunking and machines without a C compiler take the torch ops, described next.
+of :mod:`tree_attn.kernels.cpu_native` (``cpu_decode.c``) when this machine could build it: it reads
+K and V once, in memory order, and reached 83-97% of one core's read bandwidth at MHA 8 x 128 fp32
+where the torch ops below reach 42-47% (numbers and command in ``benchmarks/RESULTS.md``). Calls
+with many query rows per KV head (``NATIVE_MAX_QUERY_ROWS``; MKL's GEMM wins there), caches whose
+head dimension is strided, explicit chunking and machines without a C compiler take the torch ops,
+described next.
 
 Why it is shaped this way (measured on a 2-core AMD EPYC Zen 4 VM, torch 2.13 CPU with MKL, one
 thread, MHA 8 x 128, fp32, 16,384 tokens per rank unless said; end-to-end numbers, the command and
@@ -248,7 +249,8 @@ def _causal_mask(causal_from: int | None, s0: int, s1: int, sq: int, g: int) -> 
 class _Work:
     """Per-call settings and buffers of :func:`decode_attention_cpu` (bounded, N-independent)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int, paged: bool = False):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, step: int, hkv: int, g: int, d: int, block: int,
+                 paged: bool = False):
         dev = k.device
         self.step = step
         # Paged pools: each chunk's tokens are gathered (index_select, a page = block_size tokens

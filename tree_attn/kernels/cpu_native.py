@@ -161,7 +161,8 @@ def _load() -> NativeKernel:
     for extra in (("-march=native",), ()):
         flags = (*BASE_FLAGS, *extra)
         key = hashlib.sha256(
-            b"\0".join([source, " ".join(compiler).encode(), *(v.encode() for v in version), " ".join(flags).encode(), _cpu_identity()])
+            b"\0".join([source, " ".join(compiler).encode(), *(v.encode() for v in version), " ".join(flags).encode(),
+                        _cpu_identity()])
         ).hexdigest()[:16]
         path = cache / f"cpu_decode-{key}.so"
         try:
@@ -203,7 +204,8 @@ def _cache_dir() -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _Unavailable(f"cannot create the build cache {path}: {e}; set TREE_ATTN_CACHE_DIR to a writable folder") from e
+        raise _Unavailable(f"cannot create the build cache {path}: {e}; "
+                           "set TREE_ATTN_CACHE_DIR to a writable folder") from e
     return path
 
 

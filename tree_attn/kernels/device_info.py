@@ -16,7 +16,7 @@ def is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spec_for_index(index: int) -> DeviceSpec:
     return probe_device_spec(index)
 

@@ -7,6 +7,7 @@ import torch
 from .impl import IMPLS, resolve_impl, triton_interpreter_enabled  # noqa: F401 - re-exported
 from .prepared import DecodeOptions, prepared_decode
 
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, impl: str = "auto", config=None,

@@ -89,7 +89,8 @@ def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
     b, mb = block_table.shape
     if nb == 0 or b * mb == 0:
         return pool.new_zeros(b, mb * bs, hkv, d)
-    used = torch.arange(mb, device=block_table.device)[None, :] < needed_blocks(seq_lens, bs).to(block_table.device)[:, None]
+    needed = needed_blocks(seq_lens, bs).to(block_table.device)
+    used = torch.arange(mb, device=block_table.device)[None, :] < needed[:, None]
     idx = torch.where(used, block_table.to(torch.int64), 0).clamp_(0, nb - 1)
     pages = pool[idx.to(pool.device)]  # [B, max_blocks, bs, Hkv, D]
     pages = torch.where(used.to(pool.device)[:, :, None, None, None], pages, pages.new_zeros(()))

@@ -133,7 +133,8 @@ class PreparedDecode:
         self._check_lens_values = seq_lens is not None and seq_lens.device.type == "cpu"
         # The kernel reads int32 lengths; other integer dtypes are converted per call.
         self._lens_cast = seq_lens is not None and (seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous())
-        self._table_cast = block_table is not None and (block_table.dtype != torch.int32 or not block_table.is_contiguous())
+        self._table_cast = block_table is not None and (
+            block_table.dtype != torch.int32 or not block_table.is_contiguous())
         if block_table is not None and block_table.device.type != "cpu" and not _capturing(q):
             # Once per signature (a host sync here, none per step; none at all inside a CUDA-graph
             # capture, where a sync is illegal: the kernel clamps block ids to the pool either way).

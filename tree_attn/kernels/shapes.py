@@ -73,7 +73,8 @@ def check_arg_types(q, k, v, seq_lens, block_table=None, causal=False) -> None:
     if seq_lens is not None and not isinstance(seq_lens, torch.Tensor):
         raise ShapeError(f"seq_lens must be an integer torch.Tensor [B] or None; got {type(seq_lens).__name__}")
     if block_table is not None and not isinstance(block_table, torch.Tensor):
-        raise ShapeError(f"block_table must be an int32 torch.Tensor [B, max_blocks] or None; got {type(block_table).__name__}")
+        raise ShapeError("block_table must be an int32 torch.Tensor [B, max_blocks] or None; "
+                         f"got {type(block_table).__name__}")
     if not isinstance(causal, bool):
         raise ConfigError(f"causal must be True or False; got {type(causal).__name__} {causal!r}")
 
@@ -114,7 +115,8 @@ def check_decode_inputs(
         b, sq, hq, d = q.shape
         if not 1 <= sq <= MAX_QUERY_TOKENS:
             raise ShapeError(
-                f"q [B, Sq, Hq, D] must have 1..{MAX_QUERY_TOKENS} query tokens per row; got Sq={sq} (shape {tuple(q.shape)})"
+                f"q [B, Sq, Hq, D] must have 1..{MAX_QUERY_TOKENS} query tokens per row; "
+                f"got Sq={sq} (shape {tuple(q.shape)})"
             )
     else:
         (b, hq, d), sq = q.shape, 1
@@ -125,7 +127,8 @@ def check_decode_inputs(
 
         num_blocks, block_size = k.shape[0], n_or_bs
         if block_table.dim() != 2 or block_table.shape[0] != b:
-            raise ShapeError(f"block_table must be [B, max_blocks] = [{b}, max_blocks]; got shape {tuple(block_table.shape)}")
+            raise ShapeError(f"block_table must be [B, max_blocks] = [{b}, max_blocks]; "
+                             f"got shape {tuple(block_table.shape)}")
         if block_table.dtype not in (torch.int32, torch.int64):
             raise ShapeError(f"block_table must be an int32 tensor; got {block_table.dtype}")
         if block_table.device != q.device:
@@ -144,7 +147,8 @@ def check_decode_inputs(
         raise ShapeError(f"query heads Hq={hq} must be a multiple of KV heads Hkv={hkv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in FLOAT_DTYPES and not (fp8_kv and name != "q" and t.dtype in FP8_DTYPES):
-            kinds = "float16, bfloat16, float32 or fp8 (float8_e4m3fn)" if fp8_kv and name != "q" else "float16, bfloat16 or float32"
+            kinds = ("float16, bfloat16, float32 or fp8 (float8_e4m3fn)" if fp8_kv and name != "q"
+                     else "float16, bfloat16 or float32")
             raise ShapeError(f"{name} must be {kinds}; got {t.dtype}")
     if k.dtype != v.dtype:
         raise ShapeError(f"k and v must share a dtype; got k {k.dtype}, v {v.dtype}")

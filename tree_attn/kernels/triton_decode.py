@@ -102,7 +102,9 @@ def _dot_parts(a0, a1, a2, b, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRE
 @triton.jit
 def split_kv_stage1_kernel(
     Q,  # [B, (Sq,) Hq, D]
-    K,  # [B, N, Hkv, D], or with PAGED a pool [num_blocks, PAGE_SIZE, Hkv, D] (then "b" and "n" strides are block and in-page)
+    # K: [B, N, Hkv, D], or with PAGED a pool [num_blocks, PAGE_SIZE, Hkv, D] (then the "b" and "n"
+    # strides are the block's and the in-page ones)
+    K,
     V,  # as K
     SEQ_LENS,  # [B] int32 (read only if HAS_SEQ_LENS)
     BLOCK_TABLE,  # [B, max_blocks] int32 (read only if PAGED)
@@ -255,8 +257,10 @@ def split_kv_stage1_kernel(
                 blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
                 blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
                 in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-                kt_ptrs = K + h64 * stride_kh + (blk * stride_kb + in_page * stride_kn)[:, None] + offs_d[None, :] * STRIDE_KD
-                vt_ptrs = V + h64 * stride_vh + (blk * stride_vb + in_page * stride_vn)[:, None] + offs_d[None, :] * STRIDE_VD
+                kt_ptrs = (K + h64 * stride_kh + (blk * stride_kb + in_page * stride_kn)[:, None]
+                           + offs_d[None, :] * STRIDE_KD)
+                vt_ptrs = (V + h64 * stride_vh + (blk * stride_vb + in_page * stride_vn)[:, None]
+                           + offs_d[None, :] * STRIDE_VD)
         else:
             kt_ptrs = k_ptrs
             vt_ptrs = v_ptrs
@@ -379,7 +383,8 @@ def split_kv_stage2_kernel(
         l = tl.load(lse_base + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
         l = tl.where(l < float("inf"), l, float("-inf"))
         w = tl.exp(l - m_safe)  # 0 for empty states
-        o = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        o = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                    other=0.0)
         # An empty state's o is ignored explicitly (0 * NaN would be NaN).
         acc += tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0), 0)
         den_vec += w

@@ -10,11 +10,19 @@ import math
 
 import torch
 
-from ..errors import ConfigError, KernelUnavailableError
-from .config import (STAGE2_SPLIT_TILE, DecodeConfig, dot_math, group_block, group_blocks_for, padded_head_dim,
-                     resolve_config, split_len)
-from .device_info import device_spec_for, is_rocm
 from ..cost.devices import DeviceSpec
+from ..errors import ConfigError, KernelUnavailableError
+from .config import (
+    STAGE2_SPLIT_TILE,
+    DecodeConfig,
+    dot_math,
+    group_block,
+    group_blocks_for,
+    padded_head_dim,
+    resolve_config,
+    split_len,
+)
+from .device_info import device_spec_for, is_rocm
 from .impl import triton_interpreter_enabled
 from .layout import OutLayout
 from .shapes import FP8_DTYPES, check_decode_inputs, resolve_scale
@@ -90,7 +98,8 @@ class TritonDecodeLaunch:
         interpret = backend == "interpreter"
         if cfg.waves_per_eu is not None and not rocm and not interpret:
             raise ConfigError(
-                f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; set it to None on this device ({q.device})"
+                f"DecodeConfig.waves_per_eu={cfg.waves_per_eu} is an AMD (ROCm) option; "
+                f"set it to None on this device ({q.device})"
             )
         self.config = cfg
         self.device = q.device
@@ -216,14 +225,16 @@ class TritonDecodeLaunch:
                     q, k, v, seq_lens, out, lse, block_table, k_scale=k_scale, v_scale=v_scale
                 ):
                     kernel[grid](*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is Triton's resource error
+        except Exception as exc:  # re-raised unless it is Triton's resource error
             if type(exc).__name__ == "OutOfResources":
                 hint = "use a smaller block_n or fewer num_stages"
                 if q.dtype != k.dtype and not self.fp8:
-                    hint += f", or a query in the cache's dtype (q.to({k.dtype}): a {q.dtype} query enters the dots in parts)"
+                    hint += (f", or a query in the cache's dtype (q.to({k.dtype}): "
+                             f"a {q.dtype} query enters the dots in parts)")
                 raise ConfigError(
                     f"config {self.config.describe()} needs more shared memory or registers than {self.device} has "
-                    f"for D={self.shape.head_dim}, {self.shape.query_rows} query rows per KV head, {k.dtype}: {hint} ({exc})"
+                    f"for D={self.shape.head_dim}, {self.shape.query_rows} query rows per KV head, {k.dtype}: "
+                    f"{hint} ({exc})"
                 ) from exc
             raise
 
@@ -245,7 +256,8 @@ class TritonDecodeLaunch:
         table = block_table if self.paged else lse
         if self.fp8:
             if k_scale is None or v_scale is None:
-                raise ConfigError("this launch is for an fp8 cache: pass its k_scale and v_scale (float32 [Hkv]) at every call")
+                raise ConfigError("this launch is for an fp8 cache: pass its k_scale and v_scale "
+                                  "(float32 [Hkv]) at every call")
             scales = (k_scale, v_scale)
         else:
             scales = (lse, lse)
@@ -254,7 +266,8 @@ class TritonDecodeLaunch:
                      (q, k, v, lens, table, *scales, out, lse, *self._stage1_scalars), self._stage1_constexprs)]
         return [
             (kernels.split_kv_stage1_kernel, self.grid1,
-             (q, k, v, lens, table, *scales, self.o_part, self.lse_part, *self._stage1_scalars), self._stage1_constexprs),
+             (q, k, v, lens, table, *scales, self.o_part, self.lse_part, *self._stage1_scalars),
+             self._stage1_constexprs),
             (kernels.split_kv_stage2_kernel, self._grid2,
              (self.o_part, self.lse_part, out, lse, *self._stage2_args), self._stage2_constexprs),
         ]
@@ -311,7 +324,8 @@ def decode_attention_triton(
 FP8_MIN_CUDA_CAPABILITY = (8, 9)
 
 
-def fp8_unsupported_reason(kv_dtype: torch.dtype, backend: str, capability: tuple[int, int] | None = None) -> str | None:
+def fp8_unsupported_reason(kv_dtype: torch.dtype, backend: str,
+                           capability: tuple[int, int] | None = None) -> str | None:
     """Why the Triton kernel cannot take a ``kv_dtype`` (fp8) cache on ``backend`` ("cuda", "hip",
     "interpreter") with CUDA compute ``capability`` (None: not known), or None if it can."""
     if backend == "cuda":
@@ -347,7 +361,8 @@ def _check_scales(fp8: bool, k: torch.Tensor, device: torch.device, kv_heads: in
             raise ConfigError(f"k_scale/v_scale are for fp8 caches (torch.float8_e4m3fn); this cache is {k.dtype}")
         return
     if not all(given):
-        raise ConfigError(f"an fp8 cache ({k.dtype}) needs both k_scale and v_scale: float32 [Hkv] dequantization scales")
+        raise ConfigError(f"an fp8 cache ({k.dtype}) needs both k_scale and v_scale: "
+                          "float32 [Hkv] dequantization scales")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (kv_heads,):
             what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -407,7 +422,8 @@ def merge_splits_triton(
     """
     if o_part.dim() != 4 or lse_part.shape != o_part.shape[:3]:
         raise ConfigError(
-            f"merge_splits_triton wants o_part [B, H, S, D] and lse_part [B, H, S]; got {tuple(o_part.shape)} and {tuple(lse_part.shape)}"
+            "merge_splits_triton wants o_part [B, H, S, D] and lse_part [B, H, S]; "
+            f"got {tuple(o_part.shape)} and {tuple(lse_part.shape)}"
         )
     if o_part.stride(3) != 1:
         o_part = o_part.contiguous()
@@ -452,7 +468,7 @@ def stage2_launch(
 ) -> tuple:
     """Stage two's launch on these tensors as ``(jit function, grid, args, keyword args)`` (see
     :meth:`TritonDecodeLaunch.launches`): what :func:`merge_splits_triton` launches."""
-    b, h, s, d = o_part.shape
+    b, h, _s, d = o_part.shape
     args = (o_part, lse_part, out, lse,
             *_stage2_args(o_part, lse_part, (out.stride(0), out.stride(1)), (lse.stride(0), lse.stride(1))))
     kwargs = dict(

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DistributedError, TreeAttnError
 from .env import DEFAULT_TIMEOUT_S
@@ -57,7 +58,7 @@ def _relay(messages, progress: Callable[[str], None], done: threading.Event) -> 
         try:
             progress(text)
         except Exception:  # noqa: BLE001 - a progress display that fails must not stall the work
-            progress = lambda text: None  # noqa: E731
+            progress = lambda text: None
 
 
 def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -84,7 +85,7 @@ def run_in_child(fn: Callable[..., Any], args: tuple = (), *, what: str, timeout
                                  timeout_s=timeout_s)
     except DistributedError as exc:
         text = str(exc)  # launch_ranks speaks of "rank 0"; here it is the child
-        text = text[len("rank 0 "):] if text.startswith("rank 0 ") else text
+        text = text.removeprefix("rank 0 ")
         text = text.replace("; the other ranks were stopped", "")  # there are none
         err = DistributedError(f"{what} (a child process) {text}")
         err.remote_traceback = getattr(exc, "remote_traceback", None)

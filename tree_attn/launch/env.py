@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..validate import check_int, is_number
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,8 +40,7 @@ def max_cpu_ranks() -> int:
 def check_cpu_ranks(n: int, what: str = "--world-size") -> None:
     """Refuse a CPU rank count that is not a positive integer or beyond :func:`max_cpu_ranks`,
     before anything is built for it (a topology of n ranks has n (n - 1) / 2 links)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{what} must be an integer >= 1; got {n!r}")
+    check_int(n, what, minimum=1, must=True)
     limit = max_cpu_ranks()
     if n > limit:
         cores = usable_cores()
@@ -64,8 +64,7 @@ def oversubscription_warning(n: int, timed: str = "step times") -> str | None:
 
 def check_timeout(timeout_s: float, what: str = "--timeout") -> None:
     """A collective timeout must be a positive, finite number of seconds (at most ~11 days)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-            or not 0 < timeout_s <= 1e6:
+    if not is_number(timeout_s) or not math.isfinite(timeout_s) or not 0 < timeout_s <= 1e6:
         raise ConfigError(f"{what} must be a number of seconds in (0, 1e6]; got {timeout_s!r}")
 
 

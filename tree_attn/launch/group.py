@@ -169,7 +169,7 @@ def init_torchrun(env: RankEnv, timeout_s: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
     except TreeAttnError:
         raise
-    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError, RuntimeError, ValueError...
+    except Exception as exc:  # torch raises DistNetworkError, RuntimeError, ValueError...
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise DistributedError(
             f"could not join the torchrun job at {where} as RANK={env.rank} of WORLD_SIZE={env.world_size} within "

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import DistributedError
 from .env import RankEnv

@@ -21,10 +21,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -146,7 +150,7 @@ class MemoryMonitor:
         #: How the CPU peak was taken: "high-water mark" (exact) or "sampled" (a thread).
         self.method = "cuda allocator" if device.startswith("cuda") else ""
 
-    def __enter__(self) -> MemoryMonitor:
+    def __enter__(self) -> Self:
         if self.device.startswith("cuda"):
             import torch
 
@@ -165,8 +169,7 @@ class MemoryMonitor:
     def _sample(self) -> None:
         while not self._stop.is_set():
             rss = current_rss_bytes()
-            if rss > self.result.peak_bytes:
-                self.result.peak_bytes = rss
+            self.result.peak_bytes = max(self.result.peak_bytes, rss)
             time.sleep(self.interval_s)
 
     def __exit__(self, *exc) -> None:

@@ -66,7 +66,7 @@ def parse_strategies(text: str) -> list[str]:
     return names
 
 
-def build_plans(names: list[str], fanout: int | None, world_size: int, profile: "Profile | None") -> tuple:
+def build_plans(names: list[str], fanout: int | None, world_size: int, profile: Profile | None) -> tuple:
     """``(strategy, ReductionPlan | None)`` pairs of a job: ``tree`` without a fan-out
     takes the profile's plan (else the default plan), ``ring`` has no plan."""
     from ..reduce.plan import ReductionPlan, default_plan
@@ -82,13 +82,13 @@ def build_plans(names: list[str], fanout: int | None, world_size: int, profile: 
         else:
             plan = profile.plan if profile is not None else default_plan(world_size)
             plans.append((plan.strategy, plan))
-    if fanout is not None and fanout > world_size and world_size > 1:
+    if fanout is not None and fanout > world_size > 1:
         raise ConfigError(f"--fanout {fanout} is larger than the world size {world_size}; use 2..{world_size}")
     return tuple(plans)
 
 
-def kernel_config_for(profile: "Profile | None", dtype: str, heads: int, kv_heads: int, head_dim: int,
-                      seq_len: int, world_size: int) -> "DecodeConfig | None":
+def kernel_config_for(profile: Profile | None, dtype: str, heads: int, kv_heads: int, head_dim: int,
+                      seq_len: int, world_size: int) -> DecodeConfig | None:
     """The profile's kernel config for this shape (the bucket of the largest shard), or None."""
     if profile is None:
         return None
@@ -96,7 +96,7 @@ def kernel_config_for(profile: "Profile | None", dtype: str, heads: int, kv_head
     return found[0] if found else None
 
 
-def _run_topology(world_size: int, device_kind: str) -> tuple["Topology | None", str | None]:
+def _run_topology(world_size: int, device_kind: str) -> tuple[Topology | None, str | None]:
     """The topology the run's ranks form, or ``(None, why)`` when no whole-machine profile applies."""
     from ..topology import host_topology, probe_topology
 
@@ -132,7 +132,7 @@ def _where(ref: str) -> str | None:
     return ref
 
 
-def _saved_for_other_sizes(topo: "Topology", device_kind: str) -> str:
+def _saved_for_other_sizes(topo: Topology, device_kind: str) -> str:
     """`` ; the saved profile X is for N ranks ...`` when profiles saved for this kind of device
     exist, but for another number of ranks (a tune for 4 ranks does not serve a run of 2)."""
     from ..profiles import list_saved_profiles
@@ -152,7 +152,7 @@ def _saved_for_other_sizes(topo: "Topology", device_kind: str) -> str:
 
 
 def select_profile(ref: str | None, world_size: int,
-                   device_kind: str) -> tuple["Profile | None", ProfileChoice, list[str]]:
+                   device_kind: str) -> tuple[Profile | None, ProfileChoice, list[str]]:
     """The profile to run under, how it was chosen, and warnings (versions that differ).
 
     ``--profile`` first (a ProfileError when it is for another machine), then the profile saved
@@ -199,7 +199,7 @@ def select_profile(ref: str | None, world_size: int,
     ), []
 
 
-def multinode_plan(layout: "NodeLayout", device_kind: str, fanout: int | None) -> tuple:
+def multinode_plan(layout: NodeLayout, device_kind: str, fanout: int | None) -> tuple:
     """``(plan, text)``: the hierarchical tree of a job over ``layout.nodes`` alike nodes: each
     node's own hierarchy (its probed GPUs, or CPU ranks), then the network joining the nodes, the
     slowest link class, so one message per node crosses it each way."""
@@ -220,7 +220,7 @@ def multinode_plan(layout: "NodeLayout", device_kind: str, fanout: int | None) -
 
 
 def choose_plans(profile_ref: str | None, names: list[str], fanout: int | None, world_size: int, device_kind: str,
-                 layout: "NodeLayout | None" = None) -> tuple:
+                 layout: NodeLayout | None = None) -> tuple:
     """``(profile, ProfileChoice, warnings, plans)`` for the strategies ``names``.
 
     One machine: the profile (``--profile``, saved, built-in or none) gives the tree's plan and the

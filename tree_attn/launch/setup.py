@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..validate import check_int, is_int
 from .env import DEFAULT_TIMEOUT_S, NodeLayout, RankEnv, check_timeout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,9 +55,8 @@ class KernelShape:
     def __post_init__(self) -> None:
         for name in ("q_heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer; got {value!r}")
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+            check_int(value, name.replace("_", " "), positive=True, must=True)
+        if not is_int(self.tokens) or self.tokens < 0:
             raise ConfigError(f"sequence length must be >= 0; got {self.tokens!r}")
         if self.q_heads % self.kv_heads:
             raise ConfigError(f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads}) for "
@@ -75,7 +75,7 @@ class LaunchOptions:
     dtype: str = AUTO
     timeout_s: float = DEFAULT_TIMEOUT_S
 
-    def launch_request(self, **more) -> "LaunchRequest":
+    def launch_request(self, **more) -> LaunchRequest:
         """A :class:`LaunchRequest` of these options (the plans' too, where the command has them),
         with ``more`` (the job's shape, ...)."""
         own = {f.name: getattr(self, f.name) for f in fields(PlanOptions) if hasattr(self, f.name)}
@@ -144,9 +144,9 @@ class LaunchSetup:
     kv_dtype: str | None = None
     torchrun: RankEnv | None = None
     layout: NodeLayout | None = None
-    profile: "ProfileChoice | None" = None
-    plans: "tuple[tuple[str, ReductionPlan | None], ...]" = ()
-    kernel_config: "DecodeConfig | None" = None
+    profile: ProfileChoice | None = None
+    plans: tuple[tuple[str, ReductionPlan | None], ...] = ()
+    kernel_config: DecodeConfig | None = None
     notices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -155,8 +155,7 @@ class LaunchSetup:
         from .plans import STRATEGY_NAMES
 
         world = self.world_size
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ConfigError(f"world size must be a positive integer; got {world!r}")
+        check_int(world, "world size", positive=True, must=True)
         if self.device_kind not in CONCRETE_DEVICES:
             raise ConfigError(f"device kind must be one of {', '.join(CONCRETE_DEVICES)}; got {self.device_kind!r}")
         if self.backend not in CONCRETE_BACKENDS:
@@ -226,7 +225,7 @@ class AnnouncesLaunch:
     own_warnings: tuple[str, ...] = ()
 
     @property
-    def profile(self) -> "ProfileChoice":
+    def profile(self) -> ProfileChoice:
         return self.spec.launch.profile
 
     @property
@@ -259,7 +258,12 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
     from ..dtypes import parse_dtype, parse_kv_dtype
     from ..topology.host import default_cpu_ranks
     from .env import (
-        check_cpu_ranks, oversubscription_warning, resolve_backend, resolve_device_kind, torchrun_env, torchrun_layout,
+        check_cpu_ranks,
+        oversubscription_warning,
+        resolve_backend,
+        resolve_device_kind,
+        torchrun_env,
+        torchrun_layout,
         torchrun_rendezvous,
     )
 
@@ -274,8 +278,7 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
     world = request.world_size
     if world is None:
         world = env.world_size if env is not None else (n_gpus if kind == "cuda" else default_cpu_ranks())
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ConfigError(f"--world-size must be an integer >= 1; got {world!r}")
+    check_int(world, "--world-size", minimum=1, must=True)
     notices: list[str] = []
     warnings: list[str] = []
     if env is None and kind == "cuda" and world > n_gpus:

@@ -44,9 +44,11 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import ConfigError, DistributedError, TreeAttnError
+from ..validate import is_int
 from .env import DEFAULT_TIMEOUT_S, RankEnv, check_cpu_ranks, check_timeout, gpu_count, resolve_backend
 from .group import close_process_group, init_process_group
 
@@ -190,7 +192,7 @@ def _child(
             # After success: a barrier first (bounded by timeout_s), so this rank's teardown never
             # cuts a peer's last messages short; after a failure: at once.
             close_process_group(clean=ok, timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - the result is already queued for the parent; teardown is best effort
             pass
         if os.getppid() != parent_pid:  # the parent died while this rank was failing or finishing
             _remove_rendezvous(rdzv_dir)
@@ -223,7 +225,7 @@ def launch_ranks(
     Raises:
         DistributedError: a rank raised, died or fell silent; the message names the rank and the cause.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ConfigError(f"world size must be at least 1; got {world_size}")
     check_timeout(timeout_s, "timeout_s")
     backend = resolve_backend(backend, device_kind)
@@ -297,7 +299,7 @@ def _quiet_ranks(beats, started: float, values: dict, limit: float) -> list[tupl
 
 
 def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
-    _, rank, kind, text, tb = msg
+    _, rank, _kind, text, tb = msg
     text = " ".join(text.split())  # one line: torch's messages span several
     text = text.removeprefix(f"rank {rank}: ")  # named below already (errors that name their rank)
     hint = ""
@@ -341,7 +343,8 @@ def _collect(procs, results, world_size: int, beats, started: float, silence_s: 
         if silent:
             names = ", ".join(f"rank {r}" for r, _ in silent)
             raise DistributedError(
-                f"{names} sent no heartbeat for {silent[0][1]:.0f} s (the limit is the timeout, {silence_s - SILENCE_MARGIN_S:g} s, "
-                f"+ {SILENCE_MARGIN_S:g} s): stopped or hung; all ranks were stopped"
+                f"{names} sent no heartbeat for {silent[0][1]:.0f} s "
+                f"(the limit is the timeout, {silence_s - SILENCE_MARGIN_S:g} s, + {SILENCE_MARGIN_S:g} s): "
+                "stopped or hung; all ranks were stopped"
             )
     return [values[r] for r in range(world_size)]

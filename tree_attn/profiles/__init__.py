@@ -47,12 +47,10 @@ from .store import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "ORIGINS", "CHOSEN_BY", "DEVICE_KINDS", "DTYPES",
-    "Profile", "Versions", "Machine", "KernelBucket", "KernelSection", "PlanCandidate", "Reduction",
-    "normalize_dtype", "shard_bucket", "utc_now",
-    "load_profile", "save_profile", "profile_to_yaml", "profile_from_yaml", "default_profile_dir",
-    "profile_path_for", "find_saved_profile", "list_saved_profiles", "ProfileEntry", "PROFILE_DIR_ENV",
-    "check_profile_for", "current_versions", "driver_version", "machine_differences", "version_warnings",
-    "profile_matches", "RETUNE_HINT",
-    "list_builtin_profiles", "load_builtin", "builtin_profile_for", "open_profile",
+    "CHOSEN_BY", "DEVICE_KINDS", "DTYPES", "ORIGINS", "PROFILE_DIR_ENV", "RETUNE_HINT", "SCHEMA_VERSION",
+    "KernelBucket", "KernelSection", "Machine", "PlanCandidate", "Profile", "ProfileEntry", "Reduction", "Versions",
+    "builtin_profile_for", "check_profile_for", "current_versions", "default_profile_dir", "driver_version",
+    "find_saved_profile", "list_builtin_profiles", "list_saved_profiles", "load_builtin", "load_profile",
+    "machine_differences", "normalize_dtype", "open_profile", "profile_from_yaml", "profile_matches",
+    "profile_path_for", "profile_to_yaml", "save_profile", "shard_bucket", "utc_now", "version_warnings",
 ]

@@ -16,7 +16,14 @@ from ..errors import ProfileError
 from ..topology.model import Topology
 from .matching import machine_differences
 from .schema import Machine, Profile
-from .store import PROFILE_SUFFIX, ProfileEntry, find_saved_profile, list_saved_profiles, load_profile, profile_from_yaml
+from .store import (
+    PROFILE_SUFFIX,
+    ProfileEntry,
+    find_saved_profile,
+    list_saved_profiles,
+    load_profile,
+    profile_from_yaml,
+)
 
 BUILTIN_PACKAGE = "tree_attn.profiles"
 BUILTIN_FOLDER = "builtin"
@@ -64,13 +71,14 @@ def builtin_profile_for(topology: Topology) -> Profile | None:
     """The built-in profile for this machine: one whose fingerprint matches, else one for the
     same device kind, model and count (its plan is still a reasonable default); None if none."""
     here = Machine.from_topology(topology)
+    here_kind = (here.device_kind, here.device_name, here.world_size)
     loose = None
     for name in list_builtin_profiles():
         prof = load_builtin(name)
         if not machine_differences(prof.machine, topology):
             return prof
         m = prof.machine
-        if loose is None and (m.device_kind, m.device_name, m.world_size) == (here.device_kind, here.device_name, here.world_size):
+        if loose is None and (m.device_kind, m.device_name, m.world_size) == here_kind:
             loose = prof
     return loose
 

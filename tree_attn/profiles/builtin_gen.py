@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
-from ..topology.model import P2PStatus, Topology
 from ..cost.plan import decode_lse_bytes, decode_message_bytes, predict_plan_us
+from ..topology.model import P2PStatus, Topology
 from .schema import KernelBucket, KernelSection, Machine, PlanCandidate, Profile, Reduction, Versions
 from .store import profile_to_yaml
 
@@ -51,7 +51,8 @@ class BuiltinSpec:
     default_plan: bool = False  # True: use plan.default_plan instead of the model's pick
 
 
-def _named(topo: Topology, name: str, *, notes: list[str], p2p: P2PStatus | None = None, p2p_reason: str | None = None) -> Topology:
+def _named(topo: Topology, name: str, *, notes: list[str], p2p: P2PStatus | None = None,
+           p2p_reason: str | None = None) -> Topology:
     """The dump's topology with the device name the driver reports (a dump of ``topo -m`` has
     none) and, where the dump cannot tell, the peer-to-peer status the hardware class has."""
     devices = [replace(d, name=name) for d in topo.devices]
@@ -67,7 +68,8 @@ def _dump(name: str) -> Topology:
 
     path = FIXTURES_DIR / name
     if not path.is_file():
-        raise SystemExit(f"builtin_gen: the recorded dump {name} is not in {FIXTURES_DIR.name}/; run from a source checkout")
+        raise SystemExit(f"builtin_gen: the recorded dump {name} is not in {FIXTURES_DIR.name}/; "
+                         "run from a source checkout")
     return load_dump(path)
 
 
@@ -81,7 +83,8 @@ def _rtx4090_topology() -> Topology:
     return _named(
         _dump("rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt"),
         "NVIDIA GeForce RTX 4090",
-        notes=["model-derived: peer-to-peer set to unsupported (nvidia-smi topo -m does not show it; stock GeForce drivers refuse P2P between RTX 4090s)"],
+        notes=[("model-derived: peer-to-peer set to unsupported (nvidia-smi topo -m does not show it; "
+                "stock GeForce drivers refuse P2P between RTX 4090s)")],
         p2p=P2PStatus.UNSUPPORTED,
         p2p_reason="model-derived: stock GeForce drivers refuse peer-to-peer on RTX 4090",
     )
@@ -102,11 +105,11 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
         topology=_cpu_topology,
         device_spec=None,
         notes=(
-            "CPU ranks run the C decode kernel (kernels/cpu_native.py, compiled once per machine), or torch ops where "
-            "it cannot be built or TREE_ATTN_CPU_KERNEL=torch; `tree-attn run` names the one that ran (local_kernel "
-            "in --json). No Triton config applies, so there are no kernel buckets.",
-            "plan: the project's default binary tree (reduce.plan.default_plan); the candidates' model "
-            "predictions are listed for reference only, gloo message costs are rough guesses.",
+            ("CPU ranks run the C decode kernel (kernels/cpu_native.py, compiled once per machine), or torch ops where "
+             "it cannot be built or TREE_ATTN_CPU_KERNEL=torch; `tree-attn run` names the one that ran (local_kernel "
+             "in --json). No Triton config applies, so there are no kernel buckets."),
+            ("plan: the project's default binary tree (reduce.plan.default_plan); the candidates' model "
+             "predictions are listed for reference only, gloo message costs are rough guesses."),
         ),
         default_plan=True,
     ),
@@ -116,8 +119,8 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
         topology=_rtx4090_topology,
         device_spec="rtx4090",
         notes=(
-            "model-derived, not measured: peer-to-peer is assumed unsupported (stock GeForce drivers); "
-            "messages are priced as staged through host memory.",
+            ("model-derived, not measured: peer-to-peer is assumed unsupported (stock GeForce drivers); "
+             "messages are priced as staged through host memory."),
         ),
     ),
     BuiltinSpec(
@@ -135,8 +138,8 @@ BUILTINS: tuple[BuiltinSpec, ...] = (
 )
 
 COMMON_NOTES = (
-    "built-in profile: derived from a recorded topology dump and the perf models, nothing was timed; "
-    "run `tree-attn tune` on the machine for a measured profile.",
+    ("built-in profile: derived from a recorded topology dump and the perf models, nothing was timed; "
+     "run `tree-attn tune` on the machine for a measured profile."),
 )
 
 
@@ -151,7 +154,8 @@ def _kernel_section(device_key: str | None) -> KernelSection:
     spec = KNOWN_DEVICES[device_key]
     buckets = []
     for n in SHARD_LENS:
-        shape = DecodeShape(batch=BATCH, q_heads=LLAMA_Q_HEADS, kv_heads=LLAMA_KV_HEADS, head_dim=LLAMA_HEAD_DIM, kv_len=n)
+        shape = DecodeShape(batch=BATCH, q_heads=LLAMA_Q_HEADS, kv_heads=LLAMA_KV_HEADS, head_dim=LLAMA_HEAD_DIM,
+                            kv_len=n)
         cands = candidate_configs(shape, LLAMA_DTYPE, spec)
         best = rank_candidates(cands, shape, LLAMA_DTYPE, spec, top_k=1)[0]
         buckets.append(
@@ -227,8 +231,10 @@ def generate() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tree_attn.profiles.builtin_gen", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=BUILTIN_DIR, help="folder to write into (default: the package's builtin/)")
+    parser = argparse.ArgumentParser(prog="python -m tree_attn.profiles.builtin_gen",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=BUILTIN_DIR,
+                        help="folder to write into (default: the package's builtin/)")
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a file differs")
     args = parser.parse_args(argv)
     files = generate()

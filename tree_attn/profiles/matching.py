@@ -45,7 +45,7 @@ def driver_version() -> str | None:
             return v.decode() if isinstance(v, bytes) else str(v)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - any failure means "not an NVIDIA machine we can read"
+    except Exception:  # noqa: BLE001, S110 - any failure means "not an NVIDIA machine we can read"
         pass
     try:
         import amdsmi  # type: ignore[import-not-found]
@@ -59,7 +59,7 @@ def driver_version() -> str | None:
                 return str(v) if v else None
         finally:
             amdsmi.amdsmi_shut_down()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001, S110 - any failure means "not an AMD machine we can read"
         pass
     return None
 
@@ -163,6 +163,6 @@ def describe_topology(topology: Topology) -> dict[str, Any]:
 
 
 __all__ = [
-    "RETUNE_HINT", "current_versions", "driver_version", "check_profile_for", "machine_differences",
-    "version_warnings", "profile_matches", "describe_topology", "device_kind_of", "device_name_of",
+    "RETUNE_HINT", "check_profile_for", "current_versions", "describe_topology", "device_kind_of", "device_name_of",
+    "driver_version", "machine_differences", "profile_matches", "version_warnings",
 ]

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, InitVar, dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .. import dtypes as _dtypes
 from .. import validate
@@ -100,7 +101,8 @@ def normalize_created(value: Any, path: str = "created") -> str:
         try:
             stamp = _dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
-            raise FieldError(path, f"expected an ISO 8601 UTC time such as '2025-01-31T12:00:00Z', got {value!r}") from None
+            raise FieldError(path,
+                             f"expected an ISO 8601 UTC time such as '2025-01-31T12:00:00Z', got {value!r}") from None
     else:
         raise FieldError(path, f"expected an ISO 8601 UTC time string, got {type(value).__name__} {value!r}")
     if stamp.tzinfo is None:
@@ -255,7 +257,8 @@ class Versions(_Section):
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and not isinstance(value, str):
-                raise FieldError(join(where, f.name), f"expected a version string or null (quote numbers such as '2.5'), got {value!r}")
+                raise FieldError(join(where, f.name), "expected a version string or null "
+                                                      f"(quote numbers such as '2.5'), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,8 @@ class Machine(_Section):
         check_int(self.world_size, join(where, "world_size"), minimum=1)
         check_str(self.fingerprint, join(where, "fingerprint"))
         if not _FINGERPRINT_RE.match(self.fingerprint):
-            raise FieldError(join(where, "fingerprint"), f"expected 16 lowercase hex digits (Topology.fingerprint), got {self.fingerprint!r}")
+            raise FieldError(join(where, "fingerprint"), "expected 16 lowercase hex digits (Topology.fingerprint), "
+                                                         f"got {self.fingerprint!r}")
         check_str(self.source, join(where, "source"))
         check_str_list(self.hierarchy, join(where, "hierarchy"))
         kinds = [k.value for k in LinkKind]
@@ -300,10 +304,11 @@ class Machine(_Section):
                 check_int(n, join(path, key), minimum=0)
             pairs = self.world_size * (self.world_size - 1) // 2
             if counts and sum(counts.values()) != pairs:
-                raise FieldError(path, f"counts add up to {sum(counts.values())} pairs, but {self.world_size} devices have {pairs}")
+                raise FieldError(path, f"counts add up to {sum(counts.values())} pairs, "
+                                       f"but {self.world_size} devices have {pairs}")
 
     @classmethod
-    def from_topology(cls, topology: Topology) -> "Machine":
+    def from_topology(cls, topology: Topology) -> Machine:
         """The machine section describing ``topology``."""
         return cls(
             device_kind=device_kind_of(topology),
@@ -394,7 +399,8 @@ class KernelBucket(_Section):
         if self.chosen_by == "measured" and self.time_us is None:
             raise FieldError(join(where, "time_us"), "chosen_by is 'measured' but no measured time is given")
         if self.chosen_by != "measured" and (self.time_us is not None or self.gbps is not None):
-            raise FieldError(join(where, "chosen_by"), f"a measured time_us/gbps is given but chosen_by is {self.chosen_by!r}; use 'measured'")
+            raise FieldError(join(where, "chosen_by"), "a measured time_us/gbps is given but chosen_by is "
+                                                       f"{self.chosen_by!r}; use 'measured'")
 
     @property
     def key(self) -> tuple[str, int, int, int]:
@@ -457,7 +463,8 @@ class PlanCandidate(_Section):
         if self.chosen_by == "model" and self.predicted_us is None:
             raise FieldError(join(where, "predicted_us"), "chosen_by is 'model' but no predicted time is given")
         if self.median_us is not None and self.p95_us is not None and self.p95_us < self.median_us:
-            raise FieldError(join(where, "p95_us"), f"the 95th percentile ({self.p95_us}) is below the median ({self.median_us})")
+            raise FieldError(join(where, "p95_us"), f"the 95th percentile ({self.p95_us}) is below the median "
+                                                    f"({self.median_us})")
 
 
 @dataclass(frozen=True)
@@ -488,12 +495,14 @@ class Reduction(_Section):
                 selected.append(i)
         if self.candidates:
             if len(selected) != 1:
-                raise FieldError(join(where, "candidates"), f"exactly one candidate must have selected: true, got {len(selected)}")
+                raise FieldError(join(where, "candidates"),
+                                 f"exactly one candidate must have selected: true, got {len(selected)}")
             winner = self.candidates[selected[0]]
             if winner.plan != self.plan:
                 raise FieldError(
                     f"{join(where, 'candidates')}[{selected[0]}].plan",
-                    f"the selected candidate {winner.plan.to_dict()} differs from {join(where, 'plan')} {self.plan.to_dict()}",
+                    f"the selected candidate {winner.plan.to_dict()} differs from {join(where, 'plan')} "
+                    f"{self.plan.to_dict()}",
                 )
             if self.chosen_by == "measured" and winner.chosen_by != "measured":
                 raise FieldError(join(where, "chosen_by"), "is 'measured' but the selected candidate was not measured")
@@ -549,7 +558,8 @@ class Profile(_Section):
         check_str(self.origin, "origin", choices=ORIGINS)
         check_str(self.description, "description", optional=True, nonempty=False)
         check_str_list(self.notes, "notes")
-        for name, cls in (("machine", Machine), ("reduction", Reduction), ("kernel", KernelSection), ("versions", Versions)):
+        for name, cls in (("machine", Machine), ("reduction", Reduction), ("kernel", KernelSection),
+                          ("versions", Versions)):
             if not isinstance(getattr(self, name), cls):
                 raise FieldError(name, f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         n = self.machine.world_size
@@ -562,7 +572,8 @@ class Profile(_Section):
                 raise FieldError("reduction.chosen_by", f"is 'measured' in a profile of origin {self.origin!r}")
             for i, b in enumerate(self.kernel.buckets):
                 if b.chosen_by == "measured":
-                    raise FieldError(f"kernel.buckets[{i}].chosen_by", f"is 'measured' in a profile of origin {self.origin!r}")
+                    raise FieldError(f"kernel.buckets[{i}].chosen_by",
+                                     f"is 'measured' in a profile of origin {self.origin!r}")
         if self.topology is not None:
             if not isinstance(self.topology, Topology):
                 raise FieldError("topology", f"expected a Topology, got {type(self.topology).__name__}")
@@ -571,7 +582,8 @@ class Profile(_Section):
             if self.topology.fingerprint != self.machine.fingerprint:
                 raise FieldError(
                     "machine.fingerprint",
-                    f"{self.machine.fingerprint!r} does not match the topology's fingerprint {self.topology.fingerprint!r}",
+                    f"{self.machine.fingerprint!r} does not match the topology's fingerprint "
+                    f"{self.topology.fingerprint!r}",
                 )
 
     # -- lookups ----------------------------------------------------------------------------
@@ -580,7 +592,8 @@ class Profile(_Section):
         """The reduction plan ``run`` should use."""
         return self.reduction.plan
 
-    def kernel_config_for(self, dtype: Any, head_dim: int, group: int, shard_len: int) -> tuple[DecodeConfig, str] | None:
+    def kernel_config_for(self, dtype: Any, head_dim: int, group: int,
+                          shard_len: int) -> tuple[DecodeConfig, str] | None:
         """The config for a call with this dtype, head dim, GQA group and per-rank shard length,
         with how it was chosen; ``None`` if no bucket has this dtype, head dim and group.
 
@@ -597,7 +610,7 @@ class Profile(_Section):
 
     # -- serialisation ----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Any) -> "Profile":
+    def from_dict(cls, data: Any) -> Profile:
         """Validate and build from loaded YAML/JSON; every error names the dotted field path."""
         check_mapping(data, "", optional=set(data) if isinstance(data, Mapping) else ())
         # The version first: a newer schema may legitimately have keys this one does not know.
@@ -614,8 +627,7 @@ def shard_bucket(shard_len: int) -> int:
 
 
 __all__ = [
-    "SCHEMA_VERSION", "ORIGINS", "CHOSEN_BY", "DEVICE_KINDS", "DTYPES",
-    "Versions", "Machine", "KernelBucket", "KernelSection", "PlanCandidate", "Reduction", "Profile",
-    "normalize_dtype", "normalize_created", "utc_now", "plan_from_dict", "config_from_dict",
-    "device_kind_of", "device_name_of", "hierarchy_text", "shard_bucket",
+    "CHOSEN_BY", "DEVICE_KINDS", "DTYPES", "ORIGINS", "SCHEMA_VERSION", "KernelBucket", "KernelSection", "Machine",
+    "PlanCandidate", "Profile", "Reduction", "Versions", "config_from_dict", "device_kind_of", "device_name_of",
+    "hierarchy_text", "normalize_created", "normalize_dtype", "plan_from_dict", "shard_bucket", "utc_now",
 ]

@@ -85,7 +85,8 @@ def profile_from_yaml(text: str, *, source: str = "<profile>") -> Profile:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ProfileError(f"{where}: not valid YAML ({problem}); fix the file or re-tune with `tree-attn tune --force`") from None
+        raise ProfileError(f"{where}: not valid YAML ({problem}); "
+                           "fix the file or re-tune with `tree-attn tune --force`") from None
     instead = _topology_instead(text, data, source)
     if instead:
         raise ProfileError(instead)
@@ -154,8 +155,10 @@ def default_profile_dir() -> Path:
 
 def profile_path_for(fingerprint: str, directory: str | os.PathLike | None = None) -> Path:
     """The saved-profile path of a machine: ``<profile dir>/<fingerprint>.yaml``."""
-    if not isinstance(fingerprint, str) or not fingerprint or any(c in fingerprint for c in "/\\") or fingerprint.startswith("."):
-        raise ProfileError(f"fingerprint: expected a topology fingerprint such as '55d1318551c859a4', got {fingerprint!r}")
+    if (not isinstance(fingerprint, str) or not fingerprint or any(c in fingerprint for c in "/\\")
+            or fingerprint.startswith(".")):
+        raise ProfileError("fingerprint: expected a topology fingerprint such as '55d1318551c859a4', "
+                           f"got {fingerprint!r}")
     base = Path(directory) if directory is not None else default_profile_dir()
     return base / f"{fingerprint}{PROFILE_SUFFIX}"
 

@@ -76,8 +76,8 @@ def exchange_shapes(
             )
             raise DistributedError(
                 f"ranks disagree on the query/KV shape: this rank (rank {dist.get_rank(group)}) and rank {r} differ in "
-                f"{diffs}; every rank must pass the same q [B, (Sq,) Hq, D] and causal flag, and KV shards with the same "
-                f"B, Hkv, D and dtype"
+                f"{diffs}; every rank must pass the same q [B, (Sq,) Hq, D] and causal flag, "
+                "and KV shards with the same B, Hkv, D and dtype"
             )
     return [int(n) for n in every[:, fixed]]
 
@@ -106,9 +106,9 @@ def check_new_tokens(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor | 
     if short:
         b = short[0]
         raise ShapeError(
-            f"causal decoding over {world} rank(s): the {sq} new tokens' keys must be the last {sq} valid keys of the last "
-            f"rank's (rank {world - 1}) shard, but its row {b} has only {lens[b]} valid keys; append the new tokens' KV to "
-            f"rank {world - 1}'s shard (and its seq_lens) before the call"
+            f"causal decoding over {world} rank(s): the {sq} new tokens' keys must be the last {sq} valid keys "
+            f"of the last rank's (rank {world - 1}) shard, but its row {b} has only {lens[b]} valid keys; "
+            f"append the new tokens' KV to rank {world - 1}'s shard (and its seq_lens) before the call"
         )
 
 

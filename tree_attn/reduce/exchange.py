@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
-from .state import merge_states
 from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
+from .state import merge_states
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,15 @@ class TreeMerge:
     def __call__(self) -> torch.Tensor:
         """Merge :attr:`local` across the group; returns :attr:`final`."""
         if self._recv_children:
-            wait_all(start_batch(self._recv_children, "tree reduce"), f"tree reduce: receive from children {list(self.children)}",
-                     self._peers[0])
+            wait_all(start_batch(self._recv_children, "tree reduce"),
+                     f"tree reduce: receive from children {list(self.children)}", self._peers[0])
             self._merge_states()
         if self._up_and_down:
             wait_all(start_batch(self._up_and_down, "tree reduce"), f"tree reduce: exchange with parent {self.parent}",
                      self._peers[1])
         if self._send_children:
-            wait_all(start_batch(self._send_children, "tree broadcast"), f"tree broadcast: send to children {list(self.children)}",
-                     self._peers[2])
+            wait_all(start_batch(self._send_children, "tree broadcast"),
+                     f"tree broadcast: send to children {list(self.children)}", self._peers[2])
         return self.final
 
     def _merge_states(self) -> None:
@@ -170,7 +170,8 @@ class AllReduceMerge:
             raise DistributedError(f"all_reduce failed: {transport_text(exc)} ({PEER_HINT})") from exc
 
 
-def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int, device) -> TreeMerge | AllReduceMerge:
+def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int,
+                device) -> TreeMerge | AllReduceMerge:
     """The merge ``plan`` asks for on this rank (no communication: peers come from the plan)."""
     world = dist.get_world_size(group)
     plan.check(world)

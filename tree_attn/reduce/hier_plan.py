@@ -16,7 +16,7 @@ slower links than planned.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ConfigError
 from ..validate import check_int

@@ -168,7 +168,7 @@ class ReductionPlan:
         return cls(**d)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_plan(world_size: int) -> ReductionPlan:
     """The plan used when none is given and no profile applies.
 

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from ..errors import DistributedError
 from ..kernels.fp8 import check_scale_values, expand_scale, is_fp8, scale_form
 from ..kernels.layout import FLOAT32
-from ..kernels.prepared import DecodeOptions, prepared_decode
 from ..kernels.paged import gather_pages
+from ..kernels.prepared import DecodeOptions, prepared_decode
 from ..kernels.shapes import check_decode_inputs
-from .state import merge_two
 from . import comm
 from .collectives import check_new_tokens, exchange_shapes
 from .comm import CommStats
+from .state import merge_two
 
 
 def ring_decode(

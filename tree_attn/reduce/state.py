@@ -90,7 +90,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
         if not t.dtype.is_floating_point:
-            raise ShapeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64); got {t.dtype}")
+            raise ShapeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64); "
+                             f"got {t.dtype}")
     return merge_states(outs, lses, faulty_is_empty=True)
 
 

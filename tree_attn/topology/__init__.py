@@ -25,14 +25,12 @@ from .nvml import BackendUnavailable, probe_nvml
 from .probe import BACKENDS, probe_topology
 
 __all__ = [
-    "SCHEMA_VERSION", "UNKNOWN", "Device", "HierarchyLevel", "Link", "LinkKind", "Measurement", "P2PStatus",
-    "Topology", "build_hierarchy", "format_ranges",
-    "probe_topology", "probe_nvml", "probe_amdsmi", "host_topology", "default_cpu_ranks", "BACKENDS",
-    "BackendUnavailable",
-    "load_dump", "load_dumps", "parse_dump", "detect_format",
-    "save_topology", "load_topology", "load_expected", "topology_from_obj", "topology_to_yaml",
-    "compare_topologies", "CheckReport", "CheckResult", "junit_xml", "write_junit",
-    "topology_warnings", "measure_topology",
+    "BACKENDS", "SCHEMA_VERSION", "UNKNOWN", "BackendUnavailable", "CheckReport", "CheckResult", "Device",
+    "HierarchyLevel", "Link", "LinkKind", "Measurement", "P2PStatus", "Topology", "build_hierarchy",
+    "compare_topologies", "default_cpu_ranks", "detect_format", "format_ranges", "host_topology", "junit_xml",
+    "load_dump", "load_dumps", "load_expected", "load_topology", "measure_topology", "parse_dump", "probe_amdsmi",
+    "probe_nvml", "probe_topology", "save_topology", "topology_from_obj", "topology_to_yaml", "topology_warnings",
+    "write_junit",
 ]
 
 

@@ -14,8 +14,9 @@ Two traps of the library, handled here:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 from .bandwidth import estimate
 from .dumps import amd_pcie_kind
@@ -30,7 +31,7 @@ _IOLINK_XGMI = 2
 
 def _import_amdsmi() -> ModuleType:
     try:
-        import amdsmi  # noqa: PLC0415 - optional vendor library imported lazily on purpose
+        import amdsmi  # optional vendor library imported lazily on purpose
     except (ImportError, KeyError, OSError) as exc:
         raise BackendUnavailable(f"the amdsmi module is not available ({type(exc).__name__}: {exc})") from None
     return amdsmi
@@ -50,7 +51,7 @@ class _Amd:
                 continue
             try:
                 return fn(*args)
-            except Exception as exc:  # noqa: BLE001 - filtered just below
+            except Exception as exc:  # filtered just below
                 if self.err is not None and isinstance(exc, self.err):
                     return None  # not supported on this GPU/driver: the field is unknown
                 raise
@@ -140,7 +141,7 @@ def _probe_all(module: ModuleType | None) -> Topology:
     finally:
         try:
             am.amdsmi_shut_down()
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:  # noqa: BLE001, S110 - shutting down a library that works is best effort
             pass
 
 

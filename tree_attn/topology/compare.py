@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from .io import atomic_write_text
 from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology, format_ranges
@@ -158,9 +159,9 @@ def _compare_models(expected: Topology, actual: Topology) -> CheckResult:
     e_nv, a_nv = _uniform_nvlinks(expected), _uniform_nvlinks(actual)
     if e_nv and a_nv and e_nv != a_nv and a_nv in FULL_NVLINK_SETS and e_nv in FULL_NVLINK_SETS:
         return CheckResult(name, "failed", "different GPU model (by its NVLinks)", [
-            f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
-            f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
-            f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}"])
+            (f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
+             f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
+             f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}")])
     side = ("neither side names its GPUs" if all(d.name == UNKNOWN for d in expected.devices)
             and all(d.name == UNKNOWN for d in actual.devices)
             else "the expected topology names no GPU" if all(d.name == UNKNOWN for d in expected.devices)
@@ -180,7 +181,9 @@ def compare_topologies(
     The device model comes first: on another model (or without a GPU) the links differ because
     the machine is another one, so they are not compared pair by pair (an A100's NV12 read as
     "6 NVLinks down" against an H100's NV18 would send someone to reseat healthy cards)."""
-    link_checks = ["link classes", "nvlink counts", "peer-to-peer"] + (["bandwidth"] if min_bandwidth_ratio is not None else [])
+    link_checks = ["link classes", "nvlink counts", "peer-to-peer"]
+    if min_bandwidth_ratio is not None:
+        link_checks.append("bandwidth")
     model = _compare_models(expected, actual)
     results: list[CheckResult] = [model]
     ne, na = len(expected), len(actual)
@@ -189,7 +192,8 @@ def compare_topologies(
             results.append(CheckResult(name, "skipped", "no GPU to compare"))
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
-        what = "missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne else "more than expected"
+        what = ("missing (not visible: check nvidia-smi / amd-smi and CUDA_VISIBLE_DEVICES)" if na < ne
+                else "more than expected")
         results.append(CheckResult("device count", "failed", f"expected {ne}, found {na}",
                                    [f"expected {ne} GPUs, found {na}: {abs(ne - na)} {what}"]))
     else:
@@ -198,7 +202,8 @@ def compare_topologies(
 
     if model.status == "failed":
         for name in link_checks:
-            results.append(CheckResult(name, "skipped", "another device model: its links are not compared pair by pair"))
+            results.append(CheckResult(name, "skipped",
+                                       "another device model: its links are not compared pair by pair"))
         return CheckReport(expected.fingerprint, actual.fingerprint, results)
     if ne != na:
         # Indices shift when a GPU is missing: pair-by-pair comparisons would mislead.

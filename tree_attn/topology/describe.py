@@ -16,7 +16,8 @@ def topology_warnings(topo: Topology) -> list[str]:
     if no_p2p:
         devs = sorted({l.a for l in no_p2p} | {l.b for l in no_p2p})
         reasons = sorted({(l.p2p_reason or "no reason given") for l in no_p2p})
-        scope = f"GPUs {format_ranges(devs)}" if len(no_p2p) == n * (n - 1) // 2 else f"{len(no_p2p)} GPU pair(s) among GPUs {format_ranges(devs)}"
+        scope = (f"GPUs {format_ranges(devs)}" if len(no_p2p) == n * (n - 1) // 2
+                 else f"{len(no_p2p)} GPU pair(s) among GPUs {format_ranges(devs)}")
         out.append(
             f"{scope} cannot use peer-to-peer ({'; '.join(reasons)}): traffic between them goes through host "
             "memory, a copy to the CPU and another to the other GPU, which roughly halves the PCIe bandwidth and "

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from ..errors import TopologyError
 from .bandwidth import estimate
@@ -37,8 +37,7 @@ class _Line:
 
     def tokens(self) -> list[str]:
         t = self.text.strip()
-        if t.startswith("|"):
-            t = t[1:]
+        t = t.removeprefix("|")
         return t.split()
 
 
@@ -47,7 +46,7 @@ def _lines(text: str) -> list[_Line]:
     out = []
     for i, raw in enumerate(text.splitlines(), start=1):
         s = raw.strip()
-        if not s or s.startswith("#") or s.startswith("$ "):
+        if not s or s.startswith(("#", "$ ")):
             continue
         out.append(_Line(i, raw.rstrip("\n")))
     return out
@@ -157,11 +156,13 @@ def parse_nvidia_topo_m(text: str) -> Topology:
                 raise _err(ln, f"unknown link class {c!r} in row GPU{i}, column {dev_cols[j]}")
             if j < n:
                 if (c == "X") != (i == j):
-                    raise _err(ln, f"row GPU{i}, column GPU{j}: 'X' must be on the diagonal and only there, found {c!r}")
+                    raise _err(ln,
+                               f"row GPU{i}, column GPU{j}: 'X' must be on the diagonal and only there, found {c!r}")
                 cell[(i, j)] = (c, ln)
         extra = toks[len(dev_cols):]
         if len(extra) > len(extra_cols):
-            raise _err(ln, f"row GPU{i} has {len(dev_cols) + len(extra)} cells, more than the {len(cols)} columns of the header (not square)")
+            raise _err(ln, f"row GPU{i} has {len(dev_cols) + len(extra)} cells, "
+                           f"more than the {len(cols)} columns of the header (not square)")
         facts = {_EXTRA_COLUMNS[name]: val for name, val in zip(extra_cols, extra)}
         cpu = facts.get("cpu_affinity")
         devices.append(
@@ -187,7 +188,8 @@ def parse_nvidia_topo_m(text: str) -> Topology:
             c, ln_a = cell[(a, b)]
             c2, ln_b = cell[(b, a)]
             if c != c2:
-                raise _err(ln_b, f"GPU{b}-GPU{a} is {c2} but GPU{a}-GPU{b} is {c} (line {ln_a.no}): the matrix is not symmetric")
+                raise _err(ln_b, f"GPU{b}-GPU{a} is {c2} but GPU{a}-GPU{b} is {c} (line {ln_a.no}): "
+                                 "the matrix is not symmetric")
             links.append(_nv_link(a, b, c, devices))
     notes = [TOPO_M_GAPS]
     if nics:
@@ -202,13 +204,14 @@ def _is_topo_mp(text: str, lines: list[_Line], cells: list[str]) -> bool:
     """Whether a PCIe matrix is ``nvidia-smi topo -mp`` rather than ``-m``: a prompt line says so,
     or the legend is there (through its PIX entry) without the NV# entry ``-m`` always prints
     and no cell is an NVLink (a ``-m`` legend cut short still shows its NV# cells)."""
-    if re.search(r"^\s*\$\s*nvidia-smi\s+topo\s+-mp\b", text, re.M):
+    if re.search(r"^\s*\$\s*nvidia-smi\s+topo\s+-mp\b", text, re.MULTILINE):
         return True
     if any(_NV_RE.match(c) for c in cells):
         return False
     body = [ln.text.strip() for ln in lines]
     has_legend = any(t.rstrip(":").endswith("Legend") for t in body)
-    return has_legend and any(t.startswith("PIX") and "=" in t for t in body) and not any(t.startswith("NV#") for t in body)
+    return (has_legend and any(t.startswith("PIX") and "=" in t for t in body)
+            and not any(t.startswith("NV#") for t in body))
 
 
 def _nv_link(a: int, b: int, c: str, devices: list[Device]) -> Link:
@@ -240,7 +243,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
     rows, end = _read_matrix(lines, h, cols, set(cols), stop=lambda ln: ln.text.strip().startswith("Legend"))
     missing = [c for c in cols if c not in rows]
     if missing:
-        raise _err(lines[end - 1], f"the matrix ends before the row(s) of {', '.join(missing)} (truncated dump); last line read")
+        raise _err(lines[end - 1], f"the matrix ends before the row(s) of {', '.join(missing)} (truncated dump); "
+                                   "last line read")
     status: dict[tuple[int, int], tuple[P2PStatus, str | None]] = {}
     for i in range(n):
         ln, toks = rows[f"GPU{i}"]
@@ -252,7 +256,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
                     raise _err(ln, f"row GPU{i}: expected X on the diagonal, found {c!r}")
                 continue
             if c not in _P2P_CELLS:
-                raise _err(ln, f"unknown peer-to-peer status {c!r} in row GPU{i}, column GPU{j}; expected one of {', '.join(_P2P_CELLS)}")
+                raise _err(ln, f"unknown peer-to-peer status {c!r} in row GPU{i}, column GPU{j}; "
+                               f"expected one of {', '.join(_P2P_CELLS)}")
             status[(i, j)] = _P2P_CELLS[c]
     links = []
     for a in range(n):
@@ -263,8 +268,8 @@ def parse_nvidia_topo_p2p(text: str) -> Topology:
             links.append(Link(a, b, LinkKind.UNKNOWN, p2p=worst[0], p2p_reason=worst[1]))
     devices = [Device(index=i, vendor="nvidia") for i in range(n)]
     return Topology(devices=devices, links=links, source="dump:nvidia-smi-topo-p2p",
-                    notes=["nvidia-smi topo -p2p gives peer-to-peer status only, no link classes "
-                           "(add the output of `nvidia-smi topo -m` to --from)"])
+                    notes=[("nvidia-smi topo -p2p gives peer-to-peer status only, no link classes "
+                            "(add the output of `nvidia-smi topo -m` to --from)")])
 
 
 # -- device listings: nvidia-smi -L, rocm-smi --showproductname ----------------------------------
@@ -295,10 +300,11 @@ def parse_device_list(text: str) -> Topology:
             elif key == "gfx version" and val:
                 d["arch"] = val
             continue
-        if s.startswith("MIG ") or s.startswith("=") or s.startswith("Card"):
+        if s.startswith(("MIG ", "=", "Card")):
             continue  # MIG instance lines of nvidia-smi -L; rocm-smi banners
     if not found:
-        raise TopologyError("no device lines found (expected 'GPU 0: <name> (UUID: ...)' or 'GPU[0] : Card Series: <name>')")
+        raise TopologyError("no device lines found "
+                            "(expected 'GPU 0: <name> (UUID: ...)' or 'GPU[0] : Card Series: <name>')")
     n = max(found) + 1
     if sorted(found) != list(range(n)):
         raise TopologyError(f"device list skips indices: found GPUs {sorted(found)}")
@@ -339,10 +345,12 @@ def _amd_tables(lines: list[_Line], headers: dict[int, str]) -> tuple[list[str],
         missing = [c for c in cols if c not in rows]
         if missing:
             last = max((ln for ln, _ in rows.values()), key=lambda l: l.no, default=hdr)
-            raise _err(last, f"{name} table ends before the row(s) of {', '.join(missing)} (truncated dump); last line read")
+            raise _err(last, f"{name} table ends before the row(s) of {', '.join(missing)} (truncated dump); "
+                             "last line read")
         for label, (ln, toks) in rows.items():
             if len(toks) != len(cols):
-                raise _err(ln, f"row {label} of the {name} table has {len(toks)} cells, expected {len(cols)} (not square)")
+                raise _err(ln, f"row {label} of the {name} table has {len(toks)} cells, "
+                               f"expected {len(cols)} (not square)")
         tables[name] = {label: (ln, toks) for label, (ln, toks) in rows.items()}
     if labels is None:
         raise TopologyError("no topology tables found")
@@ -383,13 +391,15 @@ def _amd_links(labels: list[str], tables: dict[str, dict], devices: list[Device]
                     if val.upper() not in ("XGMI", "PCIE", "PCIEXPRESS", "N/A", "UNKNOWN"):
                         raise _err(line, f"unknown link type {val!r} between {x} and {y}; expected XGMI or PCIE")
                 if v2.upper() != v.upper():
-                    raise _err(ln2, f"link type {lb}-{la} is {v2!r} but {la}-{lb} is {v!r} (line {ln.no}): not symmetric")
+                    raise _err(ln2, f"link type {lb}-{la} is {v2!r} but {la}-{lb} is {v!r} (line {ln.no}): "
+                                    "not symmetric")
                 v = v.upper()
                 if v == "XGMI":
                     kind = LinkKind.XGMI
                 elif v in ("PCIE", "PCIEXPRESS"):
                     kind = amd_pcie_kind(devices[a], devices[b])
-            p2p, reason = (P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI else (P2PStatus.UNKNOWN, None)
+            p2p, reason = ((P2PStatus.OK, _INFERRED_P2P.format("xGMI")) if kind is LinkKind.XGMI
+                           else (P2PStatus.UNKNOWN, None))
             acc = cell("ACCESS")
             if acc is not None:
                 ln, v = acc
@@ -438,7 +448,8 @@ def parse_amd_smi_topology(text: str) -> Topology:
     headers = {i: _section_name(ln) for i, ln in enumerate(lines) if _section_name(ln)}
     headers = {i: s for i, s in headers.items() if s in _AMD_SECTIONS and lines[i].text.strip().endswith("TABLE:")}
     labels, tables = _amd_tables(lines, headers)
-    devices = [Device(index=i, vendor="amd", pci_bus_id=lab.lower() if ":" in lab else None) for i, lab in enumerate(labels)]
+    devices = [Device(index=i, vendor="amd", pci_bus_id=lab.lower() if ":" in lab else None)
+               for i, lab in enumerate(labels)]
     links = _amd_links(labels, tables, devices)
     return Topology(devices=devices, links=links, source="dump:amd-smi-topology",
                     notes=["amd-smi topology gives no device names and no NUMA nodes"])
@@ -459,7 +470,8 @@ def parse_rocm_smi_showtopo(text: str) -> Topology:
     for i, lab in enumerate(labels):
         if lab != f"GPU{i}":
             raise TopologyError(f"rocm-smi --showtopo: expected column GPU{i}, found {lab!r}")
-    devices = [Device(index=i, vendor="amd", numa_node=numa.get(i) if numa.get(i, -1) >= 0 else None) for i in range(len(labels))]
+    devices = [Device(index=i, vendor="amd", numa_node=numa.get(i) if numa.get(i, -1) >= 0 else None)
+               for i in range(len(labels))]
     links = _amd_links(labels, tables, devices)
     return Topology(devices=devices, links=links, source="dump:rocm-smi-showtopo",
                     notes=["rocm-smi --showtopo gives no device names and no peer-to-peer status"])
@@ -485,7 +497,7 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
     gpus: dict[int, tuple[str, float | None, str]] = {}
     for ln in lines[start + 2:]:
         s = ln.text.strip()
-        if s.startswith("Read") or s.startswith("Write"):
+        if s.startswith(("Read", "Write")):
             cells = s.split()
             if len(cells) < 1 + len(bdfs):
                 raise _err(ln, f"traffic row has fewer cells than the {len(bdfs)} devices (truncated)")
@@ -498,7 +510,8 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
         gpus[i] = (m.group(2).lower(), maxbw, m.group(5).upper())
     n = len(bdfs)
     if sorted(gpus) != list(range(n)):
-        raise TopologyError(f"amd-smi xgmi: expected rows GPU0..GPU{n - 1} for the {n} header devices, found {sorted(gpus)} (truncated?)")
+        raise TopologyError(f"amd-smi xgmi: expected rows GPU0..GPU{n - 1} for the {n} header devices, "
+                            f"found {sorted(gpus)} (truncated?)")
     devices = [Device(index=i, vendor="amd", pci_bus_id=gpus[i][0]) for i in range(n)]
     links = []
     for a in range(n):
@@ -511,8 +524,8 @@ def parse_amd_smi_xgmi(text: str) -> Topology:
             else:
                 links.append(Link(a, b, LinkKind.UNKNOWN))
     return Topology(devices=devices, links=links, source="dump:amd-smi-xgmi",
-                    notes=["amd-smi xgmi gives the link type and rate per GPU; pairs of xGMI GPUs are taken as "
-                           "one hive (the MI300X platform connects every GPU to every other)"])
+                    notes=[("amd-smi xgmi gives the link type and rate per GPU; pairs of xGMI GPUs are taken as "
+                            "one hive (the MI300X platform connects every GPU to every other)")])
 
 
 # -- detection -----------------------------------------------------------------------------------
@@ -537,7 +550,8 @@ def detect_format(text: str) -> str:
         return "amd-smi-topology"
     if re.search(r"between two GPUs|\(Topology\) Numa Node", body):
         return "rocm-smi-showtopo"
-    if re.search(r"^\s*GPU \d+: .+", body, re.M) or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.M):
+    if (re.search(r"^\s*GPU \d+: .+", body, re.MULTILINE)
+            or re.search(r"^\s*GPU\[\d+\]\s*:\s*(Card Series|Device Name)", body, re.MULTILINE)):
         return "device-list"
     try:
         h = _find_gpu_header(lines)
@@ -549,7 +563,7 @@ def detect_format(text: str) -> str:
     # A p2p matrix holds status codes (OK, GNS, ...) where topo -m holds classes (NV#, SYS, ...);
     # its legend, when present, defines "OK = Status Ok".
     cells = {c for ln in lines[h + 1:] if _GPU_RE.match((ln.tokens() or [""])[0]) for c in ln.tokens()[1:]}
-    if cells & set(_P2P_CELLS) or re.search(r"^\s*OK\s+=\s+Status Ok", body, re.M):
+    if cells & set(_P2P_CELLS) or re.search(r"^\s*OK\s+=\s+Status Ok", body, re.MULTILINE):
         return "nvidia-smi-topo-p2p"
     return "nvidia-smi-topo-m"
 
@@ -581,7 +595,7 @@ def load_dump(path: str | os.PathLike) -> Topology:
 def _saved_topology(text: str, where: str) -> Topology | None:
     """A topology saved by ``tree-attn probe --output`` (or a YAML with a ``topology`` section),
     accepted wherever a dump is, so that a machine probed elsewhere can be checked or combined."""
-    if not re.search(r"^(schema_version|topology):", text, re.M):
+    if not re.search(r"^(schema_version|topology):", text, re.MULTILINE):
         return None
     import yaml
 

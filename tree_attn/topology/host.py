@@ -11,7 +11,6 @@ from ..errors import TopologyError
 from ..validate import check_int
 from .model import Device, Link, LinkKind, P2PStatus, Topology
 
-
 # The one default number of CPU ranks, for probe, check, tune and run alike: their topologies,
 # hence their fingerprints and the profile a run finds, must agree (the built-in CPU profile is
 # for 4 ranks). On fewer cores `run` warns that the ranks share them.
@@ -37,7 +36,8 @@ def host_topology(n: int | None = None, *, note: str | None = None) -> Topology:
     check_cpu_ranks(n, "CPU ranks")  # before n (n - 1) / 2 links are built
     devices = [Device(index=i, vendor="cpu", name="cpu rank") for i in range(n)]
     links = [
-        Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED, p2p_reason="CPU ranks: messages go through host memory (gloo)")
+        Link(a, b, LinkKind.SYS, p2p=P2PStatus.UNSUPPORTED,
+             p2p_reason="CPU ranks: messages go through host memory (gloo)")
         for a in range(n)
         for b in range(a + 1, n)
     ]

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from ..errors import TopologyError
-from ..files import YAMLAliasError, atomic_write_text as _atomic_write_text, load_yaml, yaml_problem
+from ..files import YAMLAliasError, load_yaml, yaml_problem
+from ..files import atomic_write_text as _atomic_write_text
 from .model import Topology
 
 

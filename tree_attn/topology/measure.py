@@ -56,7 +56,8 @@ def measure_topology(
         copy_bytes = copy_bytes or GPU_COPY_BYTES
         per_pair = {p: _cuda_pair(torch, p[0], p[1], copy_bytes, latency_bytes, iterations) for p in pairs}
         # One GPU has no pair and nothing to all-reduce with: no all-reduce latency is reported.
-        ar = _launch(n, [], iterations, copy_bytes, latency_bytes, allreduce_bytes, "nccl", "cuda", timeout_s) if n > 1 else {}
+        ar = _launch(n, [], iterations, copy_bytes, latency_bytes, allreduce_bytes, "nccl", "cuda",
+                     timeout_s) if n > 1 else {}
         method, device = "cuda-copy+nccl-allreduce", torch.cuda.get_device_name(0)
     else:
         copy_bytes = copy_bytes or CPU_COPY_BYTES

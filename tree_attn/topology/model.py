@@ -20,8 +20,9 @@ import dataclasses
 import enum
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import TopologyError
 from ..validate import check_int, check_number
@@ -59,7 +60,7 @@ class LinkKind(str, enum.Enum):
         return self in (LinkKind.PIX, LinkKind.PXB, LinkKind.PHB, LinkKind.NODE, LinkKind.SYS)
 
     @classmethod
-    def parse(cls, value: Any, *, what: str = "kind") -> "LinkKind":
+    def parse(cls, value: Any, *, what: str = "kind") -> LinkKind:
         """Accept a LinkKind or its name in any case (``"NV"``-prefixed cells are not kinds)."""
         return _parse_enum(cls, value, f"{what}: unknown link class {value!r}; expected one of "
                            + ", ".join(k.value for k in _KIND_ORDER))
@@ -76,7 +77,7 @@ class P2PStatus(str, enum.Enum):
     UNKNOWN = "unknown"
 
     @classmethod
-    def parse(cls, value: Any, *, what: str = "p2p") -> "P2PStatus":
+    def parse(cls, value: Any, *, what: str = "p2p") -> P2PStatus:
         return _parse_enum(cls, value,
                            f"{what}: bad peer-to-peer status {value!r}; expected ok, unsupported or unknown")
 
@@ -149,13 +150,14 @@ class Device:
         for f in ("memory_bytes", "sm_count", "numa_node", "gpu_numa_id", "pcie_gen", "pcie_width", "nvlink_version"):
             _check_opt_int(f"device {self.index}: {f}", getattr(self, f))
         if self.mig_enabled is not None and not isinstance(self.mig_enabled, bool):
-            raise TopologyError(f"device {self.index}: mig_enabled: expected true, false or null, got {self.mig_enabled!r}")
+            raise TopologyError(f"device {self.index}: mig_enabled: expected true, false or null, "
+                                f"got {self.mig_enabled!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Device":
+    def from_dict(cls, d: Any) -> Device:
         return cls(**_fields_of(cls, d, "device"))
 
 
@@ -191,7 +193,8 @@ class Link:
         self.p2p = P2PStatus.parse(self.p2p, what=f"{where}: p2p")
         _check_opt_int(f"{where}: nvlinks", self.nvlinks, minimum=1)
         if self.nvlinks is not None and self.kind is not LinkKind.NVLINK:
-            raise TopologyError(f"{where}: nvlinks: {self.nvlinks} given for a {self.kind.value} link (only NVLink pairs have a count)")
+            raise TopologyError(f"{where}: nvlinks: {self.nvlinks} given for a {self.kind.value} link "
+                                "(only NVLink pairs have a count)")
         _check_opt_str(f"{where}: p2p_reason", self.p2p_reason)
         _check_opt_float(f"{where}: bandwidth_gbps", self.bandwidth_gbps)
         _check_opt_float(f"{where}: latency_us", self.latency_us)
@@ -200,7 +203,8 @@ class Link:
         if self.latency_us is not None and not isinstance(self.latency_us, float):
             self.latency_us = float(self.latency_us)
         if self.bandwidth_source not in BANDWIDTH_SOURCES:
-            raise TopologyError(f"{where}: bandwidth_source: expected one of {BANDWIDTH_SOURCES}, got {self.bandwidth_source!r}")
+            raise TopologyError(f"{where}: bandwidth_source: expected one of {BANDWIDTH_SOURCES}, "
+                                f"got {self.bandwidth_source!r}")
         if self.bandwidth_gbps is None and self.bandwidth_source in ("estimated", "reported", "measured"):
             raise TopologyError(f"{where}: bandwidth_source is {self.bandwidth_source!r} but bandwidth_gbps is null")
         _check_opt_int(f"{where}: hops", self.hops)
@@ -222,7 +226,7 @@ class Link:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Link":
+    def from_dict(cls, d: Any) -> Link:
         return cls(**_fields_of(cls, d, "link"))
 
 
@@ -240,7 +244,8 @@ class HierarchyLevel:
         if self.kind != "self":
             self.kind = LinkKind.parse(self.kind, what="hierarchy level kind").value
         if not isinstance(self.groups, list) or not all(isinstance(g, list) and g for g in self.groups):
-            raise TopologyError(f"hierarchy level {self.kind}: groups: expected a list of non-empty lists, got {self.groups!r}")
+            raise TopologyError(f"hierarchy level {self.kind}: groups: expected a list of non-empty lists, "
+                                f"got {self.groups!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "groups": [list(g) for g in self.groups]}
@@ -277,7 +282,7 @@ class Measurement:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Measurement":
+    def from_dict(cls, d: Any) -> Measurement:
         return cls(**_fields_of(cls, d, "measurement"))
 
 
@@ -287,7 +292,8 @@ def _fields_of(cls: type, d: Any, what: str) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
-        raise TopologyError(f"{what}: unknown key(s) {', '.join(map(str, unknown))}; expected some of {', '.join(sorted(names))}")
+        raise TopologyError(f"{what}: unknown key(s) {', '.join(map(str, unknown))}; "
+                            f"expected some of {', '.join(sorted(names))}")
     return dict(d)
 
 
@@ -307,7 +313,7 @@ def build_hierarchy(n: int, links: Iterable[Link]) -> list[HierarchyLevel]:
     for kind in present:
         parent = list(range(n))
 
-        def find(x: int) -> int:
+        def find(x: int, *, parent: list[int] = parent) -> int:  # this level's forest, bound here
             while parent[x] != x:
                 parent[x] = parent[parent[x]]
                 x = parent[x]
@@ -357,7 +363,8 @@ class Topology:
             if not isinstance(d, Device):
                 raise TopologyError(f"devices[{i}]: expected a Device, got {type(d).__name__}")
             if d.index != i:
-                raise TopologyError(f"devices[{i}]: index: expected {i} (devices are numbered 0..n-1 in order), got {d.index}")
+                raise TopologyError(f"devices[{i}]: index: expected {i} (devices are numbered 0..n-1 in order), "
+                                    f"got {d.index}")
         n = len(self.devices)
         seen: dict[tuple[int, int], Link] = {}
         for l in self.links:
@@ -371,7 +378,8 @@ class Topology:
         missing = [(a, b) for a in range(n) for b in range(a + 1, n) if (a, b) not in seen]
         if missing:
             a, b = missing[0]
-            raise TopologyError(f"links: no link for the pair {a}-{b} ({len(missing)} pair(s) missing); every pair needs one")
+            raise TopologyError(f"links: no link for the pair {a}-{b} ({len(missing)} pair(s) missing); "
+                                "every pair needs one")
         self.links = [seen[k] for k in sorted(seen)]
         self._index = seen
         if not isinstance(self.source, str) or not self.source:
@@ -419,7 +427,7 @@ class Topology:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # -- derived helpers ----------------------------------------------------------------------
-    def replace(self, **changes: Any) -> "Topology":
+    def replace(self, **changes: Any) -> Topology:
         """A copy with some fields replaced (devices and links are copied, never shared)."""
         base = {
             "devices": [dataclasses.replace(d) for d in self.devices],
@@ -431,7 +439,7 @@ class Topology:
         base.update(changes)
         return Topology(**base)
 
-    def completed_with(self, other: "Topology") -> "Topology":
+    def completed_with(self, other: Topology) -> Topology:
         """Fill the facts this topology does not know from ``other`` (same devices, same order).
 
         Used to combine several recorded dumps of one machine (``nvidia-smi topo -m`` for link
@@ -462,9 +470,9 @@ class Topology:
                     f"GPU{l.a}-GPU{l.b}: {self.source} says {l.label}, {other.source} says {o.label}: "
                     "the dumps disagree (are they of the same machine?)"
                 )
-            if l.p2p is P2PStatus.UNKNOWN or (l.p2p_reason or "").startswith("inferred"):
-                if o.p2p is not P2PStatus.UNKNOWN:
-                    vals["p2p"], vals["p2p_reason"] = o.p2p, o.p2p_reason
+            if ((l.p2p is P2PStatus.UNKNOWN or (l.p2p_reason or "").startswith("inferred"))
+                    and o.p2p is not P2PStatus.UNKNOWN):
+                vals["p2p"], vals["p2p_reason"] = o.p2p, o.p2p_reason
             if l.bandwidth_gbps is None and o.bandwidth_gbps is not None:
                 vals["bandwidth_gbps"], vals["bandwidth_source"] = o.bandwidth_gbps, o.bandwidth_source
             for f in ("hops", "weight", "latency_us"):
@@ -495,15 +503,17 @@ class Topology:
         }
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
+    def from_dict(cls, d: Any) -> Topology:
         """Validate and build from :meth:`to_dict` output. Unknown keys are rejected; the derived
         ``fingerprint``, ``world_size`` and ``hierarchy``, when present, must match the content."""
         if not isinstance(d, dict):
             raise TopologyError(f"topology: expected a mapping, got {type(d).__name__}")
-        allowed = {"schema_version", "fingerprint", "source", "world_size", "devices", "links", "hierarchy", "measurement", "notes"}
+        allowed = {"schema_version", "fingerprint", "source", "world_size", "devices", "links", "hierarchy",
+                   "measurement", "notes"}
         unknown = sorted(map(str, set(d) - allowed))
         if unknown:
-            raise TopologyError(f"topology: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(allowed))}")
+            raise TopologyError(f"topology: unknown key(s) {', '.join(unknown)}; "
+                                f"expected some of {', '.join(sorted(allowed))}")
         if "schema_version" not in d:
             raise TopologyError("topology: schema_version: required")
         for key in ("devices", "links"):

@@ -8,8 +8,9 @@ answer becomes "unknown" (``None``) for that one field; the probe never fails fo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import TopologyError
 from .bandwidth import estimate
@@ -23,7 +24,8 @@ class BackendUnavailable(TopologyError):
 
 # nvmlGpuTopologyLevel_t -> link class (the same mapping nvidia-smi topo -m prints).
 # INTERNAL = two GPUs on one board (e.g. K80): at most one bridge between them.
-_ANCESTOR_KIND = {0: LinkKind.PIX, 10: LinkKind.PIX, 20: LinkKind.PXB, 30: LinkKind.PHB, 40: LinkKind.NODE, 50: LinkKind.SYS}
+_ANCESTOR_KIND = {0: LinkKind.PIX, 10: LinkKind.PIX, 20: LinkKind.PXB, 30: LinkKind.PHB, 40: LinkKind.NODE,
+                  50: LinkKind.SYS}
 
 # nvmlGpuP2PStatus_t -> (status, reason); the codes nvidia-smi topo -p2p prints.
 _P2P_CODES = {
@@ -46,7 +48,7 @@ _SOFT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT", "NVML
 
 def _import_pynvml() -> ModuleType:
     try:
-        import pynvml  # noqa: PLC0415 - vendor library imported lazily on purpose
+        import pynvml  # vendor library imported lazily on purpose
     except ImportError as exc:
         raise BackendUnavailable(f"the pynvml module is not installed ({exc}); pip install nvidia-ml-py") from None
     return pynvml
@@ -115,7 +117,7 @@ class _Nvml:
             return None  # this pynvml release does not have the function
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - filtered just below
+        except Exception as exc:  # filtered just below
             if self.err is None or not isinstance(exc, self.err):
                 raise
             if getattr(exc, "value", None) not in self.soft:
@@ -147,7 +149,7 @@ def probe_nvml(module: ModuleType | None = None, *, visible_devices: str | None 
     finally:
         try:
             nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down a library that works is best effort
+        except Exception:  # noqa: BLE001, S110 - shutting down a library that works is best effort
             pass
     if visible_devices is None and module is None:
         visible_devices = os.environ.get(ENV_VAR)
@@ -166,10 +168,11 @@ def _probe(api: _Nvml) -> Topology:
     for i in range(n):
         try:
             handles.append(nv.nvmlDeviceGetHandleByIndex(i))
-        except Exception as exc:  # noqa: BLE001 - NVMLError_GpuIsLost, NoPermission, ...
+        except Exception as exc:  # NVMLError_GpuIsLost, NoPermission, ...
             if api.err is None or not isinstance(exc, api.err):
                 raise
-            raise TopologyError(f"NVML cannot open GPU {i}: {exc}; check `nvidia-smi` and the permissions of /dev/nvidia*") from None
+            raise TopologyError(f"NVML cannot open GPU {i}: {exc}; "
+                                "check `nvidia-smi` and the permissions of /dev/nvidia*") from None
     devices = [_device(api, i, h) for i, h in enumerate(handles)]
     bus_to_index = {d.pci_bus_id: d.index for d in devices if d.pci_bus_id}
 

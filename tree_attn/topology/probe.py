@@ -51,4 +51,5 @@ def _explicit(fn, module, label: str) -> Topology:
     try:
         return fn(module)
     except BackendUnavailable as exc:
-        raise TopologyError(f"{label} backend unavailable: {exc}; use --backend auto or host on a machine without it") from None
+        raise TopologyError(f"{label} backend unavailable: {exc}; "
+                            "use --backend auto or host on a machine without it") from None

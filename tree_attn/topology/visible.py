@@ -59,7 +59,8 @@ def _lookup(topo: Topology, entry: str) -> int | None:
     return None
 
 
-def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *, indices_only: bool = False) -> Topology:
+def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *,
+                        indices_only: bool = False) -> Topology:
     """``topo`` narrowed to the GPUs ``value`` (the value of ``var``, e.g. ``CUDA_VISIBLE_DEVICES``;
     None: unset) makes visible, renumbered 0..k-1 in CUDA's order, with a note saying which they are."""
     if value is None:
@@ -67,8 +68,8 @@ def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *
     chosen = visible_indices(topo, value, var, indices_only=indices_only)
     if chosen is None:
         what = "MIG instances" if "MIG-" in value.upper() else "GPUs by something other than their index"
-        return topo.replace(notes=topo.notes + [f"{var}={value!r} names {what}; the topology lists the machine's "
-                                                f"whole GPUs"])
+        return topo.replace(notes=topo.notes + [(f"{var}={value!r} names {what}; the topology lists the machine's "
+                                                 f"whole GPUs")])
     if chosen == list(range(len(topo))):
         return topo
     new_of = {old: new for new, old in enumerate(chosen)}
@@ -79,7 +80,8 @@ def restrict_to_visible(topo: Topology, value: str | None, var: str = ENV_VAR, *
             a, b = sorted((new_of[l.a], new_of[l.b]))
             links.append(dataclasses.replace(l, a=a, b=b))
     note = (f"{var}={value!r}: {len(chosen)} of the machine's {len(topo)} GPUs, numbered as CUDA numbers them "
-            f"(machine GPU {', '.join(str(i) for i in chosen)} are cuda:{', '.join(str(i) for i in range(len(chosen)))})")
+            f"(machine GPU {', '.join(str(i) for i in chosen)} are "
+            f"cuda:{', '.join(str(i) for i in range(len(chosen)))})")
     return Topology(devices=devices, links=links, source=topo.source, notes=topo.notes + [note],
                     measurement=None)
 

@@ -20,8 +20,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class ModelShape:
     max_positions: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         return cls(config["num_hidden_layers"], config.get("num_key_value_heads") or heads, head_dim, heads,
@@ -312,7 +313,7 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, k: list[torch.Ten
 PREFILL_FILE = "prefill.pt"
 
 
-def _save_prefill(pre: PrefillContext, folder: str) -> None:
+def save_prefill(pre: PrefillContext, folder: str) -> None:
     """Save the prefill KV to ``folder`` as ``{"k": [[Hkv, n, D] per layer], "v": ...}``, from
     which each rank maps its own slice (for any world size: the benchmark splits one prefill over
     several)."""
@@ -321,8 +322,8 @@ def _save_prefill(pre: PrefillContext, folder: str) -> None:
                os.path.join(folder, PREFILL_FILE))
 
 
-def _load_prefill(folder: str) -> PrefillContext:
-    """The prefill saved by :func:`_save_prefill`, memory-mapped: a rank reads only its slice."""
+def load_prefill(folder: str) -> PrefillContext:
+    """The prefill saved by :func:`save_prefill`, memory-mapped: a rank reads only its slice."""
     saved = torch.load(os.path.join(folder, PREFILL_FILE), mmap=True, weights_only=True)
     return PrefillContext(k=saved["k"], v=saved["v"], length=saved["k"][0].shape[1] if saved["k"] else 0)
 
@@ -331,7 +332,7 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, folder: str) -> dict[str, St
     """A spawned rank: load the model and this rank's slice of the prefill in ``folder``, decode."""
     model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=torch.device(env.device))
     use_tree_attention(model)
-    pre = _load_prefill(folder)
+    pre = load_prefill(folder)
     sizes = spec.shard_sizes()
     start, n = sum(sizes[:env.rank]), sizes[env.rank]
     mine = [pre.tokens(layer, start, start + n) for layer in range(len(pre.k))]
@@ -386,12 +387,14 @@ def one_process_rows(spec: GenerateSpec, model, pre: PrefillContext, say: Callab
     rows = [_row(REFERENCE, 1, [ref], None)]
     say(f"{ONE_RANK}: decoding with tree-attn's paged kernel in one process")
     local = PagedKVShard.allocate(shape.layers, start + spec.new_tokens + 1, shape.kv_heads, shape.head_dim,
-                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size, seed=spec.seed)
+                                  dtype=torch_dtype(spec.dtype), device=device, page_size=spec.page_size,
+                                  seed=spec.seed)
     for layer in range(shape.layers):
         local.write(layer, 0, *pre.tokens(layer, 0, start))
     local.set_length(start)
     ctx = DecodeContext(local, "local", holds_new=True, impl=spec.impl, config=spec.kernel_config)
-    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)], ref.tokens))
+    rows.append(_row(ONE_RANK, 1, [decode_tokens(model, ctx, first, start, spec.new_tokens, say, ONE_RANK)],
+                     ref.tokens))
     return rows
 
 
@@ -401,7 +404,7 @@ def one_process_work(spec: GenerateSpec, folder: str, say: Callable[[str], None]
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     model, pre, prefill_s = load_and_prefill(spec, device, say)
     rows = one_process_rows(spec, model, pre, say)
-    _save_prefill(pre, folder)
+    save_prefill(pre, folder)
     return OneProcess(prefill_s, rows, device_name(str(device)), os.getpid())
 
 
@@ -483,5 +486,6 @@ def _generate_as_torchrun_rank(spec: GenerateSpec, progress: Callable[[str], Non
         return None
     local = one_process_rows(spec, model, pre, say)
     gathered = job.values
-    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens) for label in gathered[0]]
+    rows = local + [_row(label, spec.world_size, [g[label] for g in gathered], local[0].tokens)
+                    for label in gathered[0]]
     return _result(spec, rows, prefill_s, job.device, env.backend, tokenizer)

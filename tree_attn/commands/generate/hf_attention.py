@@ -27,11 +27,11 @@ import torch
 
 from ...errors import ConfigError
 from ...kernels.dispatch import decode_attention
-from ...reduce.state import merge_partials
 from ...reduce.collectives import tree_decode
-from ...reduce.ring import ring_decode
 from ...reduce.comm import CommStats
 from ...reduce.plan import ReductionPlan
+from ...reduce.ring import ring_decode
+from ...reduce.state import merge_partials
 from .kv_store import PagedKVShard
 
 ATTENTION_NAME = "tree_attn"
@@ -49,7 +49,7 @@ class PrefillContext:
     length: int = 0
 
     @classmethod
-    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, *, dtype, device) -> "PrefillContext":
+    def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, *, dtype, device) -> PrefillContext:
         shape = (kv_heads, capacity, head_dim)
         return cls(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)],
                    v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)])
@@ -137,7 +137,8 @@ def _prefill(ctx: PrefillContext, layer: int, query, key, value, scale: float) -
     q = query[0]
     out, lse = attention_with_lse(q, key[0], value[0], scale, causal=True)
     if start:
-        past_out, past_lse = attention_with_lse(q, ctx.k[layer][:, :start], ctx.v[layer][:, :start], scale, causal=False)
+        past_out, past_lse = attention_with_lse(q, ctx.k[layer][:, :start], ctx.v[layer][:, :start], scale,
+                                                causal=False)
         out, lse = merge_partials(torch.stack([out, past_out]), torch.stack([lse, past_lse]))
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, S, Hq, D]
 

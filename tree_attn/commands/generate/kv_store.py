@@ -47,7 +47,7 @@ class PagedKVShard:
 
     @classmethod
     def allocate(cls, layers: int, capacity: int, kv_heads: int, head_dim: int, *, dtype, device,
-                 page_size: int = PAGE_SIZE, seed: int = 0) -> "PagedKVShard":
+                 page_size: int = PAGE_SIZE, seed: int = 0) -> PagedKVShard:
         check_block_size(page_size)
         if capacity < 0:
             raise ConfigError(f"KV capacity must be >= 0; got {capacity}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ...validate import check_int
 from ..defaults import SEED
 
 # Architectures whose attention is plain multi-head/grouped-query softmax attention with RoPE,
@@ -78,7 +79,7 @@ def require_transformers() -> None:
     """Raise :class:`ConfigError` naming the extra when transformers is missing or older than
     :data:`MIN_TRANSFORMERS`."""
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError as exc:
         raise ConfigError(f"tree-attn generate needs Hugging Face transformers: {MODELS_EXTRA}") from exc
     if transformers_version(transformers.__version__) < MIN_TRANSFORMERS:
@@ -101,8 +102,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
     A checkpoint folder must hold ``config.json`` of a supported architecture and safetensors
     weights; the error names what is missing. A preset must exist; ``layers`` must be >= 1.
     """
-    if source.layers is not None and (isinstance(source.layers, bool) or not isinstance(source.layers, int) or source.layers < 1):
-        raise ConfigError(f"--layers must be an integer >= 1; got {source.layers!r}")
+    if source.layers is not None:  # not optional=True: its message would add "or null"
+        check_int(source.layers, "--layers", minimum=1, must=True)
     if source.path is None:
         if source.preset not in PRESETS:
             raise ConfigError(f"unknown model preset {source.preset!r}; choose from {', '.join(PRESETS)}")
@@ -114,7 +115,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
         raise ConfigError("--layers applies to a preset, not to a checkpoint (a checkpoint keeps its layers)")
     folder = Path(source.path)
     if not folder.is_dir():
-        raise ConfigError(f"--model {source.path}: no such folder (a checkpoint folder with config.json and *.safetensors)")
+        raise ConfigError(f"--model {source.path}: no such folder "
+                          "(a checkpoint folder with config.json and *.safetensors)")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {source.path}: config.json is missing from the folder")

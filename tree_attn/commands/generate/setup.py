@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigError
 from ...launch.setup import AnnouncesLaunch, PlanOptions
+from ...validate import check_int, is_int
 from ..defaults import SEED
 from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers
 
@@ -48,14 +49,14 @@ class GenerateSetup(AnnouncesLaunch):
     """A resolved generate: the spec (its launch holds the profile, notices and warnings of the
     launch), the tokenizer, the prompt's text, and what the command itself tells the user."""
 
-    spec: "GenerateSpec"
+    spec: GenerateSpec
     tokenizer: Any = None
     prompt_text: str | None = None
     own_notices: tuple[str, ...] = ()
     own_warnings: tuple[str, ...] = ()
 
     @property
-    def env(self) -> "RankEnv | None":
+    def env(self) -> RankEnv | None:
         """This process's place in a torchrun job (it is one rank), else None."""
         return self.spec.launch.torchrun
 
@@ -66,8 +67,7 @@ def parse_prompt(text: str | None, prompt_len: int, vocab: int, seed: int, token
     import torch
 
     if text is None:
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ConfigError(f"--prompt-len must be an integer >= 1; got {prompt_len!r}")
+        check_int(prompt_len, "--prompt-len", minimum=1, must=True)
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), None
     parts = [p.strip() for p in text.split(",")]
@@ -94,7 +94,8 @@ def _check_window(config: dict, total: int) -> None:
         window = None
     if window is not None and total > int(window):
         raise ConfigError(f"this model attends over a sliding window of {window} tokens and the context would reach "
-                          f"{total}; tree-attn generate attends over the whole cache: keep prompt + --new-tokens <= {window}")
+                          f"{total}; tree-attn generate attends over the whole cache: "
+                          f"keep prompt + --new-tokens <= {window}")
 
 
 def _param_bytes(config: dict, elem: int) -> int:
@@ -124,15 +125,13 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     config = check_source(source)
     shape = ModelShape.from_config(config)
     page = options.page_size
-    if isinstance(page, bool) or not isinstance(page, int) or not MIN_BLOCK_SIZE <= page <= MAX_BLOCK_SIZE:
+    if not is_int(page) or not MIN_BLOCK_SIZE <= page <= MAX_BLOCK_SIZE:
         raise ConfigError(f"--page-size must be an integer in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE} (the block sizes the "
                           f"decode kernels take); got {page!r}")
     n_new = options.new_tokens
-    if isinstance(n_new, bool) or not isinstance(n_new, int) or not 1 <= n_new <= MAX_NEW_TOKENS:
-        raise ConfigError(f"--new-tokens must be an integer in 1..{MAX_NEW_TOKENS}; got {n_new!r}")
+    check_int(n_new, "--new-tokens", minimum=1, maximum=MAX_NEW_TOKENS, must=True)
     max_len = shape.max_positions if options.max_len is None else options.max_len
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ConfigError(f"--max-len must be an integer >= 2; got {max_len!r}")
+    check_int(max_len, "--max-len", minimum=2, must=True)
     if options.prompt is None and options.prompt_len > max_len:  # before making the random prompt
         raise ConfigError(f"--prompt-len {options.prompt_len:,} is longer than --max-len {max_len:,}")
     tokenizer = load_tokenizer(source)

@@ -131,7 +131,7 @@ class KVShard:
         """The scales as the decode functions' keywords (empty for a cache that is not fp8)."""
         return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
-    def to(self, device) -> "KVShard":
+    def to(self, device) -> KVShard:
         return KVShard(*(None if t is None else t.to(device) for t in (self.k, self.v, self.k_scale, self.v_scale)))
 
 
@@ -193,10 +193,10 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
     eager steps around extra steps queued behind a spin kernel (``device_time`` says which).
     """
     from ...graphs import wait_for
+    from ...launch.memory import MemoryMonitor
     from ...reduce.collectives import TreeDecodeStep, abort_group
     from ...reduce.comm import CommStats
     from ...reduce.ring import ring_decode
-    from ...launch.memory import MemoryMonitor
 
     device = torch.device(env.device)
     cuda = device.type == "cuda"
@@ -215,7 +215,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 # The first call checks shapes and learns the shard lengths; timed calls are given them.
                 ring_decode(q_static, k, v, impl=spec.impl, config=config, **scales)
 
-                def step() -> tuple[torch.Tensor, torch.Tensor]:
+                # step and finish are called only in this iteration; the defaults bind its values.
+                def step(*, q_static=q_static, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
                     return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(),
                                        stats=stats, **scales)
             else:
@@ -224,10 +225,10 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                                           cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, **scales)
                 why_eager = prepared.why_eager
 
-                def step() -> tuple[torch.Tensor, torch.Tensor]:
+                def step(*, prepared=prepared, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
                     return prepared(stats)
 
-            def finish(what: str, done=None) -> None:
+            def finish(what: str, done=None, *, prepared=prepared) -> None:
                 """Wait for the step just issued (``done``: an event recorded after it), at most the
                 job's timeout; on expiry the group is aborted and the error names rank and step."""
                 if not cuda:
@@ -276,7 +277,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                     # A progress line every tenth of the steps, and at least every PROGRESS_S seconds;
                     # it counts steps done (s + 1) and always shows the last ("8/8").
                     done = s + 1
-                    if done == spec.steps or done % max(1, spec.steps // 10) == 0 or time.monotonic() - last_note > PROGRESS_S:
+                    if (done == spec.steps or done % max(1, spec.steps // 10) == 0
+                            or time.monotonic() - last_note > PROGRESS_S):
                         say_on_rank_0(env, f"{label}: step {done}/{spec.steps}")
                         last_note = time.monotonic()
             out, lse = out.cpu(), lse.cpu()  # before any further step overwrites the static outputs
@@ -284,7 +286,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             if cuda and why_eager is None:
                 device_time = DEVICE_TIME_GRAPH
             elif cuda:
-                device_times, device_time = _held_device_times(env, spec, label, step, q_static, max(issue_times), finish)
+                device_times, device_time = held_device_times(env, spec, label, step, q_static,
+                                                               max(issue_times), finish)
             reports[label] = RankReport(
                 step_s=times,
                 bytes_sent_per_step=max(per_step_bytes),
@@ -309,13 +312,13 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
                 failing = sys.exc_info()[1] is not None
                 try:
                     prepared.close()
-                except Exception:  # noqa: BLE001 - see above
+                except Exception:  # see above
                     if not failing:
                         raise
     return reports
 
 
-def _held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: torch.Tensor, issue_s: float,
+def held_device_times(env: RankEnv, spec: RunSpec, label: str, step, q_static: torch.Tensor, issue_s: float,
                        finish) -> tuple[list[float], str]:
     """Device time of eager steps, taken as the graph path takes it from its replays.
 
@@ -390,7 +393,7 @@ class RunResult:
     results: list[StrategyResult] = field(default_factory=list)
     speedup_vs_ring: float | None = None  # ring's median step over ``compared``'s
     compared: str | None = None  # the plan label compared with ring (the tree strategy's row)
-    profile: "ProfileChoice | None" = None  # which profile the run used (commands.run.setup.ProfileChoice)
+    profile: ProfileChoice | None = None  # which profile the run used (commands.run.setup.ProfileChoice)
     # CPU ranks: which local attention ran ("C kernel: <library and flags>" or "torch ops: <why>");
     # None on GPUs (the Triton kernel or torch, per --impl).
     local_kernel: str | None = None
@@ -471,7 +474,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 ranks_agree_note=RING_ORDER_NOTE if name == "ring" and not agree else None,
                 execution=first.execution,
                 why_eager=first.why_eager,
-                **_device_summary(reps, spec.steps),
+                **device_summary(reps, spec.steps),
             )
         )
     result = RunResult(spec=_spec_dict(spec), device=device, backend=backend, results=rows)
@@ -488,7 +491,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
     return result
 
 
-def _device_summary(reps: list[RankReport], steps: int) -> dict:
+def device_summary(reps: list[RankReport], steps: int) -> dict:
     """``device_ms_median`` (the median over steps of the slowest rank's device time) and
     ``device_time`` (how it was taken) of one row; None and the reason when a rank has no device
     times (then the first such rank's reason), both None on CPU ranks."""

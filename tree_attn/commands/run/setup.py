@@ -47,7 +47,7 @@ class RunOptions(PlanOptions):
 class RunSetup(AnnouncesLaunch):
     """A resolved run: the spec to decode (the profile, notices and warnings are its launch's)."""
 
-    spec: "RunSpec"
+    spec: RunSpec
 
 
 def plan_run(options: RunOptions) -> RunSetup:
@@ -107,7 +107,7 @@ def error_limit(dtype: str, kv_dtype: str | None = None) -> float:
     return max(limit, ERROR_LIMITS["bfloat16"]) if kv_dtype is not None and is_fp8(kv_dtype) else limit
 
 
-def strategies_beyond_tolerance(result: "RunResult", dtype: str, kv_dtype: str | None = None) -> list[str]:
+def strategies_beyond_tolerance(result: RunResult, dtype: str, kv_dtype: str | None = None) -> list[str]:
     """Labels of the strategies whose output differs from the reference beyond :func:`error_limit`
     (NaN included). For an fp8 cache the reference is the dequantized cache's: the quantization's
     own error (``max_abs_err_unquantized``) is reported, not judged."""
@@ -115,5 +115,5 @@ def strategies_beyond_tolerance(result: "RunResult", dtype: str, kv_dtype: str |
     return [r.plan for r in result.results if not r.max_abs_err <= limit]
 
 
-__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "plan_run", "check_fp8_launch", "error_limit",
+__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "check_fp8_launch", "error_limit", "plan_run",
            "strategies_beyond_tolerance"]

@@ -8,8 +8,9 @@ callback (the CLI draws it); nothing here prints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...profiles import Profile
@@ -31,14 +32,14 @@ class TuneEvent:
 ProgressFn = Callable[[TuneEvent], None]
 
 
-def build_profile(setup: "TuneSetup", progress: ProgressFn | None = None) -> "Profile":
+def build_profile(setup: TuneSetup, progress: ProgressFn | None = None) -> Profile:
     """The profile of ``setup``: measured when this machine can time it, else model-derived."""
     if setup.measurable:
         return measured_profile(setup.topology, setup.options, progress)
     return model_profile(setup.topology, setup.options)
 
 
-def write_profile(setup: "TuneSetup", profile: "Profile") -> str:
+def write_profile(setup: TuneSetup, profile: Profile) -> str:
     """Save ``profile`` (atomically) where ``setup`` says; returns the path as given."""
     from ...profiles import save_profile
 
@@ -46,10 +47,10 @@ def write_profile(setup: "TuneSetup", profile: "Profile") -> str:
     return setup.output
 
 
-def measured_profile(topo: "Topology", options: "TuneOptions", progress: ProgressFn | None = None) -> "Profile":
+def measured_profile(topo: Topology, options: TuneOptions, progress: ProgressFn | None = None) -> Profile:
     """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
-    from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...cost.plan import decode_message_bytes
+    from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...reduce.hier_plan import candidate_plans
     from .timing import tune_kernels_in_child, tune_plans
 
@@ -78,15 +79,15 @@ def measured_profile(topo: "Topology", options: "TuneOptions", progress: Progres
         ],
     )
     kernel = KernelSection(device_spec=topo.devices[0].name if buckets else None,
-                           buckets=[_kernel_bucket(b) for b in buckets])
+                           buckets=[kernel_bucket(b) for b in buckets])
     notes = [] if buckets else ["CPU ranks: no Triton kernel configs to tune (the CPU path has none)"]
     quick = " (--quick)" if options.quick else ""
     return _profile(topo, "tuned", "measured", reduction, kernel, current_versions(),
                     f"tuned on {options.world_size} x {topo.devices[0].name}{quick}", notes)
 
 
-def _profile(topo: "Topology", prefix: str, origin: str, reduction, kernel, versions, description: str,
-             notes: list[str]) -> "Profile":
+def _profile(topo: Topology, prefix: str, origin: str, reduction, kernel, versions, description: str,
+             notes: list[str]) -> Profile:
     """The profile of ``topo`` (its machine and topology inside), named ``<prefix>-<fingerprint>``."""
     from ...profiles import Machine, Profile, utc_now
 
@@ -95,7 +96,7 @@ def _profile(topo: "Topology", prefix: str, origin: str, reduction, kernel, vers
                    description=description, notes=notes, topology=topo)
 
 
-def _kernel_bucket(b):
+def kernel_bucket(b):
     """A profile's bucket from a :class:`~.timing.BucketResult`. Where every timing of the bucket
     measured the host rather than the kernel, tune_kernels keeps the model's choice
     (``chosen_by == "model"``), and the profile records no time for it."""
@@ -111,15 +112,16 @@ def _kernel_bucket(b):
                         timing=t.method if measured else None)
 
 
-def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
+def model_profile(topo: Topology, options: TuneOptions) -> Profile:
     """A profile derived from the topology and the plan cost model alone (nothing timed)."""
+    from ...cost.plan import decode_lse_bytes, decode_message_bytes, predict_plan_us
     from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
-    from ...cost.plan import decode_message_bytes, predict_plan_us
     from ...reduce.hier_plan import candidate_plans
 
     msg = decode_message_bytes(options.batch, options.q_heads, options.head_dim)
+    lse = decode_lse_bytes(options.batch, options.q_heads)  # the all-reduce form's lse, priced as simulate does
     cands = candidate_plans(len(topo), topo.hierarchy)
-    predicted = [predict_plan_us(p, topo, msg) for p in cands]
+    predicted = [predict_plan_us(p, topo, msg, lse) for p in cands]
     best = min(range(len(cands)), key=lambda i: predicted[i])
     reduction = Reduction(
         plan=cands[best],
@@ -130,8 +132,8 @@ def model_profile(topo: "Topology", options: "TuneOptions") -> "Profile":
     )
     return _profile(topo, "model", "model", reduction, KernelSection(), current_versions(driver=None),
                     f"model-derived for {len(topo)} x {topo.devices[0].name} from {topo.source}",
-                    ["not measured: derived from the topology and the plan cost model; tune on the machine itself "
-                     "to measure"])
+                    [("not measured: derived from the topology and the plan cost model; tune on the machine itself "
+                      "to measure")])
 
 
-__all__ = ["TuneEvent", "build_profile", "write_profile", "measured_profile", "model_profile"]
+__all__ = ["TuneEvent", "build_profile", "kernel_bucket", "measured_profile", "model_profile", "write_profile"]

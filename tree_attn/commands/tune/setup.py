@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ProfileError, TopologyError
 from ...launch.setup import LaunchOptions
+from ...validate import check_int
 from ..defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...topology import Topology
     from .timing import TuneOptions
 
-__all__ = ["TuneRequest", "TuneSetup", "plan_tune", "check_output_free"]
+__all__ = ["TuneRequest", "TuneSetup", "check_output_free", "plan_tune"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class TuneSetup:
     that it describes when this machine cannot), whether this machine can time it, where the
     profile goes, and notices for the user."""
 
-    topology: "Topology"
-    options: "TuneOptions"
+    topology: Topology
+    options: TuneOptions
     measurable: bool
     output: str
     force: bool = False
@@ -57,13 +58,13 @@ class TuneSetup:
     model_reason: str | None = None  # why nothing can be timed here (when not measurable)
 
 
-def _kind_of(topo: "Topology") -> str:
+def _kind_of(topo: Topology) -> str:
     from ...profiles.schema import device_kind_of
 
     return "cuda" if device_kind_of(topo) in ("cuda", "rocm") else "cpu"
 
 
-def _topology(request: TuneRequest, device_kind: str) -> "Topology":
+def _topology(request: TuneRequest, device_kind: str) -> Topology:
     """The topology to tune: the file's, ``--world-size`` CPU ranks, or this machine's GPUs."""
     from ...launch.env import check_cpu_ranks
     from ...topology import host_topology, load_expected, probe_topology
@@ -107,8 +108,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     check_timeout(request.timeout_s)
     for option, value in (("--batch", request.batch), ("--heads", request.heads), ("--kv-heads", request.kv_heads),
                           ("--head-dim", request.head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{option} must be an integer >= 1; got {value!r}")
+        check_int(value, option, minimum=1, must=True)
     if request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
@@ -142,8 +142,8 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         backend = resolve_backend(request.backend, device_kind)
         launch = LaunchSetup(world_size=world, device_kind=device_kind, backend=backend, timeout_s=request.timeout_s,
                              dtype=dtype, kv_dtype=kv_dtype)
-        notices = [*probed, f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
-                            "nothing can be timed here, so the profile is model-derived (origin: model)"]
+        notices = [*probed, (f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
+                             "nothing can be timed here, so the profile is model-derived (origin: model)")]
     options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
                           head_dim=request.head_dim, kv_dtype=kv_dtype, quick=request.quick)
     return TuneSetup(topology=topo, options=options, measurable=reason is None, output=output,

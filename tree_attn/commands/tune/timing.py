@@ -170,7 +170,8 @@ class KernelTiming:
 
 
 def time_kernel_configs(
-    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int, copy_gbps: float | None = None,
+    shape, dtype: torch.dtype, configs_ranked, device: str, iterations: int, warmup: int,
+    copy_gbps: float | None = None,
     *, kv_dtype: torch.dtype | None = None,
 ) -> list[KernelTiming]:
     """Time the Triton kernel for each ranked config on one device.
@@ -183,8 +184,8 @@ def time_kernel_configs(
     CUDA events, ``iterations`` times; the median per launch is its device time. On CPU (Triton's
     interpreter, for tests) a host clock.
     """
-    from ...errors import ConfigError
     from ...cost.kernel import kv_bytes
+    from ...errors import ConfigError
     from ...kernels.triton_launch import TritonDecodeLaunch
     from ...timing import rotation_count, time_calls
 
@@ -217,7 +218,8 @@ def time_kernel_configs(
             calls = [functools.partial(launch, q, k, v, None, o, lse, **scales) for k, v in kvs]
             t = time_calls(calls, dev, repeats=iterations, warmup=warmup)
         except ConfigError as exc:  # e.g. Triton's out-of-resources: this config cannot run here
-            out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None, error=str(exc)))
+            out.append(KernelTiming(config=cfg, predicted_us=ranked.predicted_us, median_us=None, gbps=None,
+                                    error=str(exc)))
             continue
         gbps = nbytes / t.device_us / 1e3
         out.append(KernelTiming(
@@ -335,11 +337,11 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         if options.device_kind != "cuda":
             return []
         device = "cuda:0"
-    from ...kernels.config import resolve_config
     from ...cost.devices import CPU_INTERPRETER, DeviceSpec
     from ...cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
-    from ...kernels.shapes import DecodeShape
     from ...dtypes import parse_kv_dtype, torch_dtype
+    from ...kernels.config import resolve_config
+    from ...kernels.shapes import DecodeShape
 
     dtype = torch_dtype(options.dtype)  # the query's
     kv_name = parse_kv_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
