@@ -166,30 +166,6 @@ INLINE void widen_fp8(float *restrict w, const void *restrict x, int64_t d, floa
     }
 }
 
-/* o[0 .. d) += p[0] x0 + p[1] x1 + p[2] x2 + p[3] x3 (four tokens' fp8 values, without NaN codes,
- * widened in registers; p already times the unit): one load and store of o per four tokens, and no
- * widened copy in memory. */
-INLINE void axpy4_fp8(float *restrict o, const float *restrict p, const void *x0, const void *x1, const void *x2,
-                      const void *x3, int64_t d) {
-    const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
-                 p3 = _mm256_set1_ps(p[3]);
-    for (int64_t i = 0; i < d; i += 16) {
-        __m256 a0, b0, a1, b1, a2, b2, a3, b3;
-        fp8x16((const char *)x0 + i, &a0, &b0);
-        fp8x16((const char *)x1 + i, &a1, &b1);
-        fp8x16((const char *)x2 + i, &a2, &b2);
-        fp8x16((const char *)x3 + i, &a3, &b3);
-        __m256 lo = _mm256_fmadd_ps(p0, a0, _mm256_loadu_ps(o + i));
-        __m256 hi = _mm256_fmadd_ps(p0, b0, _mm256_loadu_ps(o + i + 8));
-        lo = _mm256_fmadd_ps(p1, a1, lo);
-        hi = _mm256_fmadd_ps(p1, b1, hi);
-        lo = _mm256_fmadd_ps(p2, a2, lo);
-        hi = _mm256_fmadd_ps(p2, b2, hi);
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p3, a3, lo));
-        _mm256_storeu_ps(o + i + 8, _mm256_fmadd_ps(p3, b3, hi));
-    }
-}
-
 /* o[0 .. d) += p * x[0 .. d) (fp8 without NaN codes; p already times the unit). */
 INLINE void axpy_fp8(float *restrict o, float p, const void *restrict x, int64_t d) {
     const __m256 pv = _mm256_set1_ps(p);
@@ -417,31 +393,6 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
          * With fewer rows, half-float caches stay token by token: four tokens at a time, with the
          * widened copy as extra traffic, was 3-35% slower at 1-4 rows (8 x 128, 65,536 tokens). */
         int64_t t = 0;
-#if FP8_SIMD
-        /* fp8 with fewer than 8 rows: four tokens per update of out too, widened in registers
-         * (axpy4_fp8); a group of four with a NaN code goes token by token below, exactly. */
-        if (IS_FP8(dt) && g < 8 && d % 16 == 0) {
-            const float unit = FP8_UNIT(dt);
-            for (; t + 4 <= n; t += 4) {
-                int nan = 0;
-                for (int64_t h = 0; h < hn && !nan; h++)
-                    for (int64_t u = 0; u < 4; u++)
-                        nan |= fp8_has_nan(at(v, vo[t + u] + h * vsh, dt), d, dt);
-                if (nan)
-                    break;
-                for (int64_t h = 0; h < hn; h++) {
-                    const void *x0 = at(v, vo[t] + h * vsh, dt), *x1 = at(v, vo[t + 1] + h * vsh, dt),
-                               *x2 = at(v, vo[t + 2] + h * vsh, dt), *x3 = at(v, vo[t + 3] + h * vsh, dt);
-                    for (int64_t j = 0; j < g; j++) {
-                        const int64_t r = h * g + j;
-                        const float *sr = s + r * CHUNK + t;
-                        const float p4[4] = {sr[0] * unit, sr[1] * unit, sr[2] * unit, sr[3] * unit};
-                        axpy4_fp8(out + r * d, p4, x0, x1, x2, x3, d);
-                    }
-                }
-            }
-        }
-#endif
         for (; t + 4 <= n && (dt == DT_F32 || g >= 8); t += 4) {
             for (int64_t h = 0; h < hn; h++) {
                 const float *w[4];
