@@ -85,13 +85,11 @@ class LaunchOptions:
 @dataclass(frozen=True)
 class PlanOptions(LaunchOptions):
     """The launch options of a command that decodes (``run``, ``generate``), and its plans':
-    ``--strategy``, ``--fanout``, ``--profile``; and ``--kv-dtype``, the KV cache's dtype (None:
-    ``--dtype``'s; ``fp8`` = ``float8_e4m3fn``), which picks the profile's kernel config."""
+    ``--strategy``, ``--fanout``, ``--profile``."""
 
     strategy: str = AUTO
     fanout: int | None = None
     profile: str | None = None
-    kv_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +101,8 @@ class LaunchRequest(PlanOptions):
     as one rank (``run``, ``generate``); off, the command always spawns its own ranks. ``shape``:
     the shape the kernel config is looked up for (None: none). ``activity`` and ``timed`` word the
     notice and the warning about CPU ranks ("spawning 4 CPU ranks"; "step times swing").
+    ``kv_dtype``: the KV cache's dtype (None: ``dtype``'s; ``fp8`` = ``float8_e4m3fn``), which picks
+    the profile's kernel config (``run --kv-dtype``, ``tune --kv-dtype``).
     """
 
     strategy: str | None = None
@@ -110,6 +110,7 @@ class LaunchRequest(PlanOptions):
     shape: KernelShape | None = None
     activity: str = "spawning"
     timed: str = "step times"
+    kv_dtype: str | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class RunOptions(PlanOptions):
     shape and the steps. These are the defaults of ``tree-attn run`` and of :class:`RunSpec`."""
 
     seq_len: int = 65536
+    kv_dtype: str | None = None  # --kv-dtype: the KV cache's (fp8: quantized per rank); None: --dtype
     batch: int = BATCH
     heads: int = HEADS
     kv_heads: int = KV_HEADS
@@ -62,7 +63,7 @@ def plan_run(options: RunOptions) -> RunSetup:
 
     # The shape first: nothing below may build anything in proportion to a bad number.
     shape = KernelShape(options.heads, options.kv_heads, options.head_dim, options.seq_len)
-    launch = resolve_launch(options.launch_request(shape=shape))
+    launch = resolve_launch(options.launch_request(shape=shape, kv_dtype=options.kv_dtype))
     spec = RunSpec(
         launch=launch, seq_len=options.seq_len, batch=options.batch, q_heads=options.heads,
         kv_heads=options.kv_heads, head_dim=options.head_dim, steps=options.steps, warmup=options.warmup,
