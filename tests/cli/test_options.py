@@ -41,7 +41,8 @@ def test_shared_options_read_alike_in_every_command():
     flags, help and default wherever it appears with the same meaning."""
     shared = {"--device": ("run", "generate", "tune"), "--backend": ("run", "generate", "tune"),
               "--timeout": ("run", "generate", "tune"), "--strategy": ("run", "generate"),
-              "--fanout": ("run", "generate"), "--profile": ("run", "generate"), "--world-size": ("run", "generate"),
+              "--fanout": ("run", "generate"), "--plan": ("run", "generate"),
+              "--profile": ("run", "generate"), "--world-size": ("run", "generate"),
               "--heads": ("run", "tune", "simulate"), "--kv-heads": ("run", "tune", "simulate"),
               "--head-dim": ("run", "tune", "simulate"), "--batch": ("run", "tune", "simulate"),
               "--json": ("run", "generate", "simulate")}

@@ -8,7 +8,7 @@ import typer
 
 from ..commands.generate.setup import GenerateOptions
 from .common import announce_setup, err_console, error, fmt_bytes, line, out_console, plan_name, ranks, report, styled
-from .options import Backend, Device, Fanout, Json, Profile, Strategy, Timeout, WorldSize, count_option
+from .options import Backend, Device, Fanout, Json, Plan, Profile, Strategy, Timeout, WorldSize, count_option
 
 DEFAULTS = GenerateOptions()
 
@@ -53,6 +53,7 @@ def generate_command(
     world_size: WorldSize = DEFAULTS.world_size,
     strategy: Strategy = DEFAULTS.strategy,
     fanout: Fanout = DEFAULTS.fanout,
+    plan: Plan = DEFAULTS.plan,
     device: Device = DEFAULTS.device,
     backend: Backend = DEFAULTS.backend,
     dtype: Annotated[str, typer.Option(
@@ -69,7 +70,8 @@ def generate_command(
     setup = plan_generate(GenerateOptions(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
         new_tokens=new_tokens, max_len=max_len, world_size=world_size, strategy=strategy, fanout=fanout,
-        device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout, profile=profile_ref,
+        plan=plan, device=device, backend=backend, dtype=dtype, page_size=page_size, timeout_s=timeout,
+        profile=profile_ref,
     ))
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks

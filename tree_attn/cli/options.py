@@ -90,6 +90,12 @@ Timeout = Annotated[float, typer.Option(
 Strategy = Annotated[str, typer.Option(
     "--strategy", "-s", help="Comma list of tree, allreduce, ring; auto = the profile's (or default) plan and ring.")]
 Fanout = Annotated[int | None, typer.Option("--fanout", "-k", help="Fan-out of the tree strategy (2..world size).")]
+Plan = Annotated[str, typer.Option(
+    "--plan", help="Shape of the tree strategy's plan: auto (the profile's plan on one machine; across torchrun "
+                   "nodes the hierarchical tree of the node layout, or the plan of a --profile that tune wrote under "
+                   "the same torchrun job), hier (the hierarchical tree: inside each node first, one message per node "
+                   "across the network), or flat (a k-ary tree in rank order, fan-out --fanout, default 2, ignoring "
+                   "the topology: what the hierarchical tree is compared against).")]
 Profile = Annotated[str | None, typer.Option(
     "--profile", "-p", help="A profile (path or built-in name) to take the plan and kernel configs from; default: the "
                             "one saved for this machine's fingerprint, else a built-in one for the same machine, else "

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, report, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, print_json, report, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -27,8 +27,10 @@ def probe_command(
                                                                     "an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
-    measure: bool = typer.Option(False, "--measure",
-                                 help="Measure per-pair bandwidth and latency and the decode all-reduce."),
+    measure: bool = typer.Option(False, "--measure", help=(
+        "Measure per-pair bandwidth and latency and the decode all-reduce. Under torchrun (one probe per node) "
+        "every pair of the job's ranks is measured across the nodes, and the hierarchy follows the measured costs "
+        "where they disagree with the node layout (--json: hierarchy_source).")),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
     cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
@@ -53,18 +55,33 @@ def probe_command(
             raise TopologyError(f"{output} already exists; pass --force to overwrite it "
                                 "(or write elsewhere with --output FILE)")
     check_plot(plot)
+    import os
+
+    torchrun = measure and not from_ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if from_:
         if measure:
             raise TopologyError("--measure needs the machine itself: it cannot measure a recorded dump")
         topo = load_dumps(from_)
+    elif torchrun:
+        topo = _torchrun_topology(backend)
     else:
         topo = probe_topology(backend, cpu_ranks=cpu_ranks)
     if measure:
         from ..topology.measure import measure_topology
 
-        err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...",
-                          markup=False)
-        topo = measure_topology(topo, iterations=iterations)
+        if not torchrun or os.environ.get("RANK") == "0":
+            err_console.print(f"measuring {len(topo)} device(s) ({len(topo.links)} pairs, {iterations} iterations)...",
+                              markup=False)
+        topo = measure_topology(topo, iterations=iterations, join_torchrun=torchrun)
+        if topo is None:  # another rank of the torchrun job: rank 0 reports
+            return
+        if torchrun:
+            from ..topology.islands import with_measured_hierarchy
+
+            topo = with_measured_hierarchy(topo, topo.measurement.copy_bytes)
+            notice(f"hierarchy from {topo.hierarchy_source}: "
+                   + ("the measured pair costs disagree with the node layout; plans follow the measurement"
+                      if topo.hierarchy_source == "measured" else "the measured pair costs agree with the node layout"))
     for n in topo.notes:
         notice(n)
     for w in topology_warnings(topo):
@@ -74,7 +91,30 @@ def probe_command(
         notice(f"wrote {output} (fingerprint {topo.fingerprint})")
     from ..plots import plot_topology
 
+    if json_out:  # which source the hierarchy (and so the plans) came from, always said here
+        print_json({**topo.to_dict(), "hierarchy_source": topo.hierarchy_source})
+        if plot:
+            plot_topology(topo, plot)
+            notice(f"wrote {plot}")
+        return
     report(topo, render_topology, json_out, plot, plot_topology)
+
+
+def _torchrun_topology(backend: str):
+    """The topology of the torchrun job this process is a rank of, from its node layout (each
+    node's devices, the network between nodes), to be measured pair by pair."""
+    from ..launch.env import torchrun_env, torchrun_layout
+    from ..launch.plans import layout_topology
+
+    device_kind = "cpu" if backend in ("host", "auto") and not _gpus() else "cuda"
+    env = torchrun_env(device_kind)
+    return layout_topology(torchrun_layout(env), device_kind)
+
+
+def _gpus() -> bool:
+    from ..launch.env import gpu_count
+
+    return gpu_count() > 0
 
 
 def kind_style(kind: str) -> str:
@@ -129,7 +169,7 @@ def render_topology(topo) -> None:
             known += 1
     if known:
         out_console.print()
-    out_console.print(line(("hierarchy", "bold"), " (fastest first):"))
+    out_console.print(line(("hierarchy", "bold"), f" (fastest first; from {topo.hierarchy_source}):"))
     for k, lv in enumerate(topo.hierarchy, 1):
         groups = "  ".join(f"[{format_ranges(g)}]" for g in lv.groups)
         out_console.print(line(f"  {k}. ", (lv.kind, kind_style(lv.kind)), f": {groups}"))

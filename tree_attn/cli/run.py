@@ -31,6 +31,7 @@ from .options import (
     Heads,
     Json,
     KvHeads,
+    Plan,
     Profile,
     Strategy,
     Timeout,
@@ -73,6 +74,7 @@ def run_command(
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per strategy.")] = DEFAULTS.warmup,
     strategy: Strategy = DEFAULTS.strategy,
     fanout: Fanout = DEFAULTS.fanout,
+    plan: Plan = DEFAULTS.plan,
     backend: Backend = DEFAULTS.backend,
     device: Device = DEFAULTS.device,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random query and KV cache.")] = DEFAULTS.seed,
@@ -101,9 +103,8 @@ def run_command(
                           + (" (an empty cache: nothing to time or check)" if seq_len == 0 else ""))
     options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, kv_dtype=kv_dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, backend=backend,
-        device=device,
-        seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
+        dtype=dtype, kv_dtype=kv_dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, plan=plan,
+        backend=backend, device=device, seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     )
     if plot:
         if sweep is None:

@@ -25,7 +25,10 @@ HELP = (
     "its slowest rank; rank 0 decides and broadcasts the choice. The profile goes to the user's cache "
     "folder, named by the fabric fingerprint, or to --output (an existing file is refused before anything "
     "is timed, unless --force).\n\n"
-    "With a --topology of another machine, nothing can be timed here: the profile is model-derived."
+    "With a --topology of another machine, nothing can be timed here: the profile is model-derived.\n\n"
+    "Under torchrun (one tune per node) the job's ranks time the plans across the nodes; the topology is "
+    "--topology FILE (what `probe --measure -o FILE` measured in such a job: its hierarchy follows the "
+    "measurement) or the node layout. `run --profile FILE` in the same job then decodes with the chosen plan."
 )
 
 
@@ -64,13 +67,17 @@ def tune_command(
         batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype, backend=backend,
         timeout_s=timeout,
     ))
-    for n in setup.notices:
-        notice(n)
-    if setup.measurable:
+    rank0 = setup.options.launch.rank == 0
+    if rank0:
+        for n in setup.notices:
+            notice(n)
+    if setup.measurable and rank0:
         with _TuneProgress() as on_event:
             profile = build_profile(setup, progress=on_event)
     else:
         profile = build_profile(setup)
+    if profile is None:  # a torchrun rank other than 0: rank 0 writes and reports
+        return
     path = write_profile(setup, profile)
     if json_out:
         print_json({"profile_path": path, "profile": profile.to_dict()})

@@ -137,7 +137,7 @@ def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping of cluster parameters")
     known = {"name", "nodes", "ranks_per_node", "device", "intra", "network", "step_overhead_us", "pair_links",
-             "hierarchy", "notes", "measured"}
+             "hierarchy", "notes", "measured", "ranks_per_host", "shared_nic"}
     unknown = set(d) - known
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
@@ -167,7 +167,8 @@ def cluster_from_dict(d: Any, where: str = "params") -> ClusterSpec:
         if not isinstance(notes, list) or not all(isinstance(x, str) for x in notes):
             raise ConfigError(f"notes: expected a list of strings, got {notes!r}")
         return ClusterSpec(str(d.get("name", "params")), dev, n, d.get("nodes", 1), intra, net,
-                           d.get("step_overhead_us", 0.0), pairs, hierarchy, tuple(notes))
+                           d.get("step_overhead_us", 0.0), pairs, hierarchy, tuple(notes),
+                           ranks_per_host=d.get("ranks_per_host"), shared_nic=bool(d.get("shared_nic", False)))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
@@ -223,3 +224,62 @@ def load_params(path: str | os.PathLike) -> ClusterSpec:
     except yaml.YAMLError as exc:
         raise ConfigError(f"parameters file {p} is not valid YAML or JSON: {yaml_problem(exc)}") from None
     return cluster_from_dict(data, where=p)
+
+
+# -- the network between nodes, from probe --measure across them ------------------------------------
+def network_from_topology(topo, *, host_link: LinkParams | None = None) -> LinkParams:
+    """The ``network`` class from a topology ``probe --measure`` measured across a torchrun job's
+    nodes (its ``net`` links measured pair by pair, and the all-reduce over all its ranks).
+
+    - alpha: the median over the node pairs' ranks of the measured small-message latency (half a
+      ping-pong of 8 bytes); beta: the median of their measured bandwidth (large copies). The
+      slowest node pair would be the bottleneck of a ring; the median is the class's typical link
+      (one class: the model's network is one link class, so a fabric with faster islands is
+      priced at its typical link).
+    - the all-reduce's per-step alpha: gloo's ring over all p ranks takes 2 (p - 1) steps each
+      moving 1/p of the message across a node's link: the measured all-reduce less its bytes at
+      beta, over 2 (p - 1).
+    - the ring's bulk exchange: at beta, alpha as a message's; the part of it on a core: the host
+      link's CPU time per byte (``host_link.bulk_cpu_fraction / host_link.bulk_gbps``, the
+      kernel's copies are the same whichever interface the bytes leave by) at this beta.
+    """
+    import statistics
+
+    from ..topology.model import LinkKind
+
+    net = [lk for lk in topo.links if lk.kind is LinkKind.NET]
+    if not net:
+        raise ConfigError("the topology has no network links: measure it across nodes (probe --measure under "
+                          "torchrun over several nodes)")
+    if any(lk.bandwidth_source != "measured" or lk.latency_us is None for lk in net):
+        raise ConfigError("the topology's network links are not measured: run probe --measure across the nodes")
+    meas = topo.measurement
+    alpha = statistics.median(lk.latency_us for lk in net)
+    beta = statistics.median(lk.bandwidth_gbps for lk in net)
+    p = len(topo)
+    ar_step = alpha
+    if meas is not None and meas.allreduce_latency_us:
+        wire = 2 * (p - 1) / p * meas.allreduce_bytes / (beta * 1e3)
+        ar_step = max(0.0, meas.allreduce_latency_us - wire) / (2 * (p - 1))
+    cpu_fraction = None
+    if host_link is not None and host_link.bulk_cpu_fraction and host_link.bulk_gbps:
+        cpu_fraction = min(1.0, max(0.001, host_link.bulk_cpu_fraction / host_link.bulk_gbps * beta))
+    how = (f"measured by probe --measure across {p} ranks ({meas.method if meas else 'unknown method'}): "
+           f"median of {len(net)} cross-node pairs, latency {alpha:.0f} us ({meas.latency_bytes if meas else '?'} B), "
+           f"bandwidth {beta * 8:.3f} Gbit/s ({meas.copy_bytes if meas else '?'} B copies); all-reduce of "
+           f"{meas.allreduce_bytes if meas else '?'} B {meas.allreduce_latency_us if meas else 0:.0f} us")
+    return LinkParams("network", p2p_latency_us=alpha, p2p_gbps=beta, ar_step_us=ar_step, ar_gbps=beta,
+                      bulk_gbps=beta, bulk_latency_us=alpha, bulk_cpu_fraction=cpu_fraction, source=how)
+
+
+def fabric_cluster(host: ClusterSpec, network: LinkParams, nodes: int, ranks_per_node: int) -> ClusterSpec:
+    """CPU ranks of ``nodes`` x ``ranks_per_node`` whose nodes are network namespaces of one host:
+    the host's calibrated ranks (:func:`tree_attn.cost.calibrate.calibrate_cpu`: the local
+    attention, the merge, loopback inside a node), the measured ``network`` between the nodes, and
+    every rank of the job on the host's cores (``ranks_per_host``), and each node's ranks behind
+    its one link (``shared_nic``). The step's overhead stays the host's: its timed part starts as a
+    rank leaves the barrier, and what the barrier leaves in it is that exit's skew, as on one host."""
+    shaped = dataclasses.replace(host, network=network).with_shape(nodes, ranks_per_node)
+    return dataclasses.replace(shaped, name=f"{nodes} nodes x {ranks_per_node} cpu ranks on one host",
+                               ranks_per_host=nodes * ranks_per_node, shared_nic=True,
+                               notes=host.notes + (f"network: {network.source}",))

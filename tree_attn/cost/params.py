@@ -96,6 +96,12 @@ class ClusterSpec:
             for nodes probed as a topology with several classes (PCIe switches and sockets).
         hierarchy: the node's hierarchy as ``[(kind, groups)]`` of local ranks, fastest first
             (None: one level, one group).
+        ranks_per_host: CPU ranks: how many ranks share one host's cores (None: a node's,
+            ``ranks_per_node``). A fabric of "nodes" that are network namespaces of one machine
+            shares its cores among every rank of the job.
+        shared_nic: a node's ranks share one network link (a host with one NIC; the fabric's
+            nodes), so their messages between nodes queue on it; False: one NIC per rank (GPU
+            nodes: one NIC per GPU).
     """
 
     name: str
@@ -108,10 +114,13 @@ class ClusterSpec:
     pair_links: dict = field(default_factory=dict)
     hierarchy: tuple | None = None
     notes: tuple[str, ...] = ()
+    ranks_per_host: int | None = None
+    shared_nic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("ranks_per_node", "nodes"):
             check_int(getattr(self, name), name, minimum=1)
+        check_int(self.ranks_per_host, "ranks_per_host", minimum=1, optional=True)
         if self.intra is None and self.ranks_per_node > 1 and not self.pair_links:
             raise ConfigError(f"cluster {self.name}: {self.ranks_per_node} ranks per node "
                               "need an intra-node link class")
@@ -170,6 +179,8 @@ class ClusterSpec:
             "hierarchy": [{"kind": kind, "groups": [list(g) for g in groups]} for kind, groups in self.hierarchy]
             if self.hierarchy else None,
             "notes": list(self.notes),
+            **({"ranks_per_host": self.ranks_per_host} if self.ranks_per_host is not None else {}),
+            **({"shared_nic": True} if self.shared_nic else {}),
         }
 
 

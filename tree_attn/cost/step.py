@@ -151,12 +151,19 @@ def local_attention_us(cluster: ClusterSpec, tokens: int, w: Workload) -> float:
 
 
 def _core_share(cluster: ClusterSpec) -> float:
-    """CPU ranks of one node share its cores: with more ranks than cores each computes (and runs
+    """CPU ranks of one host share its cores: with more ranks than cores each computes (and runs
     gloo's copies) at cores / ranks of its speed (the run gives each rank one intra-op thread)."""
     cores = cluster.device.shared_cores
     if cores is None:
         return 1.0
-    return max(1.0, cluster.ranks_per_node / cores)
+    return max(1.0, (cluster.ranks_per_host or cluster.ranks_per_node) / cores)
+
+
+def _wire_share(cluster: ClusterSpec, link) -> float:
+    """How much the core sharing slows a message's bytes on ``link``: a CPU rank's own copies on
+    a host link (loopback) slow with the cores' share; a network link's rate does not (the bytes
+    wait for the wire, not for a core)."""
+    return 1.0 if link.kind == "network" else _core_share(cluster)
 
 
 def predict_tree(cluster: ClusterSpec, w: Workload, plan: ReductionPlan) -> StepPrediction:
@@ -183,6 +190,8 @@ def merge_us(cluster: ClusterSpec, plan: ReductionPlan, message_bytes: int, lse_
 
 
 def _tree_merge_us(cluster: ClusterSpec, plan: ReductionPlan, msg: int) -> float:
+    if cluster.shared_nic and cluster.nodes > 1:
+        return _tree_merge_shared_nic_us(cluster, plan, msg)
     p = cluster.world_size
     tree = plan.tree(p)
     share = _core_share(cluster)
@@ -195,10 +204,11 @@ def _tree_merge_us(cluster: ClusterSpec, plan: ReductionPlan, msg: int) -> float
         if not kids:
             ready[node] = 0.0
             continue
-        arrivals = [ready[c] + share * cluster.link(c, node).p2p_us(msg) for c in kids]
+        arrivals = [ready[c] + _p2p_us(cluster, cluster.link(c, node), msg) for c in kids]
         # Messages from several children share the node's ingress: all but the first queue for
         # it, each at its own link's bandwidth.
-        ingress = share * sum(msg / (cluster.link(c, node).p2p_gbps * 1e3) for c in kids[1:])
+        ingress = sum(_wire_share(cluster, cluster.link(c, node)) * msg / (cluster.link(c, node).p2p_gbps * 1e3)
+                      for c in kids[1:])
         ready[node] = max(arrivals) + ingress + merge
     # Downward pass: a node sends to its children one after the other on its egress.
     have = [0.0] * p
@@ -208,8 +218,68 @@ def _tree_merge_us(cluster: ClusterSpec, plan: ReductionPlan, msg: int) -> float
         t = have[node]
         for i, c in enumerate(tree.children[node]):
             link = cluster.link(node, c)
-            have[c] = t + share * (link.p2p_latency_us + (i + 1) * msg / (link.p2p_gbps * 1e3))
+            have[c] = t + share * link.p2p_latency_us + _wire_share(cluster, link) * (i + 1) * msg / (
+                link.p2p_gbps * 1e3)
     return max(have) if p > 1 else 0.0
+
+
+def _tree_merge_shared_nic_us(cluster: ClusterSpec, plan: ReductionPlan, msg: int) -> float:
+    """The tree's merge where a node's ranks share one network link (``cluster.shared_nic``): a
+    message between nodes holds the sending node's link out and the receiving node's link in for
+    ``bytes / bandwidth``, so messages that cross from (or into) the same node at once queue one
+    behind the other; this is what a flat tree pays and a hierarchical one (one message per node
+    each way) does not. Events in time order; messages inside a node as in :func:`_tree_merge_us`."""
+    import heapq
+
+    p = cluster.world_size
+    tree = plan.tree(p)
+    share = _core_share(cluster)
+    merge = cluster.device.merge_us * share
+    free_out = [0.0] * cluster.nodes  # when each node's link out, and in, is free again
+    free_in = [0.0] * cluster.nodes
+
+    def send(src: int, dst: int, t: float) -> tuple[float, float]:
+        """(when the sender is done with it, when it has arrived) for a message sent at ``t``."""
+        link = cluster.link(src, dst)
+        wire = _wire_share(cluster, link) * msg / (link.p2p_gbps * 1e3)
+        if link.kind != "network":
+            return t + wire, t + wire + share * link.p2p_latency_us
+        a, b = cluster.node_of(src), cluster.node_of(dst)
+        start = max(t, free_out[a], free_in[b])
+        free_out[a] = free_in[b] = start + wire
+        return start + wire, start + wire + share * link.p2p_latency_us
+
+    # Upward: a rank sends its state up once it has merged its children's.
+    arrived: list[list[float]] = [[] for _ in range(p)]
+    queue = [(0.0, r) for r in range(p) if not tree.children[r]]
+    heapq.heapify(queue)
+    top = 0.0
+    while queue:
+        t, r = heapq.heappop(queue)
+        parent = tree.parent[r]
+        if parent < 0:
+            top = t
+            continue
+        _, at = send(r, parent, t)
+        arrived[parent].append(at)
+        if len(arrived[parent]) == len(tree.children[parent]):
+            heapq.heappush(queue, (max(arrived[parent]) + merge, parent))
+    # Downward: a rank sends the result to its children one after the other.
+    have = [0.0] * p
+    have[tree.root] = top
+    queue = [(top, tree.root)]
+    while queue:
+        t, r = heapq.heappop(queue)
+        for c in tree.children[r]:
+            t, have[c] = send(r, c, t)
+            heapq.heappush(queue, (have[c], c))
+    return max(have)
+
+
+def _p2p_us(cluster: ClusterSpec, link, nbytes: float) -> float:
+    """One message on ``link`` as a rank sharing the host's cores sees it: its alpha (posting,
+    waking up: core work) slowed by the share, its bytes by :func:`_wire_share`."""
+    return _core_share(cluster) * link.p2p_latency_us + _wire_share(cluster, link) * nbytes / (link.p2p_gbps * 1e3)
 
 
 def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
@@ -218,6 +288,13 @@ def allreduce_us(cluster: ClusterSpec, nbytes: int) -> float:
     if cluster.world_size == 1:
         return 0.0
     t = cluster.device.collective_us
+    if nodes > 1 and not cluster.device.overlap:
+        # CPU ranks (gloo): one ring over all p ranks, each of its 2 (p - 1) steps as slow as its
+        # slowest edge, a network one (every node's ring edge out crosses it); each step moves
+        # 1/p of the payload.
+        p = cluster.world_size
+        slow = cluster.network
+        return t + 2 * (p - 1) * slow.ar_step_us + 2 * (p - 1) / p * nbytes / (slow.ar_gbps * 1e3)
     if g > 1:
         # A ring all-reduce steps at the pace of its slowest link: the largest per-step alpha among
         # the links the node's pairs use (its pairs' own, and the node's class for any pair they
@@ -250,6 +327,11 @@ def _allreduce_merge_us(cluster: ClusterSpec, message_bytes: int, lse_bytes: int
         return 0.0
     share = _core_share(cluster)
     collectives = allreduce_us(cluster, lse_bytes) + allreduce_us(cluster, message_bytes)
+    if cluster.nodes > 1 and not cluster.device.overlap:
+        # Across nodes the ring's steps wait for the network; its per-step alpha was measured
+        # with the job's ranks on the host's cores (``probe --measure`` in the same job), so the
+        # share is in it already.
+        return collectives + cluster.device.merge_us * share
     return collectives * share + cluster.device.merge_us * share
 
 

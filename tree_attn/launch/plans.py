@@ -21,6 +21,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from .env import NodeLayout
 
 STRATEGY_NAMES = ("tree", "allreduce", "ring")
+# The tree's shape (``--plan``): ``auto`` the profile's plan (one machine) or the hierarchical tree
+# of the node layout (a torchrun job over several nodes); ``hier`` the hierarchical tree of the
+# topology (the node layout across nodes); ``flat`` a k-ary tree over the ranks in rank order,
+# whatever the topology (the comparison a hierarchical plan is measured against).
+PLAN_SHAPES = ("auto", "hier", "flat")
 
 # How a ProfileChoice was made.
 CHOSEN_EXPLICIT = "explicit"  # --profile NAME|PATH
@@ -199,11 +204,9 @@ def select_profile(ref: str | None, world_size: int,
     ), []
 
 
-def multinode_plan(layout: NodeLayout, device_kind: str, fanout: int | None) -> tuple:
-    """``(plan, text)``: the hierarchical tree of a job over ``layout.nodes`` alike nodes: each
-    node's own hierarchy (its probed GPUs, or CPU ranks), then the network joining the nodes, the
-    slowest link class, so one message per node crosses it each way."""
-    from ..reduce.hier_plan import hierarchical_plan
+def layout_topology(layout: NodeLayout, device_kind: str) -> Topology:
+    """The topology of a torchrun job's ranks from its node layout: each node's own (its probed
+    GPUs, or CPU ranks) repeated, the nodes joined by ``net`` links (nothing measured)."""
     from ..topology import host_topology, probe_topology
     from ..topology.nodes import multinode_topology
 
@@ -212,28 +215,97 @@ def multinode_plan(layout: NodeLayout, device_kind: str, fanout: int | None) -> 
     if len(node) != g:
         # This node's probe does not show one device per local rank: plan its ranks as one group.
         node = host_topology(g, note=f"{len(node)} devices probed for {g} local ranks")
-    topo = multinode_topology(node, layout.nodes)
+    return multinode_topology(node, layout.nodes)
+
+
+def multinode_plan(layout: NodeLayout, device_kind: str, fanout: int | None) -> tuple:
+    """``(plan, text)``: the hierarchical tree of a job over ``layout.nodes`` alike nodes: each
+    node's own hierarchy (its probed GPUs, or CPU ranks), then the network joining the nodes, the
+    slowest link class, so one message per node crosses it each way."""
+    from ..reduce.hier_plan import hierarchical_plan
+
+    g = layout.ranks_per_node
+    topo = layout_topology(layout, device_kind)
     plan = hierarchical_plan(topo.hierarchy, fanout or 2)
     text = (f"no profile: {layout.nodes} nodes x {g} ranks (torchrun); tree {plan.label} planned from the nodes, "
             "the network as the slowest link class")
     return plan, text
 
 
+def check_plan_shape(shape: str) -> str:
+    """``--plan``: one of :data:`PLAN_SHAPES` (a ConfigError naming the choices otherwise)."""
+    if shape not in PLAN_SHAPES:
+        raise ConfigError(f"--plan must be one of {', '.join(PLAN_SHAPES)}; got {shape!r}")
+    return shape
+
+
+def _with_tree(plans: tuple, tree) -> tuple:
+    return tuple((n, tree if n == "tree" else p) for n, p in plans)
+
+
+def _tuned_multinode_profile(profile_ref: str, world_size: int, nodes: int) -> Profile:
+    """A profile ``tune`` wrote under a torchrun job of the same size (its topology spans the
+    job's nodes); a profile of one machine is refused."""
+    from ..profiles import open_profile
+
+    profile = open_profile(profile_ref)
+    topo = profile.topology
+    if profile.machine.world_size != world_size or topo is None or topo.hierarchy_source == "probe":
+        raise ConfigError(f"profile {profile.name!r} describes {profile.machine.world_size} devices of one machine; "
+                          f"this torchrun job spans {nodes} nodes: give a profile `tree-attn tune` wrote under a "
+                          "torchrun job of the same nodes, or omit --profile (the tree is then planned from the "
+                          "nodes, the network as the slowest link)")
+    return profile
+
+
 def choose_plans(profile_ref: str | None, names: list[str], fanout: int | None, world_size: int, device_kind: str,
-                 layout: NodeLayout | None = None) -> tuple:
+                 layout: NodeLayout | None = None, shape: str = "auto") -> tuple:
     """``(profile, ProfileChoice, warnings, plans)`` for the strategies ``names``.
 
     One machine: the profile (``--profile``, saved, built-in or none) gives the tree's plan and the
-    kernel configs. A torchrun job over several nodes (``layout.nodes > 1``): a profile describes
-    one machine, so ``--profile`` is refused and the tree is planned from the node layout.
+    kernel configs. A torchrun job over several nodes (``layout.nodes > 1``): the tree is planned
+    from the node layout, or taken from ``--profile`` when ``tune`` wrote it under a torchrun job
+    of the same size (a profile of one machine is refused). ``shape`` (``--plan``) overrides the
+    tree's shape: ``flat`` a k-ary tree in rank order (fan-out ``fanout``, default 2), ``hier`` the
+    hierarchical tree of the topology (the node layout across nodes).
     """
+    from ..reduce.plan import ReductionPlan
+
+    check_plan_shape(shape)
+    if shape == "flat":
+        flat = ReductionPlan("tree", fanout or 2)
+        if layout is not None and layout.nodes > 1:
+            if profile_ref is not None:
+                raise ConfigError("--plan flat takes no --profile (the flat tree ignores the profile's plan)")
+            text = (f"--plan flat: a flat tree {flat.label} over the {world_size} ranks of {layout.nodes} nodes, "
+                    "ignoring the node layout")
+            plans = _with_tree(build_plans(names, None, world_size, None), flat)
+            return None, ProfileChoice(None, None, None, CHOSEN_DEFAULT, text), [], plans
+        profile, choice, warnings = select_profile(profile_ref, world_size, device_kind)
+        return profile, choice, warnings, _with_tree(build_plans(names, None, world_size, profile), flat)
     if layout is not None and layout.nodes > 1:
+        if profile_ref is not None and shape == "auto":
+            profile = _tuned_multinode_profile(profile_ref, world_size, layout.nodes)
+            text = (f"using profile {profile.name} ({profile.origin}) from {profile_ref}: tree {profile.plan.label}, "
+                    f"hierarchy from {profile.topology.hierarchy_source}")
+            plans = _with_tree(build_plans(names, None, world_size, None), profile.plan)
+            return profile, ProfileChoice(profile.name, profile.origin, _where(profile_ref), CHOSEN_EXPLICIT,
+                                          text), [], plans
         if profile_ref is not None:
-            raise ConfigError(f"--profile describes one machine; this torchrun job spans {layout.nodes} nodes: omit "
-                              "--profile (the tree is planned from the nodes, the network as the slowest link)")
+            raise ConfigError("--plan hier plans the tree from the node layout: omit --profile (or give --plan auto "
+                              "to take the profile's plan)")
         plan, text = multinode_plan(layout, device_kind, fanout)
-        plans = tuple((n, plan if n == "tree" else p) for n, p in build_plans(names, None, world_size, None))
+        plans = _with_tree(build_plans(names, None, world_size, None), plan)
         return None, ProfileChoice(None, None, None, CHOSEN_DEFAULT, text), [], plans
     profile, choice, warnings = select_profile(profile_ref, world_size, device_kind)
+    if shape == "hier":
+        from ..reduce.hier_plan import hierarchical_plan
+
+        topo = profile.topology if profile is not None and profile.topology is not None else \
+            _run_topology(world_size, device_kind)[0]
+        if topo is None:
+            raise ConfigError("--plan hier needs this machine's topology, which could not be probed; use --plan auto")
+        return profile, choice, warnings, _with_tree(build_plans(names, None, world_size, profile),
+                                                     hierarchical_plan(topo.hierarchy, fanout or 2))
     return profile, choice, warnings, build_plans(names, fanout, world_size, profile)
 

@@ -85,11 +85,12 @@ class LaunchOptions:
 @dataclass(frozen=True)
 class PlanOptions(LaunchOptions):
     """The launch options of a command that decodes (``run``, ``generate``), and its plans':
-    ``--strategy``, ``--fanout``, ``--profile``."""
+    ``--strategy``, ``--fanout``, ``--profile``, ``--plan``."""
 
     strategy: str = AUTO
     fanout: int | None = None
     profile: str | None = None
+    plan: str = AUTO  # the tree's shape: auto, hier or flat (launch.plans.PLAN_SHAPES)
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
 
         names = parse_strategies(request.strategy)
         found, profile, profile_warnings, plans = choose_plans(request.profile, names, request.fanout, world, kind,
-                                                              layout)
+                                                              layout, shape=request.plan)
         warnings.extend(profile_warnings)
         if request.shape is not None:
             s = request.shape

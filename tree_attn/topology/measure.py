@@ -7,6 +7,11 @@
 - CPU ranks: the same through gloo: ping-pong send/recv per pair (half the round trip), then the
   all-reduce.
 
+Under torchrun (``join_torchrun``; a job over several nodes): every pair of the job's ranks is
+measured through the job's own process group (gloo or NCCL send/recv), both on one node and
+across nodes, each pair in turn while the others wait at a barrier; the result comes back on rank
+0 (None on the others).
+
 The decode message: one rank's partial state for batch 1 is 32 heads x (128 output values + 1
 log-sum-exp) float32 = 32 x 129 x 4 B = 16,512 B. torch is imported inside the functions.
 """
@@ -23,6 +28,9 @@ from .model import Measurement, Topology
 DECODE_MESSAGE_BYTES = 32 * 129 * 4
 GPU_COPY_BYTES = 64 * 1024 * 1024  # large enough to reach link bandwidth on NVLink
 CPU_COPY_BYTES = 4 * 1024 * 1024
+# Across nodes: 1 MiB, about 84 ms at 100 Mbit/s one way, and still mostly the link's rate at
+# 10 Gbit/s (0.8 ms, against milliseconds of jitter for small messages on a busy host).
+NET_COPY_BYTES = 1024 * 1024
 LATENCY_BYTES = 8
 WARMUP = 3
 
@@ -35,16 +43,29 @@ def measure_topology(
     latency_bytes: int = LATENCY_BYTES,
     allreduce_bytes: int = DECODE_MESSAGE_BYTES,
     timeout_s: float = 120.0,
-) -> Topology:
+    join_torchrun: bool = False,
+) -> Topology | None:
     """A copy of ``topo`` with measured bandwidth (``bandwidth_source="measured"``) and latency on
     every link, and a :class:`Measurement` record of how. GPU topologies need as many visible GPUs
-    as the topology has; CPU-rank topologies spawn that many gloo ranks."""
+    as the topology has; CPU-rank topologies spawn that many gloo ranks. With ``join_torchrun``
+    this process is one rank of a torchrun job of ``len(topo)`` ranks: every pair is measured over
+    the job's group, and only rank 0 gets the topology (the others None)."""
     if iterations < 1:
         raise TopologyError(f"iterations: expected >= 1, got {iterations}")
     gpu = any(d.vendor in ("nvidia", "amd") for d in topo.devices)
     n = len(topo)
     pairs = [(l.a, l.b) for l in topo.links]
-    if gpu:
+    if join_torchrun:
+        copy_bytes = copy_bytes or NET_COPY_BYTES
+        device_kind = "cuda" if gpu else "cpu"
+        res = _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, "auto", device_kind,
+                      timeout_s, join_torchrun=True)
+        if res is None:
+            return None
+        per_pair, ar = res["pairs"], res
+        method = f"{res['backend']}-sendrecv+{res['backend']}-allreduce across the torchrun job"
+        device = res["device"]
+    elif gpu:
         import torch
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -111,23 +132,34 @@ def _cuda_time(torch: Any, dev: int, op, iters: int) -> float:
     return statistics.median(times)
 
 
-def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, backend, device_kind, timeout_s):
+def _launch(n, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes, backend, device_kind, timeout_s,
+            join_torchrun=False):
     from ..launch.job import run_ranks
     from ..launch.setup import LaunchRequest, resolve_launch
 
-    launch = resolve_launch(LaunchRequest(device=device_kind, world_size=n, backend=backend, timeout_s=timeout_s,
-                                          join_torchrun=False, activity="measuring"))
-    results = run_ranks(_rank_measure, launch, args=(pairs, iterations, copy_bytes, latency_bytes,
-                                                     allreduce_bytes)).values
-    merged: dict[str, Any] = {"pairs": {}}
+    launch = resolve_launch(LaunchRequest(device=device_kind, world_size=None if join_torchrun else n,
+                                          backend=backend, timeout_s=timeout_s, join_torchrun=join_torchrun,
+                                          activity="measuring"))
+    if launch.world_size != n:
+        raise TopologyError(f"the torchrun job has {launch.world_size} ranks, the topology {n} devices")
+    job = run_ranks(_rank_measure, launch, args=(pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes,
+                                                 join_torchrun))
+    if job is None:  # a torchrun rank other than 0
+        return None
+    results = job.values
+    merged: dict[str, Any] = {"pairs": {}, "backend": launch.backend, "device": job.device}
     for r in results:
         merged["pairs"].update(r["pairs"])
     merged["allreduce_us"] = results[0]["allreduce_us"]
     return merged
 
 
-def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes) -> dict[str, Any]:
-    """Runs in each rank: ping-pong per pair (the other ranks wait at a barrier), then all-reduce."""
+def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_bytes,
+                  barrier_started=False) -> dict[str, Any]:
+    """Runs in each rank: ping-pong per pair (the other ranks wait at a barrier), then all-reduce:
+    back to back, or (``barrier_started``, across a torchrun job's nodes) each one right after a
+    barrier, as a decode step's all-reduce starts (back to back, consecutive all-reduces overlap
+    their steps across the ranks and each looks cheaper than one a step runs)."""
     import torch
     import torch.distributed as dist
 
@@ -168,6 +200,8 @@ def _rank_measure(env, pairs, iterations, copy_bytes, latency_bytes, allreduce_b
     msg = torch.ones(max(1, allreduce_bytes // 4), dtype=torch.float32, device=dev)
     ts = []
     for it in range(WARMUP + iterations):
+        if barrier_started:
+            barrier(env)
         sync()
         t0 = time.perf_counter()
         dist.all_reduce(msg)

@@ -350,6 +350,10 @@ class Topology:
     notes: list[str] = field(default_factory=list)
     measurement: Measurement | None = None
     schema_version: int = SCHEMA_VERSION
+    # Levels clustered from measured pair costs (``probe --measure`` across nodes,
+    # :mod:`tree_attn.topology.islands`) where they disagree with the link classes; None: the
+    # hierarchy follows the link classes.
+    measured_hierarchy: list[HierarchyLevel] | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -388,6 +392,8 @@ class Topology:
             raise TopologyError(f"notes: expected a list of strings, got {self.notes!r}")
         if self.measurement is not None and not isinstance(self.measurement, Measurement):
             raise TopologyError(f"measurement: expected a Measurement, got {type(self.measurement).__name__}")
+        if self.measured_hierarchy is not None:
+            _check_levels(self.measured_hierarchy, n)
 
     # -- access -------------------------------------------------------------------------------
     @property
@@ -409,8 +415,20 @@ class Topology:
 
     @property
     def hierarchy(self) -> list[HierarchyLevel]:
-        """Levels fastest first; the last is one group of all devices."""
+        """Levels fastest first; the last is one group of all devices: the measured levels where
+        a measurement set them, else those the link classes give."""
+        if self.measured_hierarchy is not None:
+            return [HierarchyLevel(h.kind, [list(g) for g in h.groups]) for h in self.measured_hierarchy]
         return build_hierarchy(len(self.devices), self.links)
+
+    @property
+    def hierarchy_source(self) -> str:
+        """Where :attr:`hierarchy` comes from: ``measured`` (clustered from measured pair costs),
+        ``layout`` (the node layout of a job over several nodes: each node, then the network) or
+        ``probe`` (the link classes of the probed or recorded fabric)."""
+        if self.measured_hierarchy is not None:
+            return "measured"
+        return "layout" if any(l.kind is LinkKind.NET for l in self.links) else "probe"
 
     @property
     def fingerprint(self) -> str:
@@ -435,6 +453,7 @@ class Topology:
             "source": self.source,
             "notes": list(self.notes),
             "measurement": self.measurement,
+            "measured_hierarchy": self.measured_hierarchy,
         }
         base.update(changes)
         return Topology(**base)
@@ -489,8 +508,10 @@ class Topology:
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON/YAML-ready) in a stable key order."""
-        return {
+        """A plain dict (JSON/YAML-ready) in a stable key order. ``hierarchy_source`` is written
+        where it is not ``probe`` (the link classes of one machine: every file before it existed),
+        ``measured_hierarchy`` where a measurement set it."""
+        d = {
             "schema_version": self.schema_version,
             "fingerprint": self.fingerprint,
             "source": self.source,
@@ -498,9 +519,14 @@ class Topology:
             "devices": [d.to_dict() for d in self.devices],
             "links": [l.to_dict() for l in self.links],
             "hierarchy": [h.to_dict() for h in self.hierarchy],
-            "measurement": self.measurement.to_dict() if self.measurement else None,
-            "notes": list(self.notes),
         }
+        if self.hierarchy_source != "probe":
+            d["hierarchy_source"] = self.hierarchy_source
+        if self.measured_hierarchy is not None:
+            d["measured_hierarchy"] = [h.to_dict() for h in self.measured_hierarchy]
+        d["measurement"] = self.measurement.to_dict() if self.measurement else None
+        d["notes"] = list(self.notes)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Topology:
@@ -509,7 +535,7 @@ class Topology:
         if not isinstance(d, dict):
             raise TopologyError(f"topology: expected a mapping, got {type(d).__name__}")
         allowed = {"schema_version", "fingerprint", "source", "world_size", "devices", "links", "hierarchy",
-                   "measurement", "notes"}
+                   "hierarchy_source", "measured_hierarchy", "measurement", "notes"}
         unknown = sorted(map(str, set(d) - allowed))
         if unknown:
             raise TopologyError(f"topology: unknown key(s) {', '.join(unknown)}; "
@@ -520,6 +546,9 @@ class Topology:
             if not isinstance(d.get(key), list):
                 raise TopologyError(f"topology: {key}: expected a list, got {type(d.get(key)).__name__}")
         meas = d.get("measurement")
+        mh = d.get("measured_hierarchy")
+        if mh is not None and not isinstance(mh, list):
+            raise TopologyError(f"topology: measured_hierarchy: expected a list of levels, got {type(mh).__name__}")
         topo = cls(
             devices=[Device.from_dict(x) for x in d["devices"]],
             links=[Link.from_dict(x) for x in d["links"]],
@@ -527,7 +556,12 @@ class Topology:
             notes=list(d.get("notes") or []),
             measurement=Measurement.from_dict(meas) if meas is not None else None,
             schema_version=d["schema_version"],
+            measured_hierarchy=[HierarchyLevel(**_fields_of(HierarchyLevel, x, "measured_hierarchy level"))
+                                for x in mh] if mh is not None else None,
         )
+        if "hierarchy_source" in d and d["hierarchy_source"] != topo.hierarchy_source:
+            raise TopologyError(f"topology: hierarchy_source: says {d['hierarchy_source']!r} but the content gives "
+                                f"{topo.hierarchy_source!r}")
         if "world_size" in d and d["world_size"] != len(topo):
             raise TopologyError(f"topology: world_size: says {d['world_size']!r} but {len(topo)} devices are listed")
         if "fingerprint" in d and d["fingerprint"] != topo.fingerprint:
@@ -544,6 +578,24 @@ class Topology:
                     "delete the hierarchy key to derive it again"
                 )
         return topo
+
+
+def _check_levels(levels: list[HierarchyLevel], n: int) -> None:
+    """Measured levels: each a partition of ``0..n-1`` nesting in the next, the last one group."""
+    if not isinstance(levels, list) or not levels or not all(isinstance(h, HierarchyLevel) for h in levels):
+        raise TopologyError("measured_hierarchy: expected a non-empty list of hierarchy levels")
+    prev: list[set[int]] | None = None
+    for h in levels:
+        members = sorted(r for g in h.groups for r in g)
+        if members != list(range(n)):
+            raise TopologyError(f"measured_hierarchy: level {h.kind} {h.groups} is not a partition of devices "
+                                f"0..{n - 1}")
+        groups = [set(g) for g in h.groups]
+        if prev is not None and not all(any(p <= g for g in groups) for p in prev):
+            raise TopologyError(f"measured_hierarchy: level {h.kind} {h.groups} splits a group of a faster level")
+        prev = groups
+    if len(levels[-1].groups) != 1:
+        raise TopologyError("measured_hierarchy: the last level must be one group of all devices")
 
 
 def format_ranges(indices: Iterable[int]) -> str:

@@ -32,8 +32,9 @@ class TuneEvent:
 ProgressFn = Callable[[TuneEvent], None]
 
 
-def build_profile(setup: TuneSetup, progress: ProgressFn | None = None) -> Profile:
-    """The profile of ``setup``: measured when this machine can time it, else model-derived."""
+def build_profile(setup: TuneSetup, progress: ProgressFn | None = None) -> Profile | None:
+    """The profile of ``setup``: measured when this machine can time it, else model-derived
+    (None on a torchrun job's ranks other than 0)."""
     if setup.measurable:
         return measured_profile(setup.topology, setup.options, progress)
     return model_profile(setup.topology, setup.options)
@@ -47,8 +48,9 @@ def write_profile(setup: TuneSetup, profile: Profile) -> str:
     return setup.output
 
 
-def measured_profile(topo: Topology, options: TuneOptions, progress: ProgressFn | None = None) -> Profile:
-    """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine."""
+def measured_profile(topo: Topology, options: TuneOptions, progress: ProgressFn | None = None) -> Profile | None:
+    """Time the kernel configs (GPU ranks) and every candidate reduction plan on this machine (or
+    across a torchrun job's nodes: None on its ranks other than 0)."""
     from ...cost.plan import decode_message_bytes
     from ...profiles import KernelSection, PlanCandidate, Reduction, current_versions
     from ...reduce.hier_plan import candidate_plans
@@ -60,13 +62,15 @@ def measured_profile(topo: Topology, options: TuneOptions, progress: ProgressFn 
 
     candidates = candidate_plans(options.world_size, topo.hierarchy)
     buckets = []
-    if options.device_kind == "cuda":
+    if options.device_kind == "cuda" and options.tune_kernels:
         emit("kernels", "start", f"kernel configs: {len(options.shard_buckets)} shard buckets")
         # In a child process: this one makes no CUDA context on the GPU rank 0 uses next.
         buckets = tune_kernels_in_child(options, progress=lambda m: emit("kernels", "detail", m)).buckets
         emit("kernels", "done", f"kernel configs: {len(buckets)} buckets tuned")
     emit("plans", "start", f"reduction plans: timing {len(candidates)} candidates on {options.world_size} ranks")
     plans = tune_plans(options, candidates)
+    if plans is None:  # a torchrun rank other than 0: rank 0 writes the profile
+        return None
     emit("plans", "done", f"reduction plans: {plans.chosen.label} chosen")
     reduction = Reduction(
         plan=plans.chosen,

@@ -25,6 +25,42 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["TuneRequest", "TuneSetup", "check_output_free", "plan_tune"]
 
 
+def _plan_torchrun_tune(request: TuneRequest, dtype: str, device_kind: str, kv_dtype: str | None = None) -> TuneSetup:
+    """``tune`` as one rank of a torchrun job: the job's ranks time the candidate plans over the
+    job's own process group (across its nodes). The topology is ``--topology FILE`` (typically
+    what ``probe --measure -o FILE`` measured in the same job: its hierarchy follows the
+    measurement) or the job's node layout (each node, then the network). Only the plans are
+    timed (kernel configs are a node's own: ``tune`` them on one node); rank 0 writes the profile."""
+    from ...launch.plans import layout_topology
+    from ...launch.setup import resolve_launch
+    from ...profiles import profile_path_for
+    from .timing import TuneOptions
+
+    launch = resolve_launch(request.launch_request(world_size=None, dtype=dtype, kv_dtype=kv_dtype, join_torchrun=True,
+                                                   activity="tuning for", timed="plan timings"))
+    if request.topology_file:
+        from ...topology import load_expected
+
+        topo = load_expected(request.topology_file)
+    else:
+        topo = layout_topology(launch.layout, device_kind)
+    if len(topo) != launch.world_size:
+        raise ConfigError(f"the topology has {len(topo)} devices, the torchrun job {launch.world_size} ranks: give "
+                          "--topology a file measured in a job of the same size (probe --measure -o FILE)")
+    output = request.output or str(profile_path_for(topo.fingerprint))
+    if launch.rank == 0:
+        check_output_free(output, request.force)
+    notices = [*launch.notices, *launch.warnings,
+               f"torchrun job of {launch.nodes} node(s) x {launch.layout.ranks_per_node} ranks: timing the reduction "
+               f"plans across the job (hierarchy from {topo.hierarchy_source}"
+               + (f", {request.topology_file}" if request.topology_file else "") + "); kernel configs are not tuned "
+               "under torchrun (tune them on one node)"]
+    options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
+                          head_dim=request.head_dim, kv_dtype=kv_dtype, quick=request.quick, tune_kernels=False)
+    return TuneSetup(topology=topo, options=options, measurable=True, output=output, force=request.force,
+                     notices=tuple(notices))
+
+
 @dataclass(frozen=True)
 class TuneRequest(LaunchOptions):
     """What the user asked ``tune`` for: the launch (:class:`LaunchOptions`; the dtype is the
@@ -99,7 +135,7 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     """Resolve ``request`` against this machine. Raises ConfigError for bad options, TopologyError
     for an unreadable topology, ProfileError when the output exists (without ``force``)."""
     from ...dtypes import parse_dtype, parse_kv_dtype
-    from ...launch.env import check_timeout, resolve_backend, resolve_device_kind
+    from ...launch.env import check_timeout, resolve_backend, resolve_device_kind, torchrun_env
     from ...launch.memory import check_host_memory
     from ...launch.setup import LaunchSetup, resolve_launch
     from ...profiles import profile_path_for
@@ -115,6 +151,8 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     kv_dtype = None if request.kv_dtype is None else parse_kv_dtype(request.kv_dtype)
     # The device kind picks the topology (CPU ranks or the probed GPUs), whose size is the world's.
     device_kind, n_gpus = resolve_device_kind(request.device)
+    if torchrun_env(device_kind, request.backend) is not None:
+        return _plan_torchrun_tune(request, dtype, device_kind, kv_dtype)
     topo = _topology(request, device_kind)
     world = len(topo)
     if request.world_size is not None and request.world_size != world:

@@ -251,6 +251,7 @@ class TuneOptions(OnLaunch):
     kv_dtype: str | None = None  # the KV cache's dtype (e.g. float8_e4m3fn); None: the launch's dtype
     quick: bool = False
     buckets: tuple[int, ...] | None = None  # override of the shard buckets (tests: tiny shapes)
+    tune_kernels: bool = True  # False under torchrun: only the plans are timed across the job
 
     @property
     def plan_batches(self) -> tuple[int, int, int]:
@@ -286,16 +287,20 @@ class BucketResult:
     copy_gbps: float | None = None  # measured device-to-device copy bandwidth (GPUs)
 
 
-def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult:
-    """Time every candidate plan on the launch's spawned ranks; rank 0's choice wins."""
+def tune_plans(options: TuneOptions, candidates: list[ReductionPlan]) -> PlanTuneResult | None:
+    """Time every candidate plan on the launch's ranks (spawned, or this torchrun job's); rank 0's
+    choice wins. None on the torchrun ranks other than 0."""
     from ...launch.job import run_ranks
 
     batches, per_batch, warm = options.plan_batches
-    results = run_ranks(
+    job = run_ranks(
         time_plans_rank, options.launch,
         args=(candidates, options.batch, options.q_heads, options.head_dim, batches, per_batch, warm,
               options.timeout_s),
-    ).values
+    )
+    if job is None:
+        return None
+    results = job.values
     if len({r.chosen for r in results}) != 1:
         from ...errors import DistributedError
 
