@@ -13,8 +13,9 @@
 #   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged
 #   cli    probe, probe-measure, tune, run, run-eager, generate, generate-long, generate-refused,
 #          calibrate-costmodel, simulate-calibrated
-#   fp8    fp8-tests (the fp8 kernel tests, compiled on this GPU), bench-kernel-fp8 (fp8 rows beside
-#          bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes)
+#   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
+#          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
+#          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes)
 # With no group or step named, every group runs in turn (about 40 minutes).
 set -u
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
@@ -29,7 +30,8 @@ summary="$out/summary.txt"
 touch "$summary"
 
 all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged probe
-           probe-measure tune run run-eager generate generate-long generate-refused calibrate-costmodel simulate-calibrated)
+           probe-measure tune run run-eager run-fp8 generate generate-long generate-refused calibrate-costmodel
+           simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
@@ -37,8 +39,8 @@ for arg in "${@:-tests bench cli fp8}"; do
       tests) selected+=(replay-timeout whole-suite) ;;
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate generate-long generate-refused calibrate-costmodel simulate-calibrated) ;;
-      fp8) selected+=(fp8-tests bench-kernel-fp8) ;;
-      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|generate|generate-long|generate-refused|calibrate-costmodel|simulate-calibrated)
+      fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8) ;;
+      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|probe|probe-measure|tune|run|run-eager|run-fp8|generate|generate-long|generate-refused|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -67,7 +69,8 @@ step replay-timeout 120 python3 -m pytest -q -rs tests/dist/test_replay_timeout_
 step whole-suite 560 python3 -m pytest -q -rs
 # fp8 KV: the kernel tests (interpreter-sized shapes and Llama-sized ones), compiled on this GPU;
 # skipped with a reason on GPUs without e4m3 (NVIDIA below sm_89).
-step fp8-tests 300 python3 -m pytest -q -rs tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py
+step fp8-tests 300 python3 -m pytest -q -rs tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py \
+  tests/kernels/test_fp8_dispatch_gpu.py
 if [ "$quick" = "--quick" ]; then
   step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --kv-dtypes bf16 --out "$out/bench_kernel.json"
   step bench-kernel-fp8 200 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 16k,64k,256k --out "$out/bench_kernel_fp8.json"
@@ -84,6 +87,9 @@ step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json
 step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --json
 step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
+# fp8 KV through the CLI: each rank's bf16 shard quantized; max_abs_err (dequantized cache) and
+# max_abs_err_unquantized in the JSON, ring's bytes per step half of the bf16 run's plus the scales.
+step run-fp8 120 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --dtype bf16 --kv-dtype fp8 --json
 # The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
 step generate 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --json
 # Sharded prefill at a long context on the GPUs there are (the ring between them, each rank's
