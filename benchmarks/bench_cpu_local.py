@@ -24,7 +24,11 @@ other processes hits every column alike):
 
 Each timed call is checked first: max abs error of out and lse against the float64 truth for ours,
 of out for the peer (which computes fp16/bf16 inputs in their own dtype, hence its larger errors
-there). Times are medians over ``--repeats`` rounds after ``--warmup``;
+there). ``fp8``: the bf16 cache quantized per KV head (``tree_attn.quantize_kv``, float8_e4m3fn
+with float32 scales), a bf16 query; the truth is float64 on the dequantized cache, the K+V bytes
+1 per element (the peer has no fp8: not run). With both fp8 and bf16 rows the table's last lines
+give each fp8 step over the bf16 step of the same shape, from the same run.
+Times are medians over ``--repeats`` rounds after ``--warmup``;
 "% bw" = the call's K+V bytes / its median time / the median read bandwidth. Single-threaded by
 default (``--threads 1``), as a rank gets ``cpu_count // world_size`` threads and the comparison
 is per core. Nothing here asserts a time.
@@ -58,7 +62,7 @@ from tree_attn.kernels.cpu_decode import decode_attention_cpu
 from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128)}  # (Hq, Hkv, D): MHA 8 x 128; Llama-3.1-8B
 
 
@@ -109,10 +113,19 @@ def one_rank_gloo() -> None:
 
 
 def make_case(hq: int, hkv: int, d: int, n: int, dtype: torch.dtype, seed: int, with_peer: bool):
+    """q, k, v, the peer's arguments, and the scales' keywords (fp8: the bf16 cache of the same
+    seed quantized, q in bf16)."""
+    fp8 = dtype == torch.float8_e4m3fn
+    made = torch.bfloat16 if fp8 else dtype
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, d, generator=g).to(dtype)
-    k = torch.randn(1, n, hkv, d, generator=g).to(dtype)
-    v = torch.randn(1, n, hkv, d, generator=g).to(dtype)
+    q = torch.randn(1, hq, d, generator=g).to(made)
+    k = torch.randn(1, n, hkv, d, generator=g).to(made)
+    v = torch.randn(1, n, hkv, d, generator=g).to(made)
+    if fp8:
+        from tree_attn import quantize_kv
+
+        k, v, k_scale, v_scale = quantize_kv(k, v)
+        return q, k, v, None, {"k_scale": k_scale, "v_scale": v_scale}
     peer_args = None
     if with_peer:
         # The peer's layout: q [b, h, i, d], k/v [b, h, n, d], contiguous.
@@ -121,7 +134,7 @@ def make_case(hq: int, hkv: int, d: int, n: int, dtype: torch.dtype, seed: int, 
             k.transpose(1, 2).contiguous(),
             v.transpose(1, 2).contiguous(),
         )
-    return q, k, v, peer_args
+    return q, k, v, peer_args, {}
 
 
 def timed(fn) -> float:
@@ -134,25 +147,26 @@ def run_case(args, name: str, n: int, dtype_name: str, threads: int, peer, bw_te
     hq, hkv, d = SHAPES[name]
     dtype = DTYPES[dtype_name]
     torch.set_num_threads(threads)
-    q, k, v, peer_args = make_case(hq, hkv, d, n, dtype, seed=n + hq, with_peer=peer is not None)
+    fp8 = dtype == torch.float8_e4m3fn
+    q, k, v, peer_args, sc = make_case(hq, hkv, d, n, dtype, seed=n + hq, with_peer=peer is not None and not fp8)
     kv_bytes = 2 * k.numel() * k.element_size()
     row = {
         "shape": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "tokens": n, "dtype": dtype_name,
         "threads": threads, "kv_bytes": kv_bytes,
     }
     # Correctness first (not timed).
-    ref_out, ref_lse = decode_attention_float64(q, k, v)
-    out, lse = decode_attention(q, k, v, impl="torch")
+    ref_out, ref_lse = decode_attention_float64(q, k, v, **sc)
+    out, lse = decode_attention(q, k, v, impl="torch", **sc)
     row["ours_out_err"] = (out.double() - ref_out).abs().max().item()
     row["ours_lse_err"] = (lse.double() - ref_lse).abs().max().item()
     fns = {
         "bw": lambda: bw_tensor.sum(),
-        "ours": lambda: decode_attention(q, k, v, impl="torch"),
-        "torchops": lambda: decode_attention_cpu(q, k, v, native=False),
+        "ours": lambda: decode_attention(q, k, v, impl="torch", **sc),
+        "torchops": lambda: decode_attention_cpu(q, k, v, native=False, **sc),
     }
     if not args.no_prev:
-        fns["prev"] = lambda: decode_attention_chunked(q, k, v)
-    if peer is not None:
+        fns["prev"] = lambda: decode_attention_chunked(q, k, v, **sc)
+    if peer is not None and not fp8:
         import torch.distributed as dist
 
         pq, pk, pv = peer_args
@@ -212,13 +226,32 @@ def print_table(rows: list[dict]) -> None:
             f"{r['shape']:5s} {r['tokens']:6d} {r['dtype']:5s} {r['threads']:3d} {r['bw_gbs']:7.1f} "
             f"{r['ours_ms']:8.2f} {r['ours_gbs']:5.1f} {r['ours_pct_bw']:4.0f} {tops} {prev} {peer} {err:8.1e} {perr}"
         )
+    for line in fp8_ratios(rows):
+        print(line)
+
+
+def fp8_ratios(rows: list[dict]) -> list[str]:
+    """Each fp8 row's step over the bf16 row of the same shape, tokens and threads (same run)."""
+    bf16 = {(r["shape"], r["tokens"], r["threads"]): r for r in rows if r["dtype"] == "bf16"}
+    lines = []
+    for r in rows:
+        base = bf16.get((r["shape"], r["tokens"], r["threads"]))
+        if r["dtype"] != "fp8" or base is None:
+            continue
+        lines.append(
+            f"fp8/bf16 {r['shape']} {r['tokens']} thr {r['threads']}: ours {r['ours_ms'] / base['ours_ms']:.2f}x "
+            f"({r['ours_ms']:.2f} vs {base['ours_ms']:.2f} ms; fp8 at {r['ours_pct_bw']:.0f}% of read bandwidth on "
+            f"its {r['kv_bytes'] / 2**20:.0f} MiB, bf16 at {base['ours_pct_bw']:.0f}%), torch ops "
+            f"{r['torchops_ms'] / base['torchops_ms']:.2f}x"
+        )
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16384,65536", help="KV tokens per rank, comma-separated")
     ap.add_argument("--shapes", default="mha,gqa", help="mha (8 x 128) and/or gqa (32/8 x 128)")
-    ap.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16, fp8 (float8_e4m3fn, from bf16)")
     ap.add_argument("--threads", default="1", help="intra-op threads, comma-separated (e.g. 1,2)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)

@@ -13,7 +13,7 @@ share + activations (+ the process's fixed part, which RSS includes); the launch
 no KV. Beside the measurement, the cost model's prefill prediction (``tree_attn.cost.prefill``) for
 the same model and context on 1, 4 and 8 GPUs. Nothing here asserts a time.
 
-    flock -x /tmp/tree-attn-cpu.lock python benchmarks/bench_prefill.py --ctx 16384
+    python benchmarks/bench_prefill.py --ctx 16384
 """
 
 from __future__ import annotations

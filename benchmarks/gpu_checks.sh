@@ -15,8 +15,9 @@
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
 #          generate-refused,
 #          calibrate-costmodel, simulate-calibrated
-#   fp8    fp8-tests (the fp8 kernel tests, compiled on this GPU), bench-kernel-fp8 (fp8 rows beside
-#          bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes)
+#   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
+#          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
+#          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes)
 # With no group or step named, every group runs in turn (about 40 minutes).
 set -u
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
@@ -31,7 +32,7 @@ summary="$out/summary.txt"
 touch "$summary"
 
 all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
-           bench-generate probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
+           bench-generate probe probe-measure tune run run-eager run-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
@@ -41,9 +42,9 @@ for arg in "${@:-tests bench cli fp8}"; do
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused calibrate-costmodel simulate-calibrated) ;;
-      fp8) selected+=(fp8-tests bench-kernel-fp8) ;;
+      fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8) ;;
       gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
-      bench-generate|probe|probe-measure|tune|run|run-eager|generate-gpu-tests|generate|generate-eager|\
+      bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
@@ -73,7 +74,8 @@ step replay-timeout 120 python3 -m pytest -q -rs tests/dist/test_replay_timeout_
 step whole-suite 560 python3 -m pytest -q -rs
 # fp8 KV: the kernel tests (interpreter-sized shapes and Llama-sized ones), compiled on this GPU;
 # skipped with a reason on GPUs without e4m3 (NVIDIA below sm_89).
-step fp8-tests 300 python3 -m pytest -q -rs tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py
+step fp8-tests 300 python3 -m pytest -q -rs tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py \
+  tests/kernels/test_fp8_dispatch_gpu.py
 if [ "$quick" = "--quick" ]; then
   step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --kv-dtypes bf16 --out "$out/bench_kernel.json"
   step bench-kernel-fp8 200 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 16k,64k,256k --out "$out/bench_kernel_fp8.json"
@@ -96,6 +98,9 @@ step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json
 step run 90 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --json
 step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no-cuda-graph --json
+# fp8 KV through the CLI: each rank's bf16 shard quantized; max_abs_err (dequantized cache) and
+# max_abs_err_unquantized in the JSON, ring's bytes per step half of the bf16 run's plus the scales.
+step run-fp8 120 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --dtype bf16 --kv-dtype fp8 --json
 # The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
 # generate's token as one CUDA graph: the GPU tests (capture, the eager fallback and its reason), then
 # the command with graphs (the default: rows say "graph") and without.

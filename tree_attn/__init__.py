@@ -8,6 +8,8 @@ Public API (stable names):
 - :func:`ring_decode` — the Ring Attention baseline with the same contract.
 - :class:`DecodeStep`, :class:`TreeDecodeStep` — the same on static buffers, prepared once and
   replayed as a CUDA graph on GPUs (for decode loops and serving engines).
+- :func:`quantize_kv` — an fp8 (``float8_e4m3fn``) KV cache and its per-KV-head scales, for the
+  ``k_scale``/``v_scale`` keywords of all of the above.
 
 Names are resolved on first use (PEP 562), so ``import tree_attn`` and ``tree-attn --help`` do not
 import torch.
@@ -39,6 +41,7 @@ _LAZY = {
     "ReductionPlan": ".reduce.plan",
     "DecodeStep": ".kernels.prepared",
     "TreeDecodeStep": ".reduce.collectives",
+    "quantize_kv": ".kernels.fp8",
 }
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "__version__",
     "decode_attention",
     "merge_partials",
+    "quantize_kv",
     "ring_decode",
     "tree_decode",
 ]
@@ -75,6 +79,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kernels.dispatch import decode_attention
+    from .kernels.fp8 import quantize_kv
     from .kernels.prepared import DecodeStep
     from .reduce.collectives import TreeDecodeStep, tree_decode
     from .reduce.plan import ReductionPlan

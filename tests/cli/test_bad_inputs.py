@@ -102,6 +102,8 @@ CASES = [
     ("run-fanout-beyond-world", ["run", *CPU, "-w", "2", "--fanout", "9"], {}, 1, "larger than the world size"),
     ("run-device-unknown", ["run", "--device", "tpu"], {}, 1, "--device must be auto, cpu or cuda"),
     ("run-dtype-unknown", ["run", *CPU, "--dtype", "fp8"], {}, 1, "dtype must be one of"),
+    ("run-dtype-fp8-is-kv-only", ["run", *CPU, "--dtype", "e4m3"], {}, 1, "give it as the KV dtype (--kv-dtype fp8)"),
+    ("run-kv-dtype-unknown", ["run", *CPU, "--kv-dtype", "e5m2"], {}, 1, "KV dtype must be one of"),
     ("run-backend-unknown", ["run", *CPU, "--backend", "mpi"], {}, 1, "backend must be one of"),
     ("run-nccl-on-cpu", ["run", *CPU, "--backend", "nccl"], {}, 1, "nccl backend needs GPU ranks"),
     # -- run: profiles (items 1, 5) ----------------------------------------------------------------------
@@ -160,6 +162,7 @@ CASES = [
     ("tune-timeout-0", ["tune", *CPU, "--timeout", "0"], {}, 1, "--timeout must be"),
     ("tune-kv-heads-0", ["tune", *CPU, "--kv-heads", "0"], {}, 1, "--kv-heads must be an integer >= 1; got 0"),
     ("tune-dtype-unknown", ["tune", *CPU, "--dtype", "fp8"], {}, 1, "dtype must be one of"),
+    ("tune-kv-dtype-unknown", ["tune", *CPU, "--kv-dtype", "int4"], {}, 1, "KV dtype must be one of"),
     ("tune-batch-beyond-memory", ["tune", *CPU, "--batch", "100000000"], {}, 1, "GiB available"),
     ("tune-topology-alias-bomb", ["tune", "--topology", "{d}/topo-bomb.yaml", "-o", "{d}/out.yaml"], {}, 1,
      "anchor &l0 is not accepted"),

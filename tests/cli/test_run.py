@@ -194,3 +194,68 @@ def test_run_on_the_gpus_without_graphs(capsys):
     report = json.loads(captured.out)
     assert all(r["execution"] == "eager" and "turned off" in r["why_eager"] for r in report["results"])
     assert all(r["max_abs_err"] < 2e-2 for r in report["results"])
+
+
+def test_run_kv_dtype_fp8_json_reports_both_errors_and_ring_bytes(capsys):
+    """``--kv-dtype fp8``: each rank quantizes its bf16 shard. max_abs_err is against float64 on
+    the dequantized cache (held to bf16's limit), max_abs_err_unquantized against the bf16 cache
+    (larger: the quantization's own error); the ring sends 1 byte per element plus 8 * Hkv bytes
+    of scales per block, exactly."""
+    code = main(["run", "--device", "cpu", "--world-size", "3", "--seq-len", "1000", "--heads", "8", "--kv-heads", "2",
+                 "--head-dim", "32", "--steps", "2", "--warmup", "1", "--strategy", "tree,allreduce,ring",
+                 "--dtype", "bf16", "--kv-dtype", "fp8", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    cfg = report["config"]
+    assert cfg["dtype"] == "bfloat16" and cfg["kv_dtype"] == "float8_e4m3fn"
+    assert cfg["kv_bytes_per_rank"] == 2 * 334 * 2 * 32 * 1 + 2 * 2 * 4  # K and V of the largest shard, and scales
+    rows = {r["strategy"]: r for r in report["results"]}
+    for r in rows.values():
+        assert 0 < r["max_abs_err"] < 2e-2
+        assert r["max_abs_err_unquantized"] is not None and r["max_abs_err_unquantized"] > r["max_abs_err"]
+    # Rank r forwards the blocks of ranks r, r - 1 (1000 = 334 + 333 + 333): lengths int32 [1], K
+    # and V at 1 byte per element, the scales float32 [2, 2]; the busiest rank is the one that
+    # forwards the 334-token block.
+    def per_block(n: int) -> int:
+        return 4 + 2 * n * 2 * 32 + 2 * 2 * 4
+
+    assert rows["ring"]["bytes_sent_per_step"] == per_block(334) + per_block(333)
+    assert rows["ring"]["messages_per_step"] == 2 * 4
+    # The tree's messages are float32 states, whatever the cache.
+    assert rows["tree"]["bytes_sent_per_step"] == 2 * 8 * (32 + 1) * 4
+
+
+def test_run_kv_dtype_fp8_table_has_both_error_columns(capsys):
+    code = main(["run", "--device", "cpu", "--world-size", "2", "--seq-len", "300", "--heads", "4", "--kv-heads", "4",
+                 "--head-dim", "16", "--steps", "1", "--warmup", "0", "--strategy", "tree", "--kv-dtype", "fp8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = " ".join(captured.out.split())
+    assert "max err" in out and "quant err" in out
+    assert "the dequantized float8_e4m3fn cache" in out and "unquantized float32 cache" in out
+    assert "(KV float8_e4m3fn:" in captured.err  # the announcement names the cache and its bytes per rank
+
+
+def test_fp8_on_gpus_without_it_is_refused_before_launch(monkeypatch):
+    """The launch check, with the device facts faked (no GPU here): compute capability 8.0 gets
+    the kernel's own message; a ROCm build refuses e4m3fn (the marked decision in kernels/fp8.py);
+    a torch without CPU fp8 conversions is named."""
+    from tree_attn.commands.run.setup import check_fp8_launch
+    from tree_attn.errors import ConfigError, KernelUnavailableError
+    from tree_attn.kernels import device_info, fp8
+    from tree_attn.launch.setup import LaunchSetup
+
+    launch = LaunchSetup(world_size=2, device_kind="cuda", backend="nccl", dtype="bf16", kv_dtype="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(device_info, "is_rocm", lambda: False)
+    with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*this one is 8.0"):
+        check_fp8_launch(launch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_launch(launch)  # Hopper: accepted
+    monkeypatch.setattr(device_info, "is_rocm", lambda: True)
+    with pytest.raises(ConfigError, match="not supported on ROCm GPUs.*float8_e4m3fnuz"):
+        check_fp8_launch(launch)
+    monkeypatch.setattr(fp8, "_conversion_error", lambda dtype: "RuntimeError: no kernel")
+    with pytest.raises(KernelUnavailableError, match="cannot convert torch.float8_e4m3fn on CPU"):
+        check_fp8_launch(LaunchSetup(world_size=1, device_kind="cpu", dtype="fp32", kv_dtype="fp8"))

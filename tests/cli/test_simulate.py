@@ -42,6 +42,28 @@ def test_simulate_json_rows_bytes_and_shapes(capsys):
     assert d["cluster"]["network"]["kind"] == "network"
 
 
+def test_simulate_kv_dtype_fp8_counts_one_byte_per_element_and_the_scales(capsys):
+    """An fp8 cache: half bf16's shard bytes (the capacity arithmetic and the memory notes), and
+    the ring's blocks at half their bytes plus their scales (float32 [2, Hkv], one more message
+    each); the tree's messages are float32 states either way."""
+    args = ["simulate", "-w", "8", "-n", "1M", "--json"]
+    assert main([*args, "--dtype", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)["rows"][0]
+    assert main([*args, "--dtype", "bf16", "--kv-dtype", "fp8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    fp8 = d["rows"][0]
+    assert d["workload"]["kv_dtype"] == "fp8"
+    lengths = 4 * 7  # int32 [B] per block, 7 blocks forwarded
+    scales = 2 * 8 * 4 * 7  # float32 [2, Hkv] per block
+    assert fp8["ring"]["bytes_per_rank"] == (bf16["ring"]["bytes_per_rank"] - lengths) // 2 + lengths + scales
+    assert fp8["ring"]["messages"] == bf16["ring"]["messages"] + 7
+    assert fp8["tree"]["bytes_per_rank"] == bf16["tree"]["bytes_per_rank"]
+    # A rank's shard (K and V, 125,000 tokens of 8 x 128): 1 byte per element instead of 2.
+    assert bf16["tree"]["peak_mem_bytes"] - fp8["tree"]["peak_mem_bytes"] == 2 * 125_000 * 8 * 128
+    assert main([*args[:-1], "--kv-dtype", "fp8"]) == 0
+    assert "KV fp8" in " ".join(capsys.readouterr().out.split())
+
+
 def test_simulate_table_fits_80_columns(capsys):
     assert main(["simulate", "--preset", "mi300x", "-w", "8,1024", "-n", "32K,10M"]) == 0
     out = capsys.readouterr().out
@@ -56,6 +78,8 @@ def test_simulate_table_fits_80_columns(capsys):
     (["--preset", "dgx"], "unknown cluster preset 'dgx'"),
     (["--dtype", "int8"], "--dtype 'int8'"),
     (["--dtype", "float8_e4m3fn"], "--dtype 'float8_e4m3fn': expected fp32, fp16 or bf16"),
+    (["--dtype", "fp8"], "give it as the KV dtype (--kv-dtype fp8)"),
+    (["--kv-dtype", "int8"], "KV dtype must be one of"),
     (["--plot", "out.svg"], "give a file name ending in .png"),
     (["--step-overhead-us", "-5"], "--step-overhead-us must be a number of microseconds from 0 to 1e9"),
     (["-n", "200M"], "sequence length '200M': expected 1 to 100,000,000 tokens"),

@@ -106,6 +106,29 @@ def test_tune_cpu_ranks_is_measurable(tmp_path):
     assert not crowded or crowded[0].endswith(f"-w {usable_cores()} gives steadier timings")
 
 
+def test_tune_kv_dtype_reaches_the_kernel_timing_options(tmp_path):
+    """``--kv-dtype fp8`` becomes TuneOptions.kv_dtype (the fp8 buckets the GPU search times) and
+    the launch's KV dtype; without it both follow --dtype."""
+    setup = plan_tune(TuneRequest(device="cpu", world_size=2, kv_dtype="fp8", output=str(tmp_path / "p.yaml")))
+    assert setup.options.kv_dtype == "float8_e4m3fn" and setup.options.launch.kv_dtype == "float8_e4m3fn"
+    assert setup.options.dtype == "bfloat16"
+    dump = FIXTURES / "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt"  # model-only: the launch is built directly
+    model = plan_tune(TuneRequest(device="cpu", topology_file=str(dump), kv_dtype="e4m3",
+                                  output=str(tmp_path / "h.yaml")))
+    assert model.options.kv_dtype == "float8_e4m3fn" == model.options.launch.kv_dtype
+    plain = plan_tune(TuneRequest(device="cpu", world_size=2, output=str(tmp_path / "q.yaml")))
+    assert plain.options.kv_dtype is None and plain.options.launch.kv_dtype == "bfloat16"
+
+
+def test_run_kv_dtype_resolves_into_the_launch():
+    setup = plan_run(RunOptions(device="cpu", world_size=2, seq_len=64, dtype="fp32", kv_dtype="fp8"))
+    assert (setup.spec.dtype, setup.spec.kv_dtype, setup.spec.made_dtype) == ("float32", "float8_e4m3fn", "float32")
+    assert setup.spec.kv_bytes_per_rank() == 2 * 32 * 8 * 128 + 2 * 8 * 4
+    assert plan_run(RunOptions(device="cpu", world_size=2, seq_len=64, dtype="fp16")).spec.kv_dtype == "float16"
+    with pytest.raises(ConfigError, match="KV dtype must be one of"):
+        plan_run(RunOptions(device="cpu", world_size=2, seq_len=64, kv_dtype="int8"))
+
+
 def test_tune_checks_its_output_before_anything_else(tmp_path):
     out = tmp_path / "p.yaml"
     out.write_text("precious\n")

@@ -66,6 +66,10 @@ def run_command(
     head_dim: HeadDim = DEFAULTS.head_dim,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="fp32, fp16 or bf16 (auto: bf16 on GPUs, fp32 on CPU ranks).")] = DEFAULTS.dtype,
+    kv_dtype: Annotated[str | None, typer.Option(
+        "--kv-dtype", help="KV cache dtype: fp32, fp16, bf16, or fp8 (float8_e4m3fn: each rank quantizes its "
+        "--dtype shard per KV head, scale amax/448). Default: --dtype. With fp8, 'max err' is against float64 on "
+        "the dequantized cache and 'quant err' against float64 on the unquantized one.")] = DEFAULTS.kv_dtype,
     steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per strategy.")] = DEFAULTS.steps,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per strategy.")] = DEFAULTS.warmup,
     strategy: Strategy = DEFAULTS.strategy,
@@ -99,8 +103,8 @@ def run_command(
                           + (" (an empty cache: nothing to time or check)" if seq_len == 0 else ""))
     options = RunOptions(
         world_size=world_size, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, plan=plan, backend=backend,
-        device=device, seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
+        dtype=dtype, kv_dtype=kv_dtype, steps=steps, warmup=warmup, strategy=strategy, fanout=fanout, plan=plan,
+        backend=backend, device=device, seed=seed, timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     )
     if plot:
         if sweep is None:
@@ -115,7 +119,9 @@ def run_command(
     setup = plan_run(options)
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
-        f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}, "
+        f"decoding B={spec.batch} Hq={spec.q_heads} Hkv={spec.kv_heads} D={spec.head_dim} {spec.dtype}"
+        + (f" (KV {spec.kv_dtype}: {fmt_bytes(spec.kv_bytes_per_rank())} per rank)" if spec.kv_dtype != spec.dtype
+           else "") + ", "
         f"{spec.seq_len:,} tokens {_over(spec.world_size)} ({spec.backend}); "
         f"strategies: {', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"
         + ("; one rank sends and merges nothing: every strategy runs the local kernel alone"
@@ -125,7 +131,7 @@ def run_command(
         return
     result.profile = setup.profile
     report(result, render_run, json_out)
-    if strategies_beyond_tolerance(result, spec.dtype):
+    if strategies_beyond_tolerance(result, spec.dtype, spec.kv_dtype):
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
 
@@ -148,7 +154,7 @@ def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> 
         plot_sweep([r.to_dict() for r in results], plot,
                    f"tree-attn run: {ranks(first.spec['world_size'])}, {first.device} ({first.backend}); measured")
         notice(f"wrote {plot}")
-    bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"])]
+    bad = [r for r in results if strategies_beyond_tolerance(r, r.spec["dtype"], r.spec.get("kv_dtype"))]
     if bad:
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
@@ -196,11 +202,17 @@ def render_run(result) -> None:
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     gpu = any(r.device_ms_median is not None for r in result.results)
+    quant = any(r.max_abs_err_unquantized is not None for r in result.results)
+    # 80 columns hold one more column than the plain table: an fp8 run's quant err takes the step
+    # column's place where every row is eager (CPU ranks), and the caption says so.
+    show_step = not quant or any(r.execution == "cuda graph" for r in result.results)
     # Eager rows' device time comes from extra steps, each queued behind a spin kernel (a graph
     # row's from its timed replays): the footnote says so where such a row is shown.
     eager_timed = any(r.device_ms_median is not None and r.execution != "cuda graph" for r in result.results)
-    columns = [("strategy", "left"), ("step", "left"), ("median", "right"), ("p95", "right"),
+    columns = [("strategy", "left"), *([("step", "left")] if show_step else []), ("median", "right"), ("p95", "right"),
                ("sent/rank", "right"), ("msgs", "right"), ("peak mem", "right"), ("max err", "right")]
+    if quant:
+        columns.append(("quant err", "right"))
     if gpu:
         columns.append(("device", "right"))
     for col, just in columns:
@@ -208,7 +220,7 @@ def render_run(result) -> None:
     for r in result.results:
         cells = [
             styled(plan_name(r.plan, cfg["world_size"])),
-            "graph" if r.execution == "cuda graph" else "eager",
+            *(["graph" if r.execution == "cuda graph" else "eager"] if show_step else []),
             f"{r.step_ms_median:.2f} ms",
             f"{r.step_ms_p95:.2f} ms",
             fmt_bytes(r.bytes_sent_per_step),
@@ -216,15 +228,21 @@ def render_run(result) -> None:
             fmt_bytes(r.peak_mem_bytes),
             f"{r.max_abs_err:.1e}",
         ]
+        if quant:
+            cells.append(f"{r.max_abs_err_unquantized:.1e}")
         if gpu:
             cells.append(f"{r.device_ms_median:.3f} ms" if r.device_ms_median is not None else "-")
         table.add_row(*cells)
     out_console.print(table)
     out_console.print(
-        "per decode step: graph = the step replayed as one CUDA graph, eager = issued op by op; median / p95 "
+        ("per decode step: graph = the step replayed as one CUDA graph, eager = issued op by op; " if show_step
+         else "per decode step (every step eager: issued op by op); ") + "median / p95 "
         "latency from a barrier to the end of the step's device work (slowest rank); bytes and messages each rank "
         "sends (max over ranks); peak memory of a rank (max; on CPU ranks the whole process, interpreter and torch "
         "included); max abs error against a float64 computation of the whole cache"
+        + (f" (the dequantized {cfg.get('kv_dtype')} cache the ranks attend over; quant err = against float64 on the "
+           f"unquantized {cfg.get('dtype')} cache, the quantization's error; K and V: "
+           f"{fmt_bytes(cfg.get('kv_bytes_per_rank', 0))} per rank)" if quant else "")
         + ("; device = CUDA-event time of the step (slowest rank)" if gpu else "")
         + ("; eager rows: extra steps queued behind a spin kernel (JSON device_time)" if eager_timed else ""),
         style="dim",

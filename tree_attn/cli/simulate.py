@@ -51,7 +51,11 @@ def simulate_command(
     heads: Heads = DEFAULTS.heads,
     kv_heads: KvHeads = DEFAULTS.kv_heads,
     head_dim: HeadDim = DEFAULTS.head_dim,
-    dtype: Annotated[str, typer.Option("--dtype", help="KV cache dtype: fp32, fp16 or bf16.")] = DEFAULTS.dtype,
+    dtype: Annotated[str, typer.Option("--dtype", help="Query dtype, and the KV cache's without --kv-dtype: fp32, "
+                                       "fp16 or bf16.")] = DEFAULTS.dtype,
+    kv_dtype: Annotated[str | None, typer.Option(
+        "--kv-dtype", help="KV cache dtype: fp32, fp16, bf16 or fp8 (1 byte per element; ring blocks carry their "
+        "scales). Default: --dtype.")] = DEFAULTS.kv_dtype,
     fanout: Annotated[int, typer.Option(
         "--fanout", "-k", help="Fan-out of the topology-aware tree.")] = DEFAULTS.fanout,
     step_overhead_us: Annotated[float | None, typer.Option(
@@ -69,7 +73,7 @@ def simulate_command(
     result = simulate(SimulateOptions(
         preset=preset, topology=topology, profile=profile, params=params, world_sizes=world_sizes,
         gpus_per_node=gpus_per_node, seq_lens=seq_lens, batch=batch, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, dtype=dtype, fanout=fanout, step_overhead_us=step_overhead_us,
+        head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype, fanout=fanout, step_overhead_us=step_overhead_us,
     ))
     from ..plots import plot_simulation
 
@@ -85,10 +89,13 @@ def render(result) -> None:
     from rich import box
     from rich.table import Table
 
+    from ..dtypes import SHORT
+
     w = result.workload
     table = Table(
         title=styled(f"tree-attn simulate: {result.cluster_name}, B={w.batch} Hq={w.q_heads} Hkv={w.kv_heads} "
-                     f"D={w.head_dim} {w.dtype}, predicted ms per step"),
+                     f"D={w.head_dim} {w.dtype}" + (f", KV {SHORT[w.kv_name]}" if w.kv_dtype is not None else "")
+                     + ", predicted ms per step"),
         title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
     )
     # Fits 80 columns: ring's peak memory per rank is in --json (and in the notes when it overflows).

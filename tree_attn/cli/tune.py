@@ -49,7 +49,11 @@ def tune_command(
     heads: Heads = DEFAULTS.heads,
     kv_heads: KvHeads = DEFAULTS.kv_heads,
     head_dim: HeadDim = DEFAULTS.head_dim,
-    dtype: Annotated[str, typer.Option("--dtype", help="KV dtype the kernel is tuned for (GPUs).")] = DEFAULTS.dtype,
+    dtype: Annotated[str, typer.Option("--dtype", help="Query (and, without --kv-dtype, KV) dtype the kernel is tuned "
+                                       "for (GPUs): fp32, fp16 or bf16.")] = DEFAULTS.dtype,
+    kv_dtype: Annotated[str | None, typer.Option(
+        "--kv-dtype", help="KV cache dtype the kernel is tuned for (GPUs): fp32, fp16, bf16 or fp8 (float8_e4m3fn, "
+        "with scales; its own kernel configs). Default: --dtype.")] = DEFAULTS.kv_dtype,
     backend: Backend = DEFAULTS.backend,
     timeout: Timeout = DEFAULTS.timeout_s,
     json_out: Annotated[bool, typer.Option(
@@ -60,7 +64,8 @@ def tune_command(
 
     setup = plan_tune(TuneRequest(
         topology_file=topology_file, world_size=world_size, device=device, output=output, force=force, quick=quick,
-        batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, backend=backend, timeout_s=timeout,
+        batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype, backend=backend,
+        timeout_s=timeout,
     ))
     rank0 = setup.options.launch.rank == 0
     if rank0:

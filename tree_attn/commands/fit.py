@@ -17,7 +17,7 @@ from typing import Any
 
 from ..cost.capacity import GiB, ModelDims, RankMemory, largest_prompt
 from ..cost.devices import KNOWN_DEVICES
-from ..dtypes import is_fp8, parse_dtype
+from ..dtypes import is_fp8, parse_dtype, parse_kv_dtype
 from ..errors import ConfigError
 from ..sizes import parse_count
 from .defaults import MAX_SEQ
@@ -178,11 +178,11 @@ def fit(options: FitOptions) -> FitResult:
     ranks = options.gpus
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 4096:
         raise ConfigError(f"--gpus/-g must be an integer in 1..4096; got {ranks!r}")
-    dtype = parse_dtype(options.dtype)
-    if is_fp8(dtype):
+    if is_fp8(options.dtype):  # named before parse_dtype's general refusal: fit's option for it is --kv-dtype
         raise ConfigError(f"--dtype {options.dtype}: fp8 is a KV-cache dtype (--kv-dtype); weights are bf16, fp16 "
                           "or fp32")
-    kv_dtype = parse_dtype(options.kv_dtype or options.dtype)
+    dtype = parse_dtype(options.dtype)
+    kv_dtype = parse_kv_dtype(options.kv_dtype or options.dtype)
     new = parse_count(options.new_tokens)
     if not 1 <= new <= MAX_SEQ:
         raise ConfigError(f"--new-tokens must be in 1..{MAX_SEQ:,}; got {new}")

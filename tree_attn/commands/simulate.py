@@ -14,14 +14,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..cost import ClusterSpec, StepPrediction, Workload, cluster_plan, predict_step, preset
-from ..dtypes import canonical
+from ..dtypes import FP8, canonical, parse_kv_dtype
 from ..errors import ConfigError
 from ..validate import check_int, is_number
 from .defaults import BATCH, HEAD_DIM, HEADS, KV_HEADS, parse_tokens
 
 MAX_WORLD = 4096
 DEFAULT_PRESET = "h100-sxm"
-# The KV dtypes simulate offers (its --help says fp32, fp16, bf16), in any spelling dtypes.canonical reads.
+# The query dtypes simulate offers for --dtype (its --help says fp32, fp16, bf16), in any spelling
+# dtypes.canonical reads; --kv-dtype also takes fp8.
 SIMULATED_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
@@ -58,6 +59,7 @@ class SimulateOptions:
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
     dtype: str = "bf16"
+    kv_dtype: str | None = None  # None: dtype (fp8: 1 byte per element, and its scales)
     fanout: int = 2
     step_overhead_us: float | None = None  # replaces the parameters' fixed step overhead
 
@@ -172,7 +174,11 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
     worlds = parse_list(opts.world_sizes, "--world-sizes", parse_world)
     seqs = parse_list(opts.seq_lens, "--seq-lens", parse_tokens)
     if canonical(opts.dtype) not in SIMULATED_DTYPES:
-        raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16")
+        kv_only = canonical(opts.dtype) in FP8
+        raise ConfigError(f"--dtype {opts.dtype!r}: expected fp32, fp16 or bf16"
+                          + ("; fp8 holds KV caches only: give it as the KV dtype (--kv-dtype fp8)" if kv_only else ""))
+    if opts.kv_dtype is not None:
+        parse_kv_dtype(opts.kv_dtype)
     check_int(opts.fanout, "--fanout", minimum=2, must=True)
     if opts.fanout > max(max(worlds), 2):
         raise ConfigError(f"--fanout {opts.fanout} is larger than the largest world size {max(worlds)}; "
@@ -199,7 +205,7 @@ def simulate(opts: SimulateOptions) -> SimulateResult:
                 if cluster.device.shared_cores and not cluster.pair_links else "")
         raise ConfigError(f"world sizes above {g} need several nodes, and these parameters have no network class; "
                           f"use world sizes up to {g}{more}")
-    workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype)
+    workload = Workload(seqs[0], opts.batch, opts.heads, opts.kv_heads, opts.head_dim, opts.dtype, opts.kv_dtype)
     result = SimulateResult(cluster.name, source, workload, cluster)
     for world in worlds:
         c = shape_for(cluster, world, g)

@@ -54,7 +54,9 @@ def decode_lse_bytes(batch: int, q_heads: int) -> int:
 @dataclass(frozen=True)
 class Workload:
     """One decode step's shape: ``seq_len`` KV tokens in all, split evenly over the ranks (the
-    first ``seq_len % p`` ranks one more, as ``RunSpec.shard_sizes``)."""
+    first ``seq_len % p`` ranks one more, as ``RunSpec.shard_sizes``). ``dtype`` is the query's
+    and ``kv_dtype`` the cache's (None: ``dtype``); an fp8 cache is 1 byte per element, and its
+    float32 scales (``[2, Hkv]``) travel with each ring block."""
 
     seq_len: int
     batch: int = 1
@@ -62,6 +64,7 @@ class Workload:
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "bfloat16"
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "q_heads", "kv_heads", "head_dim"):
@@ -70,10 +73,23 @@ class Workload:
         if self.q_heads % self.kv_heads:
             raise ConfigError(f"query heads ({self.q_heads}) must be a multiple of KV heads ({self.kv_heads})")
         dtypes.parse_dtype(self.dtype)
+        if self.kv_dtype is not None:
+            dtypes.parse_kv_dtype(self.kv_dtype)
+
+    @property
+    def kv_name(self) -> str:
+        """The KV cache's canonical dtype name."""
+        return dtypes.parse_kv_dtype(self.dtype if self.kv_dtype is None else self.kv_dtype)
 
     @property
     def elem_bytes(self) -> int:
-        return dtypes.itemsize(self.dtype)
+        """Bytes per element of the KV cache."""
+        return dtypes.itemsize(self.kv_name)
+
+    @property
+    def scale_bytes(self) -> int:
+        """An fp8 cache's scales (``k_scale``, ``v_scale``: float32 ``[Hkv]`` each), else 0."""
+        return 2 * 4 * self.kv_heads if dtypes.is_fp8(self.kv_name) else 0
 
     def shard_sizes(self, world_size: int) -> list[int]:
         """Tokens per rank, as ``RunSpec.shard_sizes``: the first ``seq_len % p`` ranks one more."""
@@ -331,7 +347,7 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
         return _prediction("ring", "ring", cluster, w, compute, 0.0, 0, 0, 0)
     # Every rank sends at once: a round waits for the ring's slowest edge (r -> r + 1).
     slowest = max((cluster.link(r, (r + 1) % p) for r in range(p)), key=lambda l: l.bulk_us(shard))
-    transfer = slowest.bulk_us(shard + 4 * w.batch)  # the block and its lengths
+    transfer = slowest.bulk_us(shard + 4 * w.batch + w.scale_bytes)  # the block, its lengths (and scales)
     if cluster.device.overlap:
         # ring_decode merges a block before it waits for the next: the merge runs beside the
         # transfer too. Round 0 merges nothing; the last block's compute and merge follow the
@@ -350,12 +366,15 @@ def predict_ring(cluster: ClusterSpec, w: Workload) -> StepPrediction:
     # One block's compute counts as ``local``; the other blocks' compute, the transfers and the
     # merges as ``comm`` (``rounds``).
     # Rank r forwards every block but its successor's (the last to reach it): the busiest rank is
-    # the one whose successor holds the smallest block. An empty block sends only its lengths.
+    # the one whose successor holds the smallest block. An empty block sends only its lengths (and
+    # an fp8 block's scales, one more message, whatever its size).
     sizes = w.shard_sizes(p)
     per_token = 2 * w.batch * w.kv_heads * w.head_dim * w.elem_bytes
+    per_block = 4 * w.batch + w.scale_bytes
     sent = (max(sum(n * per_token for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
-            + 4 * w.batch * (p - 1))
-    msgs = max(sum(3 if n else 1 for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
+            + per_block * (p - 1))
+    scale_msgs = 1 if w.scale_bytes else 0
+    msgs = max(sum((3 if n else 1) + scale_msgs for i, n in enumerate(sizes) if i != (r + 1) % p) for r in range(p))
     # The caller's shard stays; the block in hand and the one arriving are allocated (one for p = 2).
     return _prediction("ring", "ring", cluster, w, compute, rounds, sent, msgs, min(2, p - 1) * shard)
 

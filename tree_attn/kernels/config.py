@@ -140,9 +140,11 @@ def dot_math(q_dtype: Any, kv_dtype: Any) -> tuple[int, int]:
     """
     from .. import dtypes as _dtypes  # local: keeps this module free of imports at load time
 
-    q, kv = _dtypes.parse_dtype(q_dtype), _dtypes.parse_dtype(kv_dtype)
+    q, kv = _dtypes.parse_kv_dtype(q_dtype), _dtypes.parse_kv_dtype(kv_dtype)
     if kv in _dtypes.FP8:
         kv = "float16"  # the tiles widen to fp16 (exactly)
+    if q in _dtypes.FP8:  # element_sizes(fp8) asks with the cache's dtype for both
+        q = "float16"
     if q == kv or kv == "float32":
         return _dtypes.ITEMSIZE[kv], 1
     if q == "float32":

@@ -54,6 +54,11 @@ the public peer's numbers are in ``benchmarks/RESULTS.md``):
   read it from cache, as for a contiguous cache. No copy of the whole shard is made.
 * Extra memory is bounded: one score block (``SCORE_ELEMENTS`` floats, 4 MiB) and, for fp16/bf16
   inputs, two float32 chunk buffers. The cache is never converted as a whole.
+* fp8 caches (``float8_e4m3fn``, ``float8_e4m3fnuz``, with float32 scales per KV head): read and
+  widened like fp16/bf16 ones (the C kernel widens the bytes with integer arithmetic; the torch
+  ops convert each chunk into its float32 buffer), and the scales folded as the Triton kernel
+  folds them: ``k_scale[h]`` into the query rows of KV head h (scores ``(q * k_scale[h]) . k8``),
+  ``v_scale[h]`` into their output (``out = v_scale[h] * sum p v8 / l``); lse needs nothing.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def decode_attention_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
     block_tokens: int | None = None, causal: bool = False, block_table: torch.Tensor | None = None,
-    native: bool | None = None,
+    native: bool | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache, for CPU tensors.
 
@@ -105,8 +110,9 @@ def decode_attention_cpu(
 
     Args:
         q: ``[B, Hq, D]``, or ``[B, Sq, Hq, D]`` (Sq new tokens per row), float16/bfloat16/float32.
-        k, v: ``[B, N, Hkv, D]`` float16/bfloat16/float32 (one dtype), any strides (e.g. slices of
-            a bigger cache), ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq / Hkv)``.
+        k, v: ``[B, N, Hkv, D]`` float16/bfloat16/float32, or fp8 with ``k_scale``/``v_scale`` (one
+            dtype), any strides (e.g. slices of a bigger cache), ``Hq % Hkv == 0``; query head
+            ``h`` reads KV head ``h // (Hq / Hkv)``.
             With ``block_table``: pools ``[num_blocks, block_size, Hkv, D]``, read chunk by chunk
             (each ~1 MiB chunk's pages gathered into a buffer that stays in cache).
         seq_lens: optional integer ``[B]``: valid keys per row (0..N); later positions are ignored.
@@ -121,6 +127,8 @@ def decode_attention_cpu(
         native: None: the C kernel where it applies, is available and is the faster (at most
             :data:`NATIVE_MAX_QUERY_ROWS` rows per KV head), else torch ops. True: the C kernel
             whatever the rows, or an error saying why not. False: torch ops.
+        k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (values checked
+            by the caller), else None.
 
     Returns:
         ``out`` (q's shape and dtype) and ``lse`` float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural
@@ -128,7 +136,7 @@ def decode_attention_cpu(
         Works on any device (it reads ``seq_lens`` on the host), but is tuned for CPU: on GPUs use
         the Triton kernel.
     """
-    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
     b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
     rows = shape.query_rows  # the Sq tokens' G heads of one KV head: the M rows of one product
@@ -139,7 +147,7 @@ def decode_attention_cpu(
     kernel = None if empty else _native_kernel_for(native, q, k, v, rows, block_table, chunk_tokens, block_tokens)
     if kernel is not None:
         lens_t = torch.tensor(lens, dtype=torch.int64)
-        o, l = decode_native(kernel, q, k, v, lens_t, scale, block_table, causal and sq > 1)
+        o, l = decode_native(kernel, q, k, v, lens_t, scale, block_table, causal and sq > 1, k_scale, v_scale)
         return o.to(q.dtype), l
     dev = q.device
     out = torch.zeros(b, hkv, sq, g, d, dtype=torch.float32, device=dev)
@@ -155,6 +163,8 @@ def decode_attention_cpu(
         qs = (q.float() * scale).reshape(b, hkv, rows, d)
     else:
         qs = (q.float() * scale).view(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, rows, d)
+    if k_scale is not None:  # fp8: k_scale folded into each KV head's query rows
+        qs = qs * k_scale.view(1, hkv, 1, 1)
     paged = block_table is not None
     work = _Work(k, v, step, hkv, rows, d, min(block, max(lens)), paged)
     if paged:
@@ -188,6 +198,8 @@ def decode_attention_cpu(
         if causal_from is not None:
             out_rows[row].masked_fill_(l == 0, 0.0)
         lse_rows[row] = (m + torch.log(l)).squeeze(-1)
+    if v_scale is not None:  # fp8: v_scale folded into each KV head's output
+        out.mul_(v_scale.view(1, hkv, 1, 1, 1))
     return _finish(q, out, lse)
 
 

@@ -67,7 +67,7 @@ BUILD_TIMEOUT_S = 180
 MIN_TOKENS_PER_THREAD = 2048
 
 # The C enum's codes.
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e4m3fnuz: 4}
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,27 @@ class NativeKernel:
     flags: tuple[str, ...]
     dtypes: frozenset[torch.dtype]
     function: ctypes._CFuncPtr  # tree_attn_cpu_decode
+    widen_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen (the tests check it on every code)
+    widen_fp8_fast_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_fp8_fast (AVX2 + F16C path)
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a CPU tensor of one of :attr:`dtypes`) as float32 with the kernel's own widening."""
+        src = x.contiguous().reshape(-1)
+        out = torch.empty(src.shape, dtype=torch.float32)
+        if self.widen_function is None or self.widen_function(_DTYPE_CODES[x.dtype], src.data_ptr(), src.numel(),
+                                                               out.data_ptr()) != 0:
+            raise ValueError(f"this build of the C kernel cannot widen {x.dtype}")
+        return out.view(x.shape)
+
+    def widen_fp8_fast(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` (fp8, a multiple of 16 elements) as float32 through the decode loops' fast fp8
+        path (AVX2 + F16C builds), NaN codes as that path alone would read them; None when this
+        build has no such path."""
+        src = x.contiguous().reshape(-1)
+        out = torch.empty(src.shape, dtype=torch.float32)
+        fn = self.widen_fp8_fast_function
+        code = -3 if fn is None else fn(_DTYPE_CODES[x.dtype], src.data_ptr(), src.numel(), out.data_ptr())
+        return out.view(x.shape) if code == 0 else None
 
 
 @dataclass(frozen=True)
@@ -158,7 +179,8 @@ def _load() -> NativeKernel:
         except OSError as e:
             errors.append(f"loading {path.name}: {e}")
             continue
-        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib))
+        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib),
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"))
     raise _Unavailable("; ".join(errors))
 
 
@@ -253,6 +275,14 @@ def _bind(lib: ctypes.CDLL):
     return fn
 
 
+def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
+    fn = getattr(lib, name, None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def _pool(threads: int) -> ThreadPoolExecutor:
     with _lock:
         pool = _pools.get(threads)
@@ -270,6 +300,8 @@ def decode_native(
     scale: float,
     block_table: torch.Tensor | None = None,
     causal: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several query tokens per row with the C kernel.
 
@@ -282,6 +314,9 @@ def decode_native(
         block_table: None, or integer ``[B, max_blocks]`` (row b's token t is in page
             ``block_table[b, t // block_size]``; every entry a row reads checked by the caller).
         causal: token i of a row sees its keys ``[0, len - Sq + 1 + i)`` (``reference.key_limits``).
+        k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` scales, folded as the Triton kernel
+            folds them: ``k_scale[h]`` into KV head h's query rows, ``v_scale[h]`` into their
+            output (the kernel itself reads the stored values, widened exactly); None otherwise.
 
     Returns:
         ``out`` (q's shape) float32 and ``lse`` (q's shape without D) float32, natural log; query
@@ -294,7 +329,10 @@ def decode_native(
     hkv = k.shape[2]
     g = hq // hkv
     # [B, Hkv * Sq * G, D]: a KV head's rows are its Sq tokens' G heads, token-major.
-    qs = (q.float() * scale).reshape(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv * sq * g, d).contiguous()
+    qs = (q.float() * scale).reshape(b, sq, hkv, g, d).transpose(1, 2).reshape(b, hkv, sq * g, d)
+    if k_scale is not None:
+        qs = qs * k_scale.view(1, hkv, 1, 1)
+    qs = qs.reshape(b, hkv * sq * g, d).contiguous()
     longest = int(lens.max()) if b else 0
     parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
     outs = torch.empty(parts, b, hkv * sq * g, d, dtype=torch.float32)
@@ -316,6 +354,8 @@ def decode_native(
     if any(c != 0 for c in codes):
         raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
     out, lse = (outs[0], lses[0]) if parts == 1 else merge_states(outs, lses)
+    if v_scale is not None:
+        out = out.view(b, hkv, sq * g, d).mul_(v_scale.view(1, hkv, 1, 1))
     # Back to q's layout: [B, Hkv, Sq, G, (D)] -> [B, Sq, Hkv * G, (D)].
     out = out.view(b, hkv, sq, g, d).transpose(1, 2).reshape(q.shape)
     lse = lse.view(b, hkv, sq, g).transpose(1, 2).reshape(q.shape[:-1])

@@ -10,7 +10,14 @@ The signature is everything the resolution read: shapes, strides, dtypes, device
 current stream, because the split workspace is reused call after call and calls on one stream are
 ordered), whether ``seq_lens`` is given and its dtype, a paged cache's block table (shape, dtype,
 strides; the pool's shape gives the block size), the query tokens per row (q's shape),
-``causal``, ``scale``, ``impl``, ``config`` and where the outputs go.
+``causal``, ``scale``, ``impl``, ``config``, where the outputs go, and an fp8 cache's scales'
+form (a Python number's value; a tensor's dtype, shape and device: see ``kernels.fp8``).
+
+fp8 scales are checked (both given, floating, a scalar or ``[Hkv]``, on the cache's device) when
+a prepared object is built, and their values (finite, positive) on every call for CPU tensors,
+once at build for GPU tensors (one host sync; the kernels read the values at every call, so a
+caller may update them in place, CUDA-graph replays included). A scalar is expanded to ``[Hkv]``
+float32 before any kernel sees it.
 
 Block-table values are checked (``kernels.paged.check_block_table``) on every call for CPU
 tensors and, for GPU tensors, once when the prepared object is built (one host sync, never per
@@ -29,6 +36,7 @@ import torch
 from ..errors import ConfigError
 from ..graphs import CapturedStep, StaticStep
 from .config import DecodeConfig
+from .fp8 import PreparedScales, ScaleForm, check_fp8_backend, scale_form
 from .impl import resolve_impl, triton_interpreter_enabled
 from .layout import OutLayout
 from .shapes import DecodeShape, check_arg_types, check_decode_inputs, check_seq_lens_range, resolve_scale
@@ -98,6 +106,9 @@ class PreparedDecode:
             as the public functions do), or only here, once (False: for a decode loop that owns
             them and keeps them in range, as ``generate``'s shard does; on GPUs they are checked
             once either way).
+        k_scale, v_scale: an fp8 cache's dequantization scales (``kernels.fp8``): Python numbers,
+            or float tensors ``()``/``[1]``/``[Hkv]`` on the cache's device (example tensors:
+            later calls pass scales of the same form). None for other caches.
 
     CPU tensors that the C kernel takes run it through a :class:`~.cpu_native.NativeDecodePlan`
     resolved here: a call then only copies q and the lengths in and launches.
@@ -106,12 +117,17 @@ class PreparedDecode:
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, check_values: bool = True,
-        **fields: Any,
+        k_scale=None, v_scale=None, **fields: Any,
     ) -> None:
         opts = self.options = DecodeOptions.of(options, fields)
         config, causal = opts.config, opts.causal
         self.impl = resolve_impl(opts.impl, q.device)
-        self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        self.shape: DecodeShape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
+        form = scale_form(k.dtype, k_scale, v_scale, self.shape.kv_heads, k.device)
+        # Values of GPU scale tensors: checked here, once (never inside a CUDA-graph capture).
+        self.scales = PreparedScales(form, k_scale, v_scale, self.shape.kv_heads, k.device, not _capturing(q))
+        if self.scales.fp8 and self.impl == "triton":
+            check_fp8_backend(k.dtype, q.device)
         self.causal = causal
         self.tokens = q.dim() == 4  # outputs [B, Sq, Hq, ...] rather than [B, Hq, ...]
         if self.shape.head_dim == 0:
@@ -136,7 +152,9 @@ class PreparedDecode:
             check_block_table(block_table, seq_lens, self.shape.num_blocks, self.shape.block_size)
         self._launch = None
         self._native = None
-        if self.impl == "torch" and self.device.type == "cpu":
+        if self.impl == "torch" and self.device.type == "cpu" and not self.scales.fp8:
+            # The plan calls the C kernel without scales: an fp8 cache takes decode_attention_cpu's
+            # path per call (its own fp8 widening in the C kernel, the scales folded in there).
             from .cpu_decode import native_plan
 
             self._native = native_plan(q, k, v, block_table, self.scale, causal)
@@ -145,8 +163,15 @@ class PreparedDecode:
 
             self._launch = TritonDecodeLaunch(
                 q, k, v, seq_lens, scale=self.scale, config=config, out_layout=self.out_layout,
-                block_table=block_table, causal=causal,
+                block_table=block_table, causal=causal, **self._scale_kwargs(k_scale, v_scale),
             )
+
+    def _scale_kwargs(self, k_scale, v_scale) -> dict:
+        """The scales as the kernels take them: ``{}`` without fp8, else float32 ``[Hkv]`` tensors."""
+        if not self.scales.fp8:
+            return {}
+        ks, vs = self.scales(k_scale, v_scale)
+        return {"k_scale": ks, "v_scale": vs}
 
     @property
     def config(self) -> DecodeConfig | None:
@@ -167,12 +192,15 @@ class PreparedDecode:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
+        *, k_scale=None, v_scale=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of ``q`` over ``k, v`` (pages listed by ``block_table`` when paged); into
+        """Attention of ``q`` over ``k, v`` (pages listed by ``block_table`` when paged; an fp8
+        cache dequantized by ``k_scale``, ``v_scale``, of the form given at construction); into
         ``out``/``lse`` when given (in this object's layout), else into fresh tensors. Returns
         ``(out, lse)``."""
         if out is None or lse is None:
             out, lse = self.new_outputs()
+        scales = self._scale_kwargs(k_scale, v_scale)
         if self._check_lens_values:
             check_seq_lens_range(seq_lens, self.shape.kv_len)
             if block_table is not None:
@@ -188,7 +216,7 @@ class PreparedDecode:
             from .reference import decode_attention_torch
 
             o, l = decode_attention_torch(
-                q, k, v, seq_lens=seq_lens, scale=self.scale, block_table=block_table, causal=self.causal
+                q, k, v, seq_lens=seq_lens, scale=self.scale, block_table=block_table, causal=self.causal, **scales
             )
             out.copy_(o)
             lse.copy_(l)
@@ -197,7 +225,7 @@ class PreparedDecode:
             seq_lens = seq_lens.to(dtype=torch.int32).contiguous()
         if self._table_cast:
             block_table = block_table.to(dtype=torch.int32).contiguous()
-        self._launch(q, k, v, seq_lens, out, lse, block_table)
+        self._launch(q, k, v, seq_lens, out, lse, block_table, **scales)
         return out, lse
 
 
@@ -224,10 +252,12 @@ def signature(
     seq_lens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     options: DecodeOptions,
+    scales: ScaleForm | None = None,
 ) -> tuple | None:
     """The cache key of a call: everything :class:`PreparedDecode` resolves from (cheap to build:
-    tensor metadata only, no value read). Sq is q's shape and the block size the pool's. None
-    inside a CUDA-graph capture: nothing is cached there (see :func:`prepared_decode`)."""
+    tensor metadata only, no value read). Sq is q's shape and the block size the pool's; ``scales``
+    an fp8 cache's scale form (:func:`kernels.fp8.scale_form`). None inside a CUDA-graph capture:
+    nothing is cached there (see :func:`prepared_decode`)."""
     lens = None if seq_lens is None else (seq_lens.dtype, seq_lens.device, tuple(seq_lens.shape), seq_lens.stride())
     table = None if block_table is None else (
         block_table.dtype, block_table.device, tuple(block_table.shape), block_table.stride()
@@ -244,7 +274,7 @@ def signature(
         q.shape, q.stride(), q.dtype, q.device,
         k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device,
-        lens, table, options, where, threading.get_ident(),
+        lens, table, options, scales, where, threading.get_ident(),
     )
 
 
@@ -257,7 +287,8 @@ _CACHE: OrderedDict[tuple, PreparedDecode] = OrderedDict()
 
 def prepared_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
-    *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, **fields: Any,
+    *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None,
+    k_scale=None, v_scale=None, **fields: Any,
 ) -> PreparedDecode:
     """The cached :class:`PreparedDecode` for this call's signature (built on first use), with
     :class:`PreparedDecode`'s arguments.
@@ -269,10 +300,12 @@ def prepared_decode(
     """
     opts = options.checked() if options is not None and not fields else DecodeOptions.of(options, fields)
     check_arg_types(q, k, v, seq_lens, block_table, opts.causal)  # before the key reads their attributes
-    key = signature(q, k, v, seq_lens, block_table, opts)  # None: capturing
+    # The scales' form is checked on every call (cheap: no value read); values per prepared object.
+    form = scale_form(k.dtype, k_scale, v_scale, k.shape[2], k.device) if k.dim() == 4 else None
+    key = signature(q, k, v, seq_lens, block_table, opts, form)  # None: capturing
     hit = None if key is None else _CACHE.get(key)
     if hit is None:
-        hit = PreparedDecode(q, k, v, seq_lens, block_table=block_table, options=opts)
+        hit = PreparedDecode(q, k, v, seq_lens, block_table=block_table, options=opts, k_scale=k_scale, v_scale=v_scale)
         if key is not None:
             _CACHE[key] = hit
             while len(_CACHE) > CACHE_SIZE:
@@ -303,24 +336,29 @@ class DecodeStep(StaticStep):
     (q's dtype) and ``lse`` (float32) are static: overwritten by the next step. ``captured``
     says whether the graph is in use, ``why_eager`` why not. ``check_values=False``: CPU
     lengths and block-table values are checked here only, not per step (see :class:`PreparedDecode`).
+
+    An fp8 cache takes ``k_scale``, ``v_scale`` (``decode_attention``'s): numbers, fixed, or
+    tensors read at every step (update them in place; GPU values are checked once, here).
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, impl: str = "auto", config: DecodeConfig | None = None,
         cuda_graph: bool = True, block_table: torch.Tensor | None = None, causal: bool = False,
-        check_values: bool = True,
+        check_values: bool = True, k_scale=None, v_scale=None,
     ) -> None:
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
         self.prepared = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
-                                       options=DecodeOptions(scale, impl, config, causal=causal))
+                                       options=DecodeOptions(scale, impl, config, causal=causal),
+                                       k_scale=k_scale, v_scale=v_scale)
+        self.scales = (k_scale, v_scale)
         self.out, self.lse = self.prepared.new_outputs()
         # The graph's function holds the step's parts, not the step: a bound method would make a
         # cycle (step -> graph -> step), and the graph would outlive `del step` until the
         # garbage collector ran.
         self.graph = CapturedStep(
-            partial(_decode_step, self.prepared, self.tensors, self.out, self.lse, self.block_table),
+            partial(_decode_step, self.prepared, self.tensors, self.out, self.lse, self.block_table, self.scales),
             q.device, enabled=cuda_graph, name="the local decode step",
         )
 
@@ -329,6 +367,6 @@ class DecodeStep(StaticStep):
 
 
 def _decode_step(prepared: PreparedDecode, tensors: tuple, out: torch.Tensor, lse: torch.Tensor,
-                 block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_table: torch.Tensor | None, scales: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """One :class:`DecodeStep` on its static tensors (what its graph captures)."""
-    return prepared(*tensors, out, lse, block_table)
+    return prepared(*tensors, out, lse, block_table, k_scale=scales[0], v_scale=scales[1])

@@ -8,6 +8,11 @@
   ``tree_attn.reduce.state``, without host synchronisation.
 
 Both forms convert only one chunk to float32 at a time, so memory stays bounded however long N is.
+
+fp8 caches (``kernels.fp8``): with ``k_scale``, ``v_scale`` (float32 ``[Hkv]``), every form
+attends over the dequantized cache ``k.float() * k_scale[h]``: the chunked form dequantizes each
+chunk in float32, the float64 truth the whole cache in float64 (exact), the CPU path folds the
+scales into the query and the output (``cpu_decode``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ def _as_tokens(q: torch.Tensor) -> torch.Tensor:
     return q if q.dim() == 4 else q.unsqueeze(1)
 
 
+def _dequantized(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x [..., Hkv, D]`` as ``dtype``, times its head's scale when given (an fp8 cache)."""
+    x = x.to(dtype)
+    return x if scale is None else x * scale.to(device=x.device, dtype=dtype)[:, None]
+
+
 def _contiguous_kv(k, v, seq_lens, block_table):
     """Contiguous ``k, v [B, N, Hkv, D]`` (pages gathered when a block table is given)."""
     if block_table is None:
@@ -62,6 +73,7 @@ def decode_attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
     block_table: torch.Tensor | None = None, causal: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one or several new query tokens per row against a KV cache.
 
@@ -82,39 +94,44 @@ def decode_attention_torch(
         block_table: int ``[B, max_blocks]``: row b's token t is ``k[block_table[b, t // bs], t % bs]``.
         causal: the row's last Sq valid keys are the new tokens; token i sees the keys before them
             and new tokens ``<= i`` (see :func:`key_limits`).
+        k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` scales (checked by the caller,
+            ``kernels.prepared``), else None.
 
     Returns:
         ``out`` in q's dtype and shape (``[B, Hq, D]`` or ``[B, Sq, Hq, D]``) and ``lse``
         float32 (``[B, Hq]`` or ``[B, Sq, Hq]``, natural log). Query tokens with no valid keys
         give out 0 and lse -inf.
     """
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     # The CPU path writes into preallocated buffers (bmm out=, in-place exp): not differentiable.
     # Inputs that need gradients take the chunked form, which autograd can follow.
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.device.type == "cpu" and not needs_grad:
         return decode_attention_cpu(
-            q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal, block_table=block_table
+            q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal, block_table=block_table,
+            **scales,
         )
     if block_table is not None:  # checked before its pages are gathered (the chunked form checks the rest)
-        check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
         k, v = _contiguous_kv(k, v, seq_lens, block_table)
-    return decode_attention_chunked(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal)
+    return decode_attention_chunked(q, k, v, seq_lens=seq_lens, scale=scale, chunk_tokens=chunk_tokens, causal=causal,
+                                    **scales)
 
 
 def decode_attention_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, chunk_tokens: int | None = None,
-    causal: bool = False,
+    causal: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The device-agnostic chunked form of :func:`decode_attention_torch` (same contract, contiguous
-    KV only).
+    KV only; an fp8 chunk is dequantized in float32, ``k.float() * k_scale[h]``).
 
     No host synchronisation (seq_lens become a mask), so it suits GPU tensors. On CPU it is the
     slower form: its einsums read the interleaved ``[N, Hkv, D]`` cache head by head, and each chunk
     adds a logsumexp and a stacked merge: ~8 GB/s at 8 x 128 fp32 on one Zen 4 core, 21-31% of a
     sequential ``torch.sum`` (``benchmarks/RESULTS.md``).
     """
-    shape = check_decode_inputs(q, k, v, seq_lens, None, causal)
+    shape = check_decode_inputs(q, k, v, seq_lens, None, causal, fp8_kv=True)
     b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
     if scale is None:
@@ -130,8 +147,8 @@ def decode_attention_chunked(
     positions = torch.arange(step, device=q.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        kc = k[:, start:stop].float()  # [B, C, Hkv, D]
-        vc = v[:, start:stop].float()
+        kc = _dequantized(k[:, start:stop], k_scale, torch.float32)  # [B, C, Hkv, D]
+        vc = _dequantized(v[:, start:stop], v_scale, torch.float32)
         scores = torch.einsum("bshgd,bchd->bshgc", qf, kc)  # [B, Sq, Hkv, G, C]
         if masked:
             valid = (start + positions[: stop - start])[None, None, :] < limits[:, :, None]  # [B, Sq, C]
@@ -148,23 +165,24 @@ def decode_attention_chunked(
 def decode_attention_float64(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, block_table: torch.Tensor | None = None,
-    causal: bool = False,
+    causal: bool = False, k_scale=None, v_scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Straightforward float64 decode attention on CPU, unchunked: the ground truth for tests.
 
     Same contract as :func:`decode_attention_torch` (paged pools are gathered with
     :func:`tree_attn.kernels.paged.gather_pages`, Sq tokens and ``causal`` masked per token), but
-    returns out and lse in float64.
+    returns out and lse in float64. An fp8 cache is dequantized in float64 (exactly) with
+    ``k_scale``, ``v_scale`` (numbers or tensors, a scalar or ``[Hkv]``).
     """
-    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
     b, hq, hkv, d, n, sq = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.kv_len, shape.q_len
     g = shape.group
     if scale is None:
         scale = d**-0.5
     k, v = _contiguous_kv(k, v, seq_lens, block_table)
     qd = _as_tokens(q).detach().cpu().double().view(b, sq, hkv, g, d) * scale
-    kd = k.detach().cpu().double()
-    vd = v.detach().cpu().double()
+    kd = _dequantized(k.detach().cpu(), _scale64(k_scale, hkv), torch.float64)
+    vd = _dequantized(v.detach().cpu(), _scale64(v_scale, hkv), torch.float64)
     scores = torch.einsum("bshgd,bnhd->bshgn", qd, kd)
     if seq_lens is not None or causal:
         lens = seq_lens.cpu() if seq_lens is not None else torch.full((b,), n)
@@ -176,3 +194,11 @@ def decode_attention_float64(
     out = torch.einsum("bshgn,bnhd->bshgd", p, vd).reshape(b, sq, hq, d)
     lse = lse.reshape(b, sq, hq)
     return (out, lse) if q.dim() == 4 else (out[:, 0], lse[:, 0])
+
+
+def _scale64(s, kv_heads: int) -> torch.Tensor | None:
+    """A scale (number or tensor, scalar or ``[Hkv]``) as float64 ``[Hkv]`` on CPU, or None."""
+    if s is None:
+        return None
+    t = torch.as_tensor(s, dtype=torch.float64).detach().cpu().reshape(-1)
+    return t.expand(kv_heads) if t.numel() == 1 else t

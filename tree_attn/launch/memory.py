@@ -71,26 +71,29 @@ PROCESS_BYTES = 300 * 2**20
 
 
 def host_bytes_needed(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
-                      ring: bool, q_heads: int = 0) -> int:
+                      ring: bool, q_heads: int = 0, kv_dtype: str | None = None) -> int:
     """Host memory a run of CPU ranks needs, roughly: per rank its K and V shard (made in
-    float32, then cast), ring's shards in flight (two more), the query and a few float32 states of
-    ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
+    float32, then cast to ``dtype``, and for an fp8 ``kv_dtype`` quantized: 1 byte per element
+    more), ring's shards in flight (two more, in the KV dtype), the query and a few float32 states
+    of ``[B, Hq, D + 1]`` (output, messages, merges: counted as 8), and a process; the parent's
     reference holds one shard (float32) at a time and the same states."""
-    from ..dtypes import torch_dtype
+    from ..dtypes import itemsize
 
-    elem = torch_dtype(dtype).itemsize
+    elem = itemsize(dtype)
+    kv_elem = elem if kv_dtype is None else itemsize(kv_dtype)
+    made = elem if kv_elem != elem else 0  # the unquantized shard, beside the quantized one
     shard = batch * -(-seq_len // world_size) * kv_heads * head_dim  # elements of K (or V) on one rank
     states = batch * q_heads * (head_dim * elem + 8 * 4 * (head_dim + 1))
-    per_rank = 2 * shard * (4 + elem * (3 if ring else 1)) + states + PROCESS_BYTES
+    per_rank = 2 * shard * (4 + made + kv_elem * (3 if ring else 1)) + states + PROCESS_BYTES
     parent = 2 * shard * 4 + states + PROCESS_BYTES
     return world_size * per_rank + parent
 
 
 def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, head_dim: int, dtype: str,
-                      ring: bool, q_heads: int = 0) -> None:
+                      ring: bool, q_heads: int = 0, kv_dtype: str | None = None) -> None:
     """Refuse a run of CPU ranks whose KV cache cannot fit in this machine's available memory,
     before any rank allocates it."""
-    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads)
+    need = host_bytes_needed(world_size, seq_len, batch, kv_heads, head_dim, dtype, ring, q_heads, kv_dtype)
     check_host_fits(need, lambda need_gib, have_gib: (
         f"--seq-len {seq_len:,} (batch {batch}, {q_heads or '?'}/{kv_heads} heads, head dim {head_dim}, {dtype}) "
         f"over {world_size} CPU ranks needs about {need_gib:,.1f} GiB (K and V shards, "

@@ -102,6 +102,8 @@ class LaunchRequest(PlanOptions):
     as one rank (``run``, ``generate``); off, the command always spawns its own ranks. ``shape``:
     the shape the kernel config is looked up for (None: none). ``activity`` and ``timed`` word the
     notice and the warning about CPU ranks ("spawning 4 CPU ranks"; "step times swing").
+    ``kv_dtype``: the KV cache's dtype (None: ``dtype``'s; ``fp8`` = ``float8_e4m3fn``), which picks
+    the profile's kernel config (``run --kv-dtype``, ``tune --kv-dtype``).
     """
 
     strategy: str | None = None
@@ -109,6 +111,7 @@ class LaunchRequest(PlanOptions):
     shape: KernelShape | None = None
     activity: str = "spawning"
     timed: str = "step times"
+    kv_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,10 @@ class LaunchSetup:
         backend: ``gloo`` or ``nccl`` (RCCL on ROCm builds of torch), never ``auto``.
         timeout_s: how long a collective may wait for a peer; the parent gives a spawned rank up
             after this much silence plus a margin.
-        dtype: the job's KV cache and kernels (``float32``, ``float16``, ``bfloat16``).
+        dtype: the job's queries, outputs and weights (``float32``, ``float16``, ``bfloat16``).
+        kv_dtype: the job's KV cache: ``dtype`` (None is resolved to it), another of those, or
+            ``float8_e4m3fn`` (an fp8 cache with per-KV-head scales). The kernel config is the
+            profile's for this dtype.
         torchrun: this process's place in a torchrun job, or None when the job spawns its ranks.
         layout: nodes x ranks per node (one node unless a torchrun job spans several).
         profile: which profile the job runs under and why (None for jobs without plans).
@@ -137,6 +143,7 @@ class LaunchSetup:
     backend: str = "gloo"
     timeout_s: float = DEFAULT_TIMEOUT_S
     dtype: str = "float32"
+    kv_dtype: str | None = None
     torchrun: RankEnv | None = None
     layout: NodeLayout | None = None
     profile: ProfileChoice | None = None
@@ -146,7 +153,7 @@ class LaunchSetup:
     warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from ..dtypes import parse_dtype
+        from ..dtypes import parse_dtype, parse_kv_dtype
         from .plans import STRATEGY_NAMES
 
         world = self.world_size
@@ -157,6 +164,7 @@ class LaunchSetup:
             raise ConfigError(f"backend must be one of {', '.join(CONCRETE_BACKENDS)} (resolved); got {self.backend!r}")
         check_timeout(self.timeout_s, "timeout_s")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "kv_dtype", self.dtype if self.kv_dtype is None else parse_kv_dtype(self.kv_dtype))
         layout = self.layout if self.layout is not None else NodeLayout(1, world, 0)
         if layout.nodes < 1 or layout.nodes * layout.ranks_per_node != world:
             raise ConfigError(f"nodes must be a positive integer dividing the world size {world}; got {layout.nodes!r}")
@@ -203,6 +211,7 @@ class OnLaunch:
     device_kind = _from_launch("device_kind")
     backend = _from_launch("backend")
     dtype = _from_launch("dtype")
+    kv_dtype = _from_launch("kv_dtype")
     timeout_s = _from_launch("timeout_s")
     plans = _from_launch("plans")
     kernel_config = _from_launch("kernel_config")
@@ -248,7 +257,7 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
     ranks) and the kernel config for ``request.shape``. Raises ConfigError naming the option, or
     ProfileError for a profile that does not apply. Nothing is started.
     """
-    from ..dtypes import parse_dtype
+    from ..dtypes import parse_dtype, parse_kv_dtype
     from ..topology.host import default_cpu_ranks
     from .env import (
         check_cpu_ranks,
@@ -285,6 +294,7 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
             warnings.append(crowded)
     backend = env.backend if env is not None else resolve_backend(request.backend, kind)
     dtype = parse_dtype(default_dtype(kind) if request.dtype == AUTO else request.dtype)
+    kv_dtype = dtype if request.kv_dtype in (None, AUTO) else parse_kv_dtype(request.kv_dtype)
     layout = torchrun_layout(env) if env is not None else NodeLayout(1, world, 0)
     profile = plans = kernel_config = None
     if request.strategy is not None:
@@ -296,9 +306,10 @@ def resolve_launch(request: LaunchRequest) -> LaunchSetup:
         warnings.extend(profile_warnings)
         if request.shape is not None:
             s = request.shape
-            kernel_config = kernel_config_for(found, dtype, s.q_heads, s.kv_heads, s.head_dim, s.tokens, world)
+            kernel_config = kernel_config_for(found, kv_dtype, s.q_heads, s.kv_heads, s.head_dim, s.tokens, world)
     return LaunchSetup(
-        world_size=world, device_kind=kind, backend=backend, timeout_s=request.timeout_s, dtype=dtype, torchrun=env,
+        world_size=world, device_kind=kind, backend=backend, timeout_s=request.timeout_s, dtype=dtype,
+        kv_dtype=kv_dtype, torchrun=env,
         layout=layout, profile=profile, plans=plans or (), kernel_config=kernel_config, notices=tuple(notices),
         warnings=tuple(warnings),
     )

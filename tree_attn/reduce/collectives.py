@@ -12,6 +12,10 @@ token and are read in full. So the merge is the same merge, and the result is ex
 
 A paged cache: each rank passes its own pools and block table for its shard's pages.
 
+An fp8 cache (``float8_e4m3fn``): each rank passes its shard's ``k_scale``, ``v_scale`` (its own:
+ranks may quantize their shards apart); the local kernel dequantizes, and the states merged
+across ranks are float32 as for any cache, so the merge and its messages are unchanged.
+
 Plan once, step many times: :class:`TreeDecoder` resolves the local kernel and the merge
 (``reduce.exchange``) for one signature; the public :func:`tree_decode` reuses cached ones, and
 :class:`TreeDecodeStep` binds one to static tensors and replays it as a CUDA graph on GPUs.
@@ -39,7 +43,7 @@ from .plan import ReductionPlan, default_plan
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    return 1 + dtypes.NAMES.index(dtypes.parse_dtype(dtype))
+    return 1 + dtypes.NAMES.index(dtypes.parse_kv_dtype(dtype))
 
 
 def exchange_shapes(
@@ -126,9 +130,9 @@ class TreeDecoder:
         self._local_out, self._local_lse = mine[..., :d], mine[..., d]
 
     def __call__(
-        self, q, k, v, seq_lens=None, stats: CommStats | None = None, block_table=None
+        self, q, k, v, seq_lens=None, stats: CommStats | None = None, block_table=None, *, k_scale=None, v_scale=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.local(q, k, v, seq_lens, self._local_out, self._local_lse, block_table)
+        self.local(q, k, v, seq_lens, self._local_out, self._local_lse, block_table, k_scale=k_scale, v_scale=v_scale)
         self.merge()
         if stats is not None:
             stats.add(self.merge.traffic)
@@ -178,7 +182,7 @@ def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: b
     key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream, causal)
     merge = _MERGES.get(key)
     if merge is None:
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
         if local_causal(causal, group) and q.device.type != "cpu":
             check_new_tokens(q, k, seq_lens, group)  # GPU: once here; CPU: per call in tree_decode
         merge = _MERGES[key] = _new_merge(q, k, shape, group, plan, check_shapes, causal)
@@ -194,6 +198,7 @@ def tree_decode(
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None,
     plan: ReductionPlan | None = None, impl: str = "auto", config=None, check_shapes: bool = True,
     stats: CommStats | None = None, block_table: torch.Tensor | None = None, causal: bool = False,
+    k_scale=None, v_scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-attention decoding: a collective over ``group`` (default: the world).
 
@@ -219,6 +224,8 @@ def tree_decode(
             the same value). Later calls with the same shapes reuse the prepared merge and send
             nothing but the states.
         stats: a :class:`CommStats` to count this rank's messages and bytes into.
+        k_scale, v_scale: this rank's dequantization scales for an fp8 shard (see
+            ``decode_attention``; each rank's own), else None.
 
     Returns:
         ``out`` in q's dtype and shape (``[B, Hq, D]`` or ``[B, Sq, Hq, D]``) and ``lse`` float32
@@ -235,11 +242,13 @@ def tree_decode(
         check_new_tokens(q, k, seq_lens, group)
     if q.numel() == 0:
         return decode_attention(
-            q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=mine
+            q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=mine,
+            k_scale=k_scale, v_scale=v_scale,
         )
     local = prepared_decode(q, k, v, seq_lens, block_table=block_table,
-                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine))
-    out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table)
+                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine), k_scale=k_scale,
+                            v_scale=v_scale)
+    out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table, k_scale=k_scale, v_scale=v_scale)
     # Fresh outputs: the merge's buffers are reused by the next call.
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
 
@@ -255,7 +264,8 @@ class TreeDecodeStep(StaticStep):
     On GPUs the whole step (the local kernel, the merge kernel, NCCL's sends and receives or
     all-reduces, the output copies) is one graph replay; on CPU ranks it runs eagerly with the same
     prepared objects. ``out`` (q's shape and dtype) and ``lse [B, (Sq,) Hq]`` float32 are static
-    too: overwritten by the next step.
+    too: overwritten by the next step. An fp8 shard takes ``k_scale``, ``v_scale`` (numbers, or
+    tensors read at every step: update them in place).
 
     Building is collective (warm-up steps, and the shape check): every rank builds its step at the
     same point. ``check_values=False``: CPU lengths and block-table values are checked at build
@@ -273,24 +283,27 @@ class TreeDecodeStep(StaticStep):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, group=None, plan: ReductionPlan | None = None, impl: str = "auto",
         config=None, check_shapes: bool = True, cuda_graph: bool = True, block_table: torch.Tensor | None = None,
-        causal: bool = False, timeout_s: float | None = None, check_values: bool = True,
+        causal: bool = False, timeout_s: float | None = None, check_values: bool = True, k_scale=None, v_scale=None,
     ) -> None:
         group, plan = _group_and_plan(group, plan)
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        self.scales = (k_scale, v_scale)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
         mine = local_causal(causal, group)
         if mine:
             check_new_tokens(q, k, seq_lens, group)  # once, at build (the step replays without syncing)
         local = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
-                               options=DecodeOptions(scale, impl, config, PACKED, causal=mine))
+                               options=DecodeOptions(scale, impl, config, PACKED, causal=mine),
+                               k_scale=k_scale, v_scale=v_scale)
         self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         # The graph's function holds the step's parts, not the step (no step -> graph -> step
         # cycle: dropping the step frees its graph at once, see graphs.CapturedStep).
         self.graph = CapturedStep(
-            partial(_tree_step, self.decoder, self.tensors, self.block_table, self.out, self.lse), q.device,
+            partial(_tree_step, self.decoder, self.tensors, self.block_table, self.out, self.lse, self.scales),
+            q.device,
             enabled=cuda_graph, communicates=dist.get_world_size(group) > 1,
             timeout_s=timeout_s if timeout_s is not None else group_timeout_s(group),
             abort=partial(abort_group, group), rank=dist.get_rank(), name=f"the {plan.label} decode step",
@@ -309,11 +322,11 @@ class TreeDecodeStep(StaticStep):
 
 
 def _tree_step(decoder: TreeDecoder, tensors: tuple, block_table, out: torch.Tensor,
-               lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               lse: torch.Tensor, scales: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """One :class:`TreeDecodeStep` on its static tensors (what its graph captures)."""
     if out.numel() == 0:
         return out, lse
-    o, l = decoder(*tensors, None, block_table)
+    o, l = decoder(*tensors, None, block_table, k_scale=scales[0], v_scale=scales[1])
     out.copy_(o)
     lse.copy_(l)
     return out, lse

@@ -13,6 +13,12 @@ block that came from rank ``world_size - 1`` is computed with the causal mask. W
 that one is not sent with it: at step s every rank holds rank ``rank - s``'s block (the ring's
 order is fixed), so each rank knows it without an extra message or a host read of a flag (which
 on GPUs would sync every step).
+
+An fp8 shard travels as it is stored, 1 byte per element (half a bf16 shard's bytes), with its
+dequantization scales: each block's ``k_scale`` and ``v_scale`` (float32 ``[Hkv]``, the block
+owner's: ranks may quantize their shards apart) go with it as one more message of ``8 * Hkv``
+bytes per step, counted in :class:`CommStats` like the rest. The bytes go as ``uint8`` views
+(the backends' send/receive need not know fp8 dtypes: gloo has none).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from ..kernels.fp8 import check_scale_values, expand_scale, is_fp8, scale_form
 from ..kernels.layout import FLOAT32
 from ..kernels.paged import gather_pages
 from ..kernels.prepared import DecodeOptions, PreparedDecode, prepared_decode
@@ -37,7 +44,7 @@ def ring_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     *, seq_lens: torch.Tensor | None = None, scale: float | None = None, group=None, impl: str = "auto",
     config=None, lengths: Sequence[int] | None = None, stats: CommStats | None = None,
-    block_table: torch.Tensor | None = None, causal: bool = False,
+    block_table: torch.Tensor | None = None, causal: bool = False, k_scale=None, v_scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring Attention decoding; same contract as :func:`tree_decode`.
 
@@ -50,6 +57,8 @@ def ring_decode(
             all-gather them, and check that the ranks' shapes agree, first (one small collective
             and a host sync per call).
         block_table, causal: as in :func:`tree_decode` (the new tokens' KV on the last rank).
+        k_scale, v_scale: this rank's scales for an fp8 shard (as in :func:`tree_decode`); they
+            travel with its blocks.
 
     Returns:
         ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``) over all ranks' keys.
@@ -59,7 +68,17 @@ def ring_decode(
     # q's dtype before the merge), the causal mask on one block only.
     plain_opts = DecodeOptions(scale, impl, config, FLOAT32).checked()
     causal_opts = plain_opts._replace(causal=True)
-    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
+    scale_form(k.dtype, k_scale, v_scale, shape.kv_heads, k.device)  # raises for missing/unexpected/ill-formed scales
+    fp8 = is_fp8(k.dtype)
+    if fp8:  # this rank's scales as one float32 [2, Hkv] tensor: what travels with its block
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(s, torch.Tensor):
+                check_scale_values(name, s)
+        cur_scales = torch.stack([expand_scale(k_scale, shape.kv_heads, k.device),
+                                  expand_scale(v_scale, shape.kv_heads, k.device)])
+    else:
+        cur_scales = None
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if causal and rank == world - 1 and (lengths is None or q.device.type == "cpu"):
@@ -87,6 +106,10 @@ def ring_decode(
     else:  # nothing travels
         cur_k = cur_v = None
     out = lse = None
+
+    def wire(t: torch.Tensor) -> torch.Tensor:  # what a send or receive takes: fp8 bytes as uint8
+        return t.view(torch.uint8) if fp8 else t
+
     succ, pred = (rank + 1) % world, (rank - 1) % world
     for step in range(world):
         reqs: list = []
@@ -97,22 +120,27 @@ def ring_decode(
             nxt_v = torch.empty_like(nxt_k)
             nxt_len = torch.empty((b,), dtype=torch.int32, device=q.device)
             # Block being forwarded this step came from rank (rank - step); an empty one is not sent
-            # (both ends know its length), only its per-row lengths are.
+            # (both ends know its length), only its per-row lengths are (and an fp8 block's scales).
             fwd_len = lengths[(rank - step) % world]
-            sends = [(cur_len, succ)] + ([(cur_k, succ), (cur_v, succ)] if fwd_len > 0 else [])
-            recvs = [(nxt_len, pred)] + ([(nxt_k, pred), (nxt_v, pred)] if n_src > 0 else [])
+            sends = [(cur_len, succ)] + ([(wire(cur_k), succ), (wire(cur_v), succ)] if fwd_len > 0 else [])
+            recvs = [(nxt_len, pred)] + ([(wire(nxt_k), pred), (wire(nxt_v), pred)] if n_src > 0 else [])
+            if fp8:
+                nxt_scales = torch.empty_like(cur_scales)
+                sends.append((cur_scales, succ))
+                recvs.append((nxt_scales, pred))
             reqs = comm.batch_p2p(sends, recvs, group, stats)
         # Compute on the block in hand while it travels on; float32 partials (no rounding to q's
         # dtype before the merge), the local kernel resolved once per block shape. The block in
         # hand came from rank (rank - step): the causal one iff that is the last rank.
         blk_causal = causal and (rank - step) % world == world - 1
         opts = causal_opts if blk_causal else plain_opts
+        scales = {} if not fp8 else {"k_scale": cur_scales[0], "v_scale": cur_scales[1]}
         if step == 0 and block_table is not None:
-            local = prepared_decode(q, k, v, seq_lens, block_table=block_table, options=opts)
-            o_blk, lse_blk = local(q, k, v, seq_lens, block_table=block_table)
+            local = prepared_decode(q, k, v, seq_lens, block_table=block_table, options=opts, **scales)
+            o_blk, lse_blk = local(q, k, v, seq_lens, block_table=block_table, **scales)
         else:
-            local = prepared_decode(q, cur_k, cur_v, cur_len, options=opts)
-            o_blk, lse_blk = local(q, cur_k, cur_v, cur_len)
+            local = prepared_decode(q, cur_k, cur_v, cur_len, options=opts, **scales)
+            o_blk, lse_blk = local(q, cur_k, cur_v, cur_len, **scales)
         if out is None:
             out, lse = o_blk, lse_blk
         else:
@@ -121,6 +149,8 @@ def ring_decode(
             comm.wait_all(reqs, f"ring step {step}: exchange with ranks {pred} and {succ}",
                           [f"to rank {succ}"] * len(sends) + [f"from rank {pred}"] * len(recvs))
             cur_k, cur_v, cur_len = nxt_k, nxt_v, nxt_len
+            if fp8:
+                cur_scales = nxt_scales
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 

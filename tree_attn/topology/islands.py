@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from .model import HierarchyLevel, LinkKind, Topology, build_hierarchy
+from .model import HierarchyLevel, LinkKind, Topology, build_hierarchy, connected_groups
 
 # Two measured costs closer than this factor are the same class of link (gloo on a busy host
 # jitters by tens of percent, at times 2x; a 100 Mbit/s link against 1 Gbit/s is 10x).
@@ -42,23 +42,8 @@ def _single_linkage(members: list[list[int]], cost, gap: float) -> list[list[lis
     cuts = [lo for lo, hi in itertools.pairwise(ordered) if hi > gap * lo] + ordered[-1:]
     out: list[list[list[int]]] = []
     for cut in cuts:
-        parent = list(range(m))
-
-        def find(x: int, *, parent: list[int] = parent) -> int:  # this level's forest, bound here
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for (i, j), c in costs.items():
-            if c <= cut:
-                ri, rj = find(i), find(j)
-                if ri != rj:
-                    parent[max(ri, rj)] = min(ri, rj)
-        comps: dict[int, list[int]] = {}
-        for i in range(m):
-            comps.setdefault(find(i), []).extend(members[i])
-        groups = sorted((sorted(g) for g in comps.values()), key=lambda g: g[0])
+        joined = connected_groups(m, [pair for pair, c in costs.items() if c <= cut])
+        groups = sorted((sorted(d for i in comp for d in members[i]) for comp in joined), key=lambda g: g[0])
         if not out or groups != out[-1]:
             out.append(groups)
     return out

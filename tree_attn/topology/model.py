@@ -297,6 +297,27 @@ def _fields_of(cls: type, d: Any, what: str) -> dict[str, Any]:
     return dict(d)
 
 
+def connected_groups(n: int, pairs) -> list[list[int]]:
+    """The connected components of ``0 .. n-1`` joined by ``pairs`` (i, j), each sorted, ordered
+    by their smallest member (union-find, the smaller root kept)."""
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for i, j in pairs:
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    comps: dict[int, list[int]] = {}
+    for i in range(n):
+        comps.setdefault(find(i), []).append(i)
+    return sorted(comps.values(), key=lambda g: g[0])
+
+
 def build_hierarchy(n: int, links: Iterable[Link]) -> list[HierarchyLevel]:
     """Levels from the fastest link class present to the slowest.
 
@@ -311,23 +332,7 @@ def build_hierarchy(n: int, links: Iterable[Link]) -> list[HierarchyLevel]:
     present = sorted({l.kind for l in links}, key=lambda k: k.rank)
     prev: list[list[int]] | None = None
     for kind in present:
-        parent = list(range(n))
-
-        def find(x: int, *, parent: list[int] = parent) -> int:  # this level's forest, bound here
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for l in links:
-            if l.kind.rank <= kind.rank:
-                ra, rb = find(l.a), find(l.b)
-                if ra != rb:
-                    parent[max(ra, rb)] = min(ra, rb)
-        comps: dict[int, list[int]] = {}
-        for i in range(n):
-            comps.setdefault(find(i), []).append(i)
-        groups = sorted(comps.values(), key=lambda g: g[0])
+        groups = connected_groups(n, [(l.a, l.b) for l in links if l.kind.rank <= kind.rank])
         if groups != prev:
             levels.append(HierarchyLevel(kind.value, groups))
             prev = groups

@@ -76,6 +76,8 @@ def build_layer_step(ctx: DecodeContext, layer: int, query: torch.Tensor, scale:
     if b != 1:
         raise ConfigError(f"generate decodes one sequence; got a batch of {b}")
     store = ctx.store
+    if store.fp8:  # the prepared steps take no scales here; generate allocates no fp8 pool
+        raise ConfigError("generate's decode steps read bf16, fp16 or float32 KV pools; this shard is fp8")
     q = torch.empty((1, hq, d) if sq == 1 else (1, sq, hq, d), dtype=query.dtype, device=query.device)
     pools = (store.k[layer], store.v[layer])
     kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table,

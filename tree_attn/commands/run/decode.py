@@ -3,6 +3,13 @@ strategy, time the steps, count the bytes, measure memory, check against a singl
 
 Inputs are generated on CPU from a seed (the query per step, the KV shard per rank), so the parent
 process (or rank 0 under torchrun) can rebuild the whole cache and compute the reference.
+
+An fp8 cache (``--kv-dtype fp8``): each rank makes its shard in ``--dtype`` as for any run (the
+unquantized cache) and quantizes it with ``tree_attn.quantize_kv`` (its own scales per KV head, as
+ranks that quantize their shards apart would). ``max_abs_err`` is then against float64 on the
+dequantized cache (what the ranks attend over: the kernels' error), and
+``max_abs_err_unquantized`` against float64 on the unquantized cache (the quantization's error,
+for the user to judge).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...dtypes import torch_dtype
+from ...dtypes import ITEMSIZE, is_fp8, torch_dtype
 from ...errors import ConfigError
 from ...launch.env import RankEnv
 from ...launch.group import barrier
@@ -73,6 +80,23 @@ class RunSpec(OnLaunch):
         """Tokens per rank: as even as possible, the first ``seq_len % p`` ranks one more."""
         return self.launch.shard_sizes(self.seq_len)
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the KV cache is fp8 (quantized from a cache in ``dtype``)."""
+        return is_fp8(self.kv_dtype)
+
+    @property
+    def made_dtype(self) -> str:
+        """The dtype the shards are made in: the KV dtype, or for an fp8 cache the query's (the
+        unquantized cache)."""
+        return self.dtype if self.fp8 else self.kv_dtype
+
+    def kv_bytes_per_rank(self) -> int:
+        """Bytes of the largest rank's K and V shard (and an fp8 shard's float32 scales)."""
+        n = max(self.shard_sizes())
+        scales = 2 * self.kv_heads * 4 if self.fp8 else 0
+        return 2 * self.batch * n * self.kv_heads * self.head_dim * ITEMSIZE[self.kv_dtype] + scales
+
 
 def make_query(spec: RunSpec, step: int) -> torch.Tensor:
     """The query of decode step ``step``: ``[B, Hq, D]`` on CPU in the spec's dtype."""
@@ -81,14 +105,44 @@ def make_query(spec: RunSpec, step: int) -> torch.Tensor:
 
 
 def make_shard(spec: RunSpec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s KV shard ``k, v [B, N_r, Hkv, D]`` on CPU in the spec's dtype."""
+    """Rank ``rank``'s KV shard ``k, v [B, N_r, Hkv, D]`` on CPU in :attr:`RunSpec.made_dtype`
+    (for an fp8 cache: the unquantized shard)."""
     n = spec.shard_sizes()[rank]
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + 104729 * (rank + 1) + 1)
     shape = (spec.batch, n, spec.kv_heads, spec.head_dim)
-    dt = torch_dtype(spec.dtype)
+    dt = torch_dtype(spec.made_dtype)
     k = torch.randn(shape, generator=g).to(dt)
     v = torch.randn(shape, generator=g).to(dt)
     return k, v
+
+
+@dataclass
+class KVShard:
+    """A rank's cache as the ranks attend over it: ``k, v`` in the KV dtype, and an fp8 cache's
+    float32 ``[Hkv]`` scales (else None)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The scales as the decode functions' keywords (empty for a cache that is not fp8)."""
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def to(self, device) -> KVShard:
+        return KVShard(*(None if t is None else t.to(device) for t in (self.k, self.v, self.k_scale, self.v_scale)))
+
+
+def make_kv_shard(spec: RunSpec, rank: int) -> KVShard:
+    """Rank ``rank``'s cache: :func:`make_shard`'s, quantized per KV head for an fp8 cache."""
+    k, v = make_shard(spec, rank)
+    if not spec.fp8:
+        return KVShard(k, v)
+    from ...kernels.fp8 import quantize_kv
+
+    return KVShard(*quantize_kv(k, v, dtype=torch_dtype(spec.kv_dtype)))
 
 
 @dataclass
@@ -146,7 +200,8 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
 
     device = torch.device(env.device)
     cuda = device.type == "cuda"
-    k, v = (t.to(device) for t in make_shard(spec, env.rank))
+    shard = make_kv_shard(spec, env.rank).to(device)
+    k, v, scales = shard.k, shard.v, shard.scales
     config = spec.kernel_config
     reports: dict[str, RankReport] = {}
     for name, plan in spec.plans:
@@ -158,16 +213,16 @@ def decode_rank(env: RankEnv, spec: RunSpec) -> dict[str, RankReport]:
             why_eager = RING_EAGER
             if name == "ring":
                 # The first call checks shapes and learns the shard lengths; timed calls are given them.
-                ring_decode(q_static, k, v, impl=spec.impl, config=config)
+                ring_decode(q_static, k, v, impl=spec.impl, config=config, **scales)
 
                 # step and finish are called only in this iteration; the defaults bind its values.
                 def step(*, q_static=q_static, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
                     return ring_decode(q_static, k, v, impl=spec.impl, config=config, lengths=spec.shard_sizes(),
-                                       stats=stats)
+                                       stats=stats, **scales)
             else:
                 # Collective: every rank builds its step here (shape check, warm-up, capture).
                 prepared = TreeDecodeStep(q_static, k, v, plan=plan, impl=spec.impl, config=config,
-                                          cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s)
+                                          cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, **scales)
                 why_eager = prepared.why_eager
 
                 def step(*, prepared=prepared, stats=stats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +370,9 @@ class StrategyResult:
     max_abs_err: float
     max_lse_err: float
     ranks_agree: bool
+    # fp8 caches: max abs error of out against float64 on the unquantized cache (the quantization's
+    # error; max_abs_err is against the dequantized cache the ranks attend over); None otherwise.
+    max_abs_err_unquantized: float | None = None
     execution: str = "eager"  # "cuda graph" (the step replayed as one graph) or "eager"
     ranks_agree_note: str | None = None  # why ranks_agree may be false (ring), else None
     why_eager: str | None = None
@@ -358,10 +416,12 @@ class RunResult:
 REFERENCE_CHUNK = 8192
 
 
-def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_last_step(spec: RunSpec, unquantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The last step's attention over the whole cache, in float64 on CPU: the exact state of each
     chunk of :data:`REFERENCE_CHUNK` tokens of each shard in turn, merged in float64, so the parent
     holds one shard and the float64 copy of one chunk at a time (a rank holds its shard too).
+    An fp8 cache: over the dequantized cache (the stored values times their scales, exactly), or
+    with ``unquantized`` over the shards before quantization.
     Returns ``out [B, Hq, D]`` and ``lse [B, Hq]`` float64."""
     from ...kernels.reference import decode_attention_float64
     from ...reduce.state import merge_states
@@ -370,18 +430,20 @@ def reference_last_step(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros(spec.batch, spec.q_heads, spec.head_dim, dtype=torch.float64)
     lse = torch.full((spec.batch, spec.q_heads), float("-inf"), dtype=torch.float64)
     for rank in range(spec.world_size):
-        k, v = make_shard(spec, rank)
+        shard = KVShard(*make_shard(spec, rank)) if unquantized else make_kv_shard(spec, rank)
+        k, v = shard.k, shard.v
         for start in range(0, k.shape[1], REFERENCE_CHUNK):
             chunk = slice(start, start + REFERENCE_CHUNK)
-            o_r, l_r = decode_attention_float64(q, k[:, chunk], v[:, chunk])
+            o_r, l_r = decode_attention_float64(q, k[:, chunk], v[:, chunk], **shard.scales)
             out, lse = merge_states(torch.stack([out, o_r]), torch.stack([lse, l_r]), dtype=torch.float64)
-        del k, v
+        del k, v, shard
     return out, lse
 
 
 def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str, backend: str) -> RunResult:
     """Combine the ranks' reports with the reference into the run's table rows."""
     ref_out, ref_lse = reference_last_step(spec)
+    raw_out = reference_last_step(spec, unquantized=True)[0] if spec.fp8 else None
     rows: list[StrategyResult] = []
     for name, plan in spec.plans:
         label = plan.label if plan is not None else "ring"
@@ -390,6 +452,8 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
         step_s = [max(rep.step_s[i] for rep in reps) for i in range(spec.steps)]
         errs = [float((rep.out.double() - ref_out).abs().max()) if rep.out.numel() else 0.0 for rep in reps]
         lse_errs = [_lse_err(rep.lse, ref_lse) for rep in reps]
+        raw_errs = None if raw_out is None else [float((rep.out.double() - raw_out).abs().max()) if rep.out.numel()
+                                                 else 0.0 for rep in reps]
         first = reps[0]
         agree = all(torch.equal(rep.out, first.out) and torch.equal(rep.lse, first.lse) for rep in reps)
         rows.append(
@@ -406,6 +470,7 @@ def summarize(spec: RunSpec, per_rank: list[dict[str, RankReport]], device: str,
                 max_abs_err=max(errs),
                 max_lse_err=max(lse_errs),
                 ranks_agree=agree,
+                max_abs_err_unquantized=None if raw_errs is None else max(raw_errs),
                 ranks_agree_note=RING_ORDER_NOTE if name == "ring" and not agree else None,
                 execution=first.execution,
                 why_eager=first.why_eager,
@@ -450,7 +515,8 @@ def _spec_dict(spec: RunSpec) -> dict:
     """The run's ``config`` in JSON: every setting, the strategies' plans and the shard sizes."""
     d = {
         "world_size": spec.world_size, "seq_len": spec.seq_len, "batch": spec.batch, "q_heads": spec.q_heads,
-        "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtype, "steps": spec.steps,
+        "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": spec.dtype, "kv_dtype": spec.kv_dtype,
+        "kv_bytes_per_rank": spec.kv_bytes_per_rank(), "steps": spec.steps,
         "warmup": spec.warmup, "device_kind": spec.device_kind, "backend": spec.backend, "impl": spec.impl,
         "kernel_config": spec.kernel_config.to_dict() if spec.kernel_config is not None else None,
         "seed": spec.seed, "timeout_s": spec.timeout_s, "cuda_graph": spec.cuda_graph, "nodes": spec.launch.nodes,

@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Max abs error of a run's output against the single-process fp32 reference. Inputs are
 # unit-variance; the fp32 reference and the distributed result differ only by rounding order.
-# Low-precision outputs are rounded once to their dtype (bf16: 2^-8 relative).
+# Low-precision outputs are rounded once to their dtype (bf16: 2^-8 relative). An fp8 cache's run
+# is held to bf16's limit whatever the query's dtype (against float64 on the dequantized cache: the
+# GPU kernel feeds P @ V with 16-bit weights), as the tests hold it.
 ERROR_LIMITS = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
 
 
@@ -31,6 +33,7 @@ class RunOptions(PlanOptions):
     shape and the steps. These are the defaults of ``tree-attn run`` and of :class:`RunSpec`."""
 
     seq_len: int = 65536
+    kv_dtype: str | None = None  # --kv-dtype: the KV cache's (fp8: quantized per rank); None: --dtype
     batch: int = BATCH
     heads: int = HEADS
     kv_heads: int = KV_HEADS
@@ -60,30 +63,58 @@ def plan_run(options: RunOptions) -> RunSetup:
 
     # The shape first: nothing below may build anything in proportion to a bad number.
     shape = KernelShape(options.heads, options.kv_heads, options.head_dim, options.seq_len)
-    launch = resolve_launch(options.launch_request(shape=shape))
+    launch = resolve_launch(options.launch_request(shape=shape, kv_dtype=options.kv_dtype))
     spec = RunSpec(
         launch=launch, seq_len=options.seq_len, batch=options.batch, q_heads=options.heads,
         kv_heads=options.kv_heads, head_dim=options.head_dim, steps=options.steps, warmup=options.warmup,
         seed=options.seed, cuda_graph=options.cuda_graph,
     )  # validates the sizes (positive batch, ...) before anything computes with them
+    if spec.fp8:
+        check_fp8_launch(launch)
     if launch.device_kind == "cpu" and not launch.under_torchrun:
-        check_host_memory(launch.world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, launch.dtype,
-                          any(name == "ring" for name, _ in launch.plans), spec.q_heads)
+        check_host_memory(launch.world_size, spec.seq_len, spec.batch, spec.kv_heads, spec.head_dim, spec.made_dtype,
+                          any(name == "ring" for name, _ in launch.plans), spec.q_heads,
+                          kv_dtype=launch.kv_dtype)
     return RunSetup(spec)
 
 
-def error_limit(dtype: str) -> float:
-    """Max abs error of a run's output against the reference, by the run's dtype."""
-    from ...dtypes import parse_dtype
+def check_fp8_launch(launch) -> None:
+    """Refuse an fp8 cache this launch cannot run, before anything starts: a torch without fp8
+    conversions on CPU (every shard is made and quantized there), or GPU ranks whose devices the
+    kernel does not take fp8 on (NVIDIA below compute capability 8.9; ROCm: see
+    ``kernels.fp8.ROCM_FP8_DTYPES``). Raises ConfigError or KernelUnavailableError."""
+    import torch
 
-    return ERROR_LIMITS[parse_dtype(dtype)]
+    from ...dtypes import torch_dtype
+    from ...kernels.fp8 import check_fp8_backend, check_fp8_support
+
+    kv = torch_dtype(launch.kv_dtype)
+    check_fp8_support(kv)
+    if launch.device_kind == "cuda":
+        from ...launch.env import rank_cuda_device
+
+        devices = ([rank_cuda_device(launch.torchrun.local_rank, torch.cuda.device_count())] if launch.under_torchrun
+                   else [f"cuda:{i}" for i in range(launch.world_size)])
+        for device in devices:
+            check_fp8_backend(kv, torch.device(device))
 
 
-def strategies_beyond_tolerance(result: RunResult, dtype: str) -> list[str]:
+def error_limit(dtype: str, kv_dtype: str | None = None) -> float:
+    """Max abs error of a run's output against the reference, by the run's dtype (and KV dtype:
+    an fp8 cache gets at least bfloat16's limit)."""
+    from ...dtypes import is_fp8, parse_dtype
+
+    limit = ERROR_LIMITS[parse_dtype(dtype)]
+    return max(limit, ERROR_LIMITS["bfloat16"]) if kv_dtype is not None and is_fp8(kv_dtype) else limit
+
+
+def strategies_beyond_tolerance(result: RunResult, dtype: str, kv_dtype: str | None = None) -> list[str]:
     """Labels of the strategies whose output differs from the reference beyond :func:`error_limit`
-    (NaN included)."""
-    limit = error_limit(dtype)
+    (NaN included). For an fp8 cache the reference is the dequantized cache's: the quantization's
+    own error (``max_abs_err_unquantized``) is reported, not judged."""
+    limit = error_limit(dtype, kv_dtype)
     return [r.plan for r in result.results if not r.max_abs_err <= limit]
 
 
-__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "error_limit", "plan_run", "strategies_beyond_tolerance"]
+__all__ = ["ERROR_LIMITS", "RunOptions", "RunSetup", "check_fp8_launch", "error_limit", "plan_run",
+           "strategies_beyond_tolerance"]

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["TuneRequest", "TuneSetup", "check_output_free", "plan_tune"]
 
 
-def _plan_torchrun_tune(request: TuneRequest, dtype: str, device_kind: str) -> TuneSetup:
+def _plan_torchrun_tune(request: TuneRequest, dtype: str, device_kind: str, kv_dtype: str | None = None) -> TuneSetup:
     """``tune`` as one rank of a torchrun job: the job's ranks time the candidate plans over the
     job's own process group (across its nodes). The topology is ``--topology FILE`` (typically
     what ``probe --measure -o FILE`` measured in the same job: its hierarchy follows the
@@ -36,7 +36,7 @@ def _plan_torchrun_tune(request: TuneRequest, dtype: str, device_kind: str) -> T
     from ...profiles import profile_path_for
     from .timing import TuneOptions
 
-    launch = resolve_launch(request.launch_request(world_size=None, dtype=dtype, join_torchrun=True,
+    launch = resolve_launch(request.launch_request(world_size=None, dtype=dtype, kv_dtype=kv_dtype, join_torchrun=True,
                                                    activity="tuning for", timed="plan timings"))
     if request.topology_file:
         from ...topology import load_expected
@@ -56,7 +56,7 @@ def _plan_torchrun_tune(request: TuneRequest, dtype: str, device_kind: str) -> T
                + (f", {request.topology_file}" if request.topology_file else "") + "); kernel configs are not tuned "
                "under torchrun (tune them on one node)"]
     options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
-                          head_dim=request.head_dim, quick=request.quick, tune_kernels=False)
+                          head_dim=request.head_dim, kv_dtype=kv_dtype, quick=request.quick, tune_kernels=False)
     return TuneSetup(topology=topo, options=options, measurable=True, output=output, force=request.force,
                      notices=tuple(notices))
 
@@ -68,6 +68,7 @@ class TuneRequest(LaunchOptions):
     ``tree-attn tune``."""
 
     dtype: str = "bf16"  # what checkpoints ship in; the kernel is tuned per dtype
+    kv_dtype: str | None = None  # the KV cache's (fp8: the fp8 buckets); None: dtype's
     topology_file: str | None = None
     output: str | None = None
     force: bool = False
@@ -133,7 +134,7 @@ def check_output_free(path: str, force: bool) -> None:
 def plan_tune(request: TuneRequest) -> TuneSetup:
     """Resolve ``request`` against this machine. Raises ConfigError for bad options, TopologyError
     for an unreadable topology, ProfileError when the output exists (without ``force``)."""
-    from ...dtypes import parse_dtype
+    from ...dtypes import parse_dtype, parse_kv_dtype
     from ...launch.env import check_timeout, resolve_backend, resolve_device_kind, torchrun_env
     from ...launch.memory import check_host_memory
     from ...launch.setup import LaunchSetup, resolve_launch
@@ -147,10 +148,11 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
     if request.heads % request.kv_heads:
         raise ConfigError(f"query heads ({request.heads}) must be a multiple of KV heads ({request.kv_heads})")
     dtype = parse_dtype(request.dtype)
+    kv_dtype = None if request.kv_dtype is None else parse_kv_dtype(request.kv_dtype)
     # The device kind picks the topology (CPU ranks or the probed GPUs), whose size is the world's.
     device_kind, n_gpus = resolve_device_kind(request.device)
     if torchrun_env(device_kind, request.backend) is not None:
-        return _plan_torchrun_tune(request, dtype, device_kind)
+        return _plan_torchrun_tune(request, dtype, device_kind, kv_dtype)
     topo = _topology(request, device_kind)
     world = len(topo)
     if request.world_size is not None and request.world_size != world:
@@ -167,8 +169,9 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         reason = f"it has {world} GPUs, torch sees {n_gpus} here"
     probed = topo.notes if device_kind == "cuda" and not request.topology_file else ()
     if reason is None:
-        launch = resolve_launch(request.launch_request(world_size=world, dtype=dtype, join_torchrun=False,
-                                                       activity="tuning for", timed="plan timings"))
+        launch = resolve_launch(request.launch_request(world_size=world, dtype=dtype, kv_dtype=kv_dtype,
+                                                       join_torchrun=False, activity="tuning for",
+                                                       timed="plan timings"))
         notices = [*probed, *launch.notices, *launch.warnings]
         if device_kind == "cpu":  # the plans' messages, before any rank allocates them
             check_host_memory(world, 0, request.batch, request.kv_heads, request.head_dim, dtype, False, request.heads)
@@ -176,10 +179,10 @@ def plan_tune(request: TuneRequest) -> TuneSetup:
         # Nothing is started: the launch only describes the topology's ranks for the model.
         backend = resolve_backend(request.backend, device_kind)
         launch = LaunchSetup(world_size=world, device_kind=device_kind, backend=backend, timeout_s=request.timeout_s,
-                             dtype=dtype)
+                             dtype=dtype, kv_dtype=kv_dtype)
         notices = [*probed, (f"the topology ({world} x {topo.devices[0].name}) is not this machine ({reason}): "
                              "nothing can be timed here, so the profile is model-derived (origin: model)")]
     options = TuneOptions(launch=launch, batch=request.batch, q_heads=request.heads, kv_heads=request.kv_heads,
-                          head_dim=request.head_dim, quick=request.quick)
+                          head_dim=request.head_dim, kv_dtype=kv_dtype, quick=request.quick)
     return TuneSetup(topology=topo, options=options, measurable=reason is None, output=output,
                      force=request.force, notices=tuple(notices), model_reason=reason)

@@ -344,12 +344,12 @@ def tune_kernels(options: TuneOptions, progress=None, device: str | None = None)
         device = "cuda:0"
     from ...cost.devices import CPU_INTERPRETER, DeviceSpec
     from ...cost.kernel import RankedConfig, candidate_configs, predict_time_us, rank_candidates, tuning_survivors
-    from ...dtypes import parse_dtype, torch_dtype
+    from ...dtypes import parse_kv_dtype, torch_dtype
     from ...kernels.config import resolve_config
     from ...kernels.shapes import DecodeShape
 
     dtype = torch_dtype(options.dtype)  # the query's
-    kv_name = parse_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
+    kv_name = parse_kv_dtype(options.kv_dtype or options.dtype)  # the cache's: the buckets' dtype
     kv_dtype = torch_dtype(kv_name)
     spec = DeviceSpec.from_torch_device(device) if device.startswith("cuda") else CPU_INTERPRETER
     copy_gbps = None
