@@ -39,11 +39,17 @@ def test_probe_report_and_warnings(capsys):
     assert "cross the CPU socket" in out.err
 
 
+def _probe_dump(tmp_path, capsys, text: str) -> tuple[int, str]:
+    """``probe --from`` a dump holding ``text``: (exit code, stderr)."""
+    dump = tmp_path / "dump.txt"
+    dump.write_text(text)
+    code = main(["probe", "--from", str(dump)])
+    return code, capsys.readouterr().err
+
+
 def test_probe_warns_when_p2p_is_refused(tmp_path, capsys):
-    p2p = tmp_path / "p2p.txt"
-    p2p.write_text(" \tGPU0\tGPU1\n GPU0\tX\tGNS\n GPU1\tGNS\tX\n")
-    assert main(["probe", "--from", str(p2p)]) == 0
-    err = capsys.readouterr().err
+    code, err = _probe_dump(tmp_path, capsys, " \tGPU0\tGPU1\n GPU0\tX\tGNS\n GPU1\tGNS\tX\n")
+    assert code == 0
     assert "GPUs 0-1 cannot use peer-to-peer" in err and "host" in err
 
 
@@ -64,10 +70,8 @@ def test_probe_host_fallback(capsys):
 
 
 def test_probe_errors_are_one_line(tmp_path, capsys):
-    bad = tmp_path / "bad.txt"
-    bad.write_text("\tGPU0\tGPU1\nGPU0\t X \tNV2\nGPU1\tBOGUS\t X \n")
-    assert main(["probe", "--from", str(bad)]) == 1
-    err = capsys.readouterr().err
+    code, err = _probe_dump(tmp_path, capsys, "\tGPU0\tGPU1\nGPU0\t X \tNV2\nGPU1\tBOGUS\t X \n")
+    assert code == 1
     assert "line 3" in err and "BOGUS" in err
     assert main(["probe", "--from", str(H100), "--measure"]) == 1
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tests.dist.cases import CaseHeads
 from tests.fp8_inputs import quantize
 from tests.paged_inputs import to_paged
 from tree_attn import ReductionPlan, TreeDecodeStep, ring_decode, tree_decode
@@ -22,7 +23,7 @@ MAX_WORLD = 5
 
 
 @dataclass(frozen=True)
-class F8Case:
+class F8Case(CaseHeads):
     """Rank r holds ``shard_lens[r]`` tokens per row, ``valid[r]`` of them valid, quantized to
     float8_e4m3fn per KV head (``per_head``) or with one scalar scale (passed as a 0-d tensor, or
     a Python number when ``number_scales``); paged into ``block_size`` pools when given; q has
@@ -37,10 +38,6 @@ class F8Case:
     block_size: int | None = None
     per_head: bool = True
     number_scales: bool = False
-    q_heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 16
-    seed: int = 0
 
     @property
     def world(self) -> int:

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.dist.cases import PlanCase
 from tests.paged_inputs import to_paged
 from tree_attn import ReductionPlan, ShapeError, TreeDecodeStep, ring_decode, tree_decode
 
 
 @dataclass(frozen=True)
-class MTCase:
+class MTCase(PlanCase):
     """One distributed case: rank r holds ``shard_lens[r]`` tokens per row, ``valid[r]`` of them
     valid (per row), paged into pools of ``block_size`` when given; q has ``sq`` tokens per row
     (a ``[B, Hq, D]`` query when ``q3``)."""
@@ -24,13 +25,6 @@ class MTCase:
     causal: bool = False
     block_size: int | None = None
     q3: bool = False
-    fanout: int = 2
-    rank_order: tuple[int, ...] | None = None
-    dtype: torch.dtype = torch.float32
-    q_heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 16
-    seed: int = 0
 
     @property
     def batch(self) -> int:

@@ -8,27 +8,21 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.dist.cases import PlanCase
 from tree_attn import ReductionPlan, ring_decode, tree_decode
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(PlanCase):
     """One distributed decode case. ``shard_lens[r]`` tokens on rank r; ``valid[r]`` optional
     per-row valid lengths of that shard (seq_lens)."""
 
     name: str
     strategy: str  # "allreduce" | "tree" | "ring"
     shard_lens: tuple[int, ...]
-    fanout: int = 2
-    rank_order: tuple[int, ...] | None = None
-    dtype: torch.dtype = torch.float32
     batch: int = 2
-    q_heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 16
     valid: tuple[tuple[int, ...], ...] | None = None
     q_scale: float = 1.0
-    seed: int = 0
 
     def inputs(self):
         """q and every shard's (k, v, seq_lens), identical in every process."""

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from tests.decode_shapes import decode_cases
 from tests.fp8_inputs import FP8_MAX, FP8_SHORT, dequantize, quantize
 from tests.paged_inputs import float64_over_shards, to_paged
 from tests.tolerances import assert_decode_close, tol_for
@@ -245,24 +246,14 @@ def test_scales_are_read_at_every_call(fp8_device):
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    b=st.integers(1, 3),
-    hkv=st.integers(1, 2),
-    group=st.sampled_from([1, 4, 8]),
-    d=st.sampled_from([16, 48, 64, 80]),
-    n=st.integers(0, 70),
-    block_n=st.sampled_from([16, 32]),
-    splits=st.integers(1, 5),
-    q_dtype=st.sampled_from(Q_DTYPES),
-    data=st.data(),
-)
-def test_random_shapes(b, hkv, group, d, n, block_n, splits, q_dtype, data, fp8_device):
-    lens = data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b))
-    q, k8, v8, ks, vs, k64, v64 = make_fp8(b, 1, hkv * group, hkv, d, n, q_dtype, FN, seed=n * 7 + d)
-    sl = torch.tensor(lens, dtype=torch.int32)
-    out, lse = run(q, k8, v8, ks, vs, fp8_device, lens=sl, config=DecodeConfig(block_n=block_n, num_splits=splits))
+@given(c=decode_cases(groups=[1, 4, 8], head_dims=[16, 48, 64, 80], max_splits=5), q_dtype=st.sampled_from(Q_DTYPES))
+def test_random_shapes(c, q_dtype, fp8_device):
+    q, k8, v8, ks, vs, k64, v64 = make_fp8(c.b, 1, c.hkv * c.group, c.hkv, c.d, c.n, q_dtype, FN, seed=c.n * 7 + c.d)
+    sl = torch.tensor(c.lens, dtype=torch.int32)
+    config = DecodeConfig(block_n=c.block_n, num_splits=c.splits)
+    out, lse = run(q, k8, v8, ks, vs, fp8_device, lens=sl, config=config)
     o64, l64 = truth(q, k64, v64, sl)
-    assert_decode_close(out, lse, o64, l64, _tol(q_dtype, fp8_device), what=f"random b{b} g{group} d{d} n{n} {q_dtype}")
+    assert_decode_close(out, lse, o64, l64, _tol(q_dtype, fp8_device), what=f"random {c} {q_dtype}")
 
 
 def test_bad_scales_and_formats_are_config_errors(fp8_device):

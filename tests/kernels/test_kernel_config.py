@@ -10,22 +10,8 @@ import pytest
 
 from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.errors import ConfigError
-from tree_attn.kernels.config import (
-    HEURISTIC_MAX_SPLITS,
-    MIN_TILES_PER_SPLIT,
-    DecodeConfig,
-    default_config,
-    default_num_splits,
-    dot_math,
-    group_block,
-    group_blocks_for,
-    paged_gather,
-    resolve_config,
-    spill_free,
-    split_len,
-    stage1_smem_bytes,
-    stage1_spill_free,
-)
+from tree_attn.kernels import config as kc
+from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
@@ -93,53 +79,53 @@ def test_split_len_covers_sequence_in_whole_tiles():
     for n in (1, 5, 63, 64, 65, 1000, 131072 + 17):
         for splits in (1, 2, 3, 7, 64):
             for bn in (16, 64):
-                s = split_len(n, splits, bn)
+                s = kc.split_len(n, splits, bn)
                 assert s % bn == 0 and s >= bn
                 assert s * splits >= n  # every key is in some split
                 assert s - bn < math.ceil(n / splits)  # no whole tile of slack per split
 
 
 def test_group_blocks():
-    assert group_block(1) == 16 and group_block(4) == 16 and group_block(8) == 16
-    assert group_block(32) == 32 and group_block(128) == 64
-    assert group_blocks_for(4) == 1 and group_blocks_for(128) == 2 and group_blocks_for(96) == 2
+    assert kc.group_block(1) == 16 and kc.group_block(4) == 16 and kc.group_block(8) == 16
+    assert kc.group_block(32) == 32 and kc.group_block(128) == 64
+    assert kc.group_blocks_for(4) == 1 and kc.group_blocks_for(128) == 2 and kc.group_blocks_for(96) == 2
 
 
 def test_heuristic_fills_big_gpu_at_batch_one():
-    s = default_num_splits(1, 8, 131072, 64, H100.sm_count)
+    s = kc.default_num_splits(1, 8, 131072, 64, H100.sm_count)
     programs = 8 * s
     assert programs >= 2 * H100.sm_count  # at least ~2 waves of programs
-    assert s <= HEURISTIC_MAX_SPLITS
-    assert math.ceil(131072 / 64) // s >= MIN_TILES_PER_SPLIT
+    assert s <= kc.HEURISTIC_MAX_SPLITS
+    assert math.ceil(131072 / 64) // s >= kc.MIN_TILES_PER_SPLIT
 
 
 def test_heuristic_no_split_when_batch_fills_machine_or_sequence_short():
-    assert default_num_splits(128, 8, 131072, 64, H100.sm_count) == 1
-    assert default_num_splits(1, 8, 64, 64, H100.sm_count) == 1  # one tile: nothing to split
-    s = default_num_splits(1, 8, 64 * 10, 64, H100.sm_count)
-    assert s <= 10 // MIN_TILES_PER_SPLIT  # never below MIN_TILES_PER_SPLIT tiles per split
+    assert kc.default_num_splits(128, 8, 131072, 64, H100.sm_count) == 1
+    assert kc.default_num_splits(1, 8, 64, 64, H100.sm_count) == 1  # one tile: nothing to split
+    s = kc.default_num_splits(1, 8, 64 * 10, 64, H100.sm_count)
+    assert s <= 10 // kc.MIN_TILES_PER_SPLIT  # never below kc.MIN_TILES_PER_SPLIT tiles per split
 
 
 def test_heuristic_scales_with_cu_count_and_batch():
-    big = default_num_splits(1, 8, 1 << 20, 64, MI300X.sm_count)
-    small = default_num_splits(1, 8, 1 << 20, 64, H100.sm_count)
+    big = kc.default_num_splits(1, 8, 1 << 20, 64, MI300X.sm_count)
+    small = kc.default_num_splits(1, 8, 1 << 20, 64, H100.sm_count)
     assert big >= small
-    assert default_num_splits(16, 8, 1 << 20, 64, H100.sm_count) < small
+    assert kc.default_num_splits(16, 8, 1 << 20, 64, H100.sm_count) < small
 
 
 def test_default_config_and_resolve():
     shape = llama(1, 65536)
-    c = default_config(shape, "bf16", H100)
+    c = kc.default_config(shape, "bf16", H100)
     assert c.num_splits is not None and c.num_splits > 1 and c.waves_per_eu is None
-    amd = default_config(shape, "bf16", MI300X)
+    amd = kc.default_config(shape, "bf16", MI300X)
     assert amd.waves_per_eu is not None
-    r = resolve_config(DecodeConfig(block_n=32), shape, "bf16", H100)
-    assert r.block_n == 32 and r.num_splits == default_num_splits(1, 8, 65536, 32, H100.sm_count)
+    r = kc.resolve_config(DecodeConfig(block_n=32), shape, "bf16", H100)
+    assert r.block_n == 32 and r.num_splits == kc.default_num_splits(1, 8, 65536, 32, H100.sm_count)
     fixed = DecodeConfig(num_splits=3)
-    assert resolve_config(fixed, shape, "bf16", H100) is fixed
-    assert resolve_config(None, shape, "bf16", H100) == c
+    assert kc.resolve_config(fixed, shape, "bf16", H100) is fixed
+    assert kc.resolve_config(None, shape, "bf16", H100) == c
     with pytest.raises(ConfigError, match="DecodeConfig"):
-        resolve_config({"block_n": 64}, shape, "bf16", H100)  # type: ignore[arg-type]
+        kc.resolve_config({"block_n": 64}, shape, "bf16", H100)  # type: ignore[arg-type]
 
 
 FP8 = "float8_e4m3fn"
@@ -153,7 +139,7 @@ def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype)
     one the spill rule passes (tests/kernels/test_triton_compile.py checks the rule against ptxas)."""
     from tree_attn.dtypes import itemsize
 
-    elem, parts = dot_math(q_dtype, dtype)
+    elem, parts = kc.dot_math(q_dtype, dtype)
     kv = itemsize(dtype)
     for d, group, page, spec in itertools.product(
         (64, 80, 96, 128, 256), (1, 4, 8, 16, 32, 64), (0, 1, 16, 17, 256), (H100, MI300X, KNOWN_DEVICES["rtx4090"])
@@ -161,75 +147,76 @@ def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype)
         blocks = 4 if page else 0
         shape = DecodeShape(batch=1, q_heads=2 * group, kv_heads=2, head_dim=d, kv_len=page * blocks or 65536,
                             block_size=page, num_blocks=blocks)
-        c = default_config(shape, dtype, spec, q_dtype=q_dtype)
+        c = kc.default_config(shape, dtype, spec, q_dtype=q_dtype)
         where = (spec.name, d, group, page, c)
-        assert stage1_spill_free(c.block_n, c.num_warps, shape, dtype, spec.warp_size, q_dtype=q_dtype), where
+        assert kc.stage1_spill_free(c.block_n, c.num_warps, shape, dtype, spec.warp_size, q_dtype=q_dtype), where
         limit = 0.85 * spec.smem_per_sm_bytes
-        fits = stage1_smem_bytes(c.block_n, c.num_stages, d, elem, group_block(group), parts, kv) <= limit
+        fits = kc.stage1_smem_bytes(c.block_n, c.num_stages, d, elem, kc.group_block(group), parts, kv) <= limit
         # The q tiles alone fill the LDS / shared memory: 64 query rows at fp32 D=256, or an fp32
         # query's 3 parts at D=256 with 32 rows (MI300X's 64 KiB) or 64 rows (RTX 4090's 100 KiB);
         # the default shrinks as far as it goes (the launch then fails with a ConfigError that says so).
-        smallest = stage1_smem_bytes(16, 1, d, elem, group_block(group), parts, kv)
+        smallest = kc.stage1_smem_bytes(16, 1, d, elem, kc.group_block(group), parts, kv)
         assert fits or ((c.block_n, c.num_stages) == (16, 1) and smallest > limit), where
         if not fits:
-            assert spec is MI300X or (parts == 3 and group_block(group) == 64), where
+            assert spec is MI300X or (parts == 3 and kc.group_block(group) == 64), where
 
 
 def test_default_tiles_by_dtype_and_head_dim():
     """bf16 keeps the usual Flash-Decoding tiles; fp32 (FMA dots) takes half-size tiles."""
     for d, bf16_bn, fp32_bn in ((64, 128, 64), (128, 64, 32), (256, 32, 16)):
         shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
-        assert default_config(shape, "bf16", H100).block_n == bf16_bn
-        assert default_config(shape, "fp32", H100).block_n == fp32_bn
+        assert kc.default_config(shape, "bf16", H100).block_n == bf16_bn
+        assert kc.default_config(shape, "fp32", H100).block_n == fp32_bn
 
 
 def test_spill_rule_boundaries():
     # Builds measured with ptxas -v (Triton 3.9, sm_90; see the comment above MAX_MMA_STATE_PER_THREAD);
     # tests/kernels/test_triton_compile.py re-checks such points on real launches.
-    assert spill_free(64, 4, 128, 2, 16)  # the bf16 default: 133 registers
-    assert not spill_free(64, 2, 128, 2, 16)  # 4 B spilled
-    assert not spill_free(128, 2, 128, 2, 16)  # 220 B spilled
-    assert spill_free(64, 4, 128, 2, 64) and not spill_free(128, 4, 128, 2, 64)  # 64 rows: 220 registers / 128 B
-    assert spill_free(64, 4, 128, 2, 16, dot_parts=2)  # a bf16 cache, fp16 q: no spill
-    assert not spill_free(64, 4, 128, 2, 64, dot_parts=2)  # 76 B spilled (without parts: 220 registers)
-    assert spill_free(32, 4, 128, 4, 16) and spill_free(16, 4, 256, 4, 16)  # fp32 defaults: 107 / 138 registers
-    assert not spill_free(32, 4, 256, 4, 16)  # 16 B spilled
-    assert not spill_free(64, 4, 64, 4, 64) and spill_free(16, 4, 64, 4, 64)  # 64-row fp32: 824 B / 222 registers
-    assert not spill_free(32, 4, 128, 4, 32) and spill_free(16, 4, 128, 4, 32)  # 32-row fp32: 1,148 B / 190 registers
-    assert spill_free(32, 4, 128, 4, 16) and not spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
-    assert spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
+    assert kc.spill_free(64, 4, 128, 2, 16)  # the bf16 default: 133 registers
+    assert not kc.spill_free(64, 2, 128, 2, 16)  # 4 B spilled
+    assert not kc.spill_free(128, 2, 128, 2, 16)  # 220 B spilled
+    assert kc.spill_free(64, 4, 128, 2, 64) and not kc.spill_free(128, 4, 128, 2, 64)  # 64 rows: 220 registers / 128 B
+    assert kc.spill_free(64, 4, 128, 2, 16, dot_parts=2)  # a bf16 cache, fp16 q: no spill
+    assert not kc.spill_free(64, 4, 128, 2, 64, dot_parts=2)  # 76 B spilled (without parts: 220 registers)
+    assert kc.spill_free(32, 4, 128, 4, 16) and kc.spill_free(16, 4, 256, 4, 16)  # fp32 defaults: 107 / 138 registers
+    assert not kc.spill_free(32, 4, 256, 4, 16)  # 16 B spilled
+    assert not kc.spill_free(64, 4, 64, 4, 64) and kc.spill_free(16, 4, 64, 4, 64)  # 64-row fp32: 824 B / 222 registers
+    # 32-row fp32: 1,148 B / 190 registers
+    assert not kc.spill_free(32, 4, 128, 4, 32) and kc.spill_free(16, 4, 128, 4, 32)
+    assert kc.spill_free(32, 4, 128, 4, 16) and not kc.spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
+    assert kc.spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
     # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query).
-    assert spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 default: 176 registers
-    assert spill_free(128, 4, 128, 2, 16) and not spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # fp8: 16 B spilled
-    assert spill_free(128, 8, 128, 2, 16, kv_bytes=1)  # 149 registers
-    assert not spill_free(64, 2, 128, 2, 16, kv_bytes=1)  # fp16 query: 44 B spilled
-    assert spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows: 212 registers (255, no spill, on sm_89)
-    assert spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 178 registers
+    assert kc.spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 default: 176 registers
+    assert kc.spill_free(128, 4, 128, 2, 16) and not kc.spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # fp8: 16 B spilled
+    assert kc.spill_free(128, 8, 128, 2, 16, kv_bytes=1)  # 149 registers
+    assert not kc.spill_free(64, 2, 128, 2, 16, kv_bytes=1)  # fp16 query: 44 B spilled
+    assert kc.spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows: 212 registers (255, no spill, on sm_89)
+    assert kc.spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 178 registers
 
 
 def test_dot_math_and_paged_gather():
-    assert dot_math("bf16", "bf16") == (2, 1) and dot_math("fp32", "fp32") == (4, 1)
-    assert dot_math("fp16", "bf16") == (2, 2) and dot_math("fp32", "bf16") == (2, 3)
+    assert kc.dot_math("bf16", "bf16") == (2, 1) and kc.dot_math("fp32", "fp32") == (4, 1)
+    assert kc.dot_math("fp16", "bf16") == (2, 2) and kc.dot_math("fp32", "bf16") == (2, 3)
     # fp16 holds a bf16 value in one part (after a prescale into its range), fp32 in 3; an fp32
     # cache is fp32 math.
-    assert dot_math("bf16", "fp16") == (2, 1) and dot_math("fp32", "fp16") == (2, 3)
-    assert dot_math("fp16", "fp32") == (4, 1) and dot_math("bf16", "fp32") == (4, 1)
-    assert not paged_gather(0, 64) and not paged_gather(16, 16) and not paged_gather(256, 64)
-    assert paged_gather(16, 32) and paged_gather(1, 16) and paged_gather(17, 16)
+    assert kc.dot_math("bf16", "fp16") == (2, 1) and kc.dot_math("fp32", "fp16") == (2, 3)
+    assert kc.dot_math("fp16", "fp32") == (4, 1) and kc.dot_math("bf16", "fp32") == (4, 1)
+    assert not kc.paged_gather(0, 64) and not kc.paged_gather(16, 16) and not kc.paged_gather(256, 64)
+    assert kc.paged_gather(16, 32) and kc.paged_gather(1, 16) and kc.paged_gather(17, 16)
     # fp8 tiles widen to fp16: the dots of an fp16 cache.
     for q in ("bf16", "fp16", "fp32"):
-        assert dot_math(q, FP8) == dot_math(q, "fp16") == dot_math(q, "float8_e4m3fnuz")
+        assert kc.dot_math(q, FP8) == kc.dot_math(q, "fp16") == kc.dot_math(q, "float8_e4m3fnuz")
 
 
 def test_fp8_shared_memory_estimate():
     """fp8 K/V tiles are staged as fp8: what Triton 3.9 allocates for sm_89/sm_90 (D=128, 16 rows,
     64 keys: 1 / 2 / 3 stages 12 / 22 / 38 KiB; an fp32 query's 3 parts 34 KiB), within the
     estimate, which is exact (plus its 1 KiB of scratch) from 2 stages."""
-    assert stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1) == 22528 + 1024
-    assert stage1_smem_bytes(64, 3, 128, 2, 16, 1, kv_bytes=1) == 38912 + 1024
-    assert stage1_smem_bytes(64, 2, 128, 2, 16, 3, kv_bytes=1) == 34816 + 1024
-    assert stage1_smem_bytes(64, 1, 128, 2, 16, 1, kv_bytes=1) >= 12288
-    assert stage1_smem_bytes(64, 2, 128, 2, 16, 1) == 38912 + 1024  # a bf16 cache
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1) == 22528 + 1024
+    assert kc.stage1_smem_bytes(64, 3, 128, 2, 16, 1, kv_bytes=1) == 38912 + 1024
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 3, kv_bytes=1) == 34816 + 1024
+    assert kc.stage1_smem_bytes(64, 1, 128, 2, 16, 1, kv_bytes=1) >= 12288
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1) == 38912 + 1024  # a bf16 cache
 
 
 def test_fp8_defaults():
@@ -237,7 +224,7 @@ def test_fp8_defaults():
     for d, bn in ((64, 128), (128, 64), (256, 32)):
         shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
         for q in ("bf16", "fp16", "fp32"):
-            c = default_config(shape, FP8, H100, q_dtype=q)
+            c = kc.default_config(shape, FP8, H100, q_dtype=q)
             assert (c.block_n, c.num_warps, c.num_stages) == (bn, 4, 2), (d, q, c)
 
 
@@ -246,16 +233,16 @@ def test_mixed_and_paged_defaults():
     block id per tile, no gather); a 64-row fp32 group at D=64 takes 16 keys; a 16-bit cache with a
     query of another dtype keeps the cache's tiles (its dots stay on tensor cores)."""
     paged = DecodeShape(batch=4, q_heads=32, kv_heads=8, head_dim=128, kv_len=8192, block_size=16, num_blocks=2048)
-    assert default_config(paged, "fp32", H100).block_n == 16
+    assert kc.default_config(paged, "fp32", H100).block_n == 16
     mqa = DecodeShape(batch=1, q_heads=64, kv_heads=1, head_dim=64, kv_len=8192)
-    assert (default_config(mqa, "fp32", H100).block_n, default_config(mqa, "fp32", H100).num_warps) == (16, 4)
+    assert (kc.default_config(mqa, "fp32", H100).block_n, kc.default_config(mqa, "fp32", H100).num_warps) == (16, 4)
     shape = llama(1, 16384)
-    assert (default_config(shape, "bf16", H100, q_dtype="fp16").block_n
-            == default_config(shape, "bf16", H100).block_n == 64)
-    assert default_config(shape, "fp16", H100, q_dtype="bf16") == default_config(shape, "fp16", H100)
-    assert default_config(shape, "fp16", H100, q_dtype="fp32").block_n == 64
+    assert (kc.default_config(shape, "bf16", H100, q_dtype="fp16").block_n
+            == kc.default_config(shape, "bf16", H100).block_n == 64)
+    assert kc.default_config(shape, "fp16", H100, q_dtype="bf16") == kc.default_config(shape, "fp16", H100)
+    assert kc.default_config(shape, "fp16", H100, q_dtype="fp32").block_n == 64
     # 64 query rows in 2 parts: the parts' registers shrink the tile
     mqa = DecodeShape(batch=1, q_heads=64, kv_heads=1, head_dim=128, kv_len=8192)
-    assert default_config(mqa, "bf16", H100, q_dtype="fp16").block_n < default_config(mqa, "bf16", H100).block_n
-    assert (resolve_config(None, shape, "bf16", H100, q_dtype="fp32")
-            == default_config(shape, "bf16", H100, q_dtype="fp32"))
+    assert kc.default_config(mqa, "bf16", H100, q_dtype="fp16").block_n < kc.default_config(mqa, "bf16", H100).block_n
+    assert (kc.resolve_config(None, shape, "bf16", H100, q_dtype="fp32")
+            == kc.default_config(shape, "bf16", H100, q_dtype="fp32"))

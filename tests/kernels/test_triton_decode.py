@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from tests.decode_shapes import decode_cases
 from tests.tolerances import assert_decode_close, tol_for
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.kernels.dispatch import decode_attention
@@ -209,23 +210,12 @@ def test_amd_option_rejected_off_rocm(monkeypatch, device):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    b=st.integers(1, 3),
-    hkv=st.integers(1, 2),
-    group=st.sampled_from([1, 2, 4, 8]),
-    d=st.sampled_from([16, 48, 64]),
-    n=st.integers(0, 70),
-    block_n=st.sampled_from([16, 32]),
-    splits=st.integers(1, 6),
-    dtype=st.sampled_from(DTYPES),
-    data=st.data(),
-)
-def test_random_shapes(b, hkv, group, d, n, block_n, splits, dtype, data, device):
-    lens = data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b))
-    q, k, v = make_inputs(b, hkv * group, hkv, d, n, dtype, device, seed=n * 7 + d)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+@given(c=decode_cases(groups=[1, 2, 4, 8], head_dims=[16, 48, 64], max_splits=6), dtype=st.sampled_from(DTYPES))
+def test_random_shapes(c, dtype, device):
+    q, k, v = make_inputs(c.b, c.hkv * c.group, c.hkv, c.d, c.n, dtype, device, seed=c.n * 7 + c.d)
+    seq_lens = torch.tensor(c.lens, dtype=torch.int32, device=device)
     check_against_references(
-        q, k, v, seq_lens, DecodeConfig(block_n=block_n, num_splits=splits), what=f"random b{b} g{group} d{d} n{n}"
+        q, k, v, seq_lens, DecodeConfig(block_n=c.block_n, num_splits=c.splits), what=f"random {c}"
     )
 
 

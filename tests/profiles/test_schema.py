@@ -7,6 +7,7 @@ import copy
 import pytest
 import yaml
 
+from tests.bad_files import refused
 from tree_attn.errors import ProfileError
 from tree_attn.kernels.config import DecodeConfig
 from tree_attn.profiles import (
@@ -139,10 +140,7 @@ BAD = [
 @pytest.mark.parametrize("edit,field,reason", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_values_name_the_field(profile, tmp_path, edit, field, reason):
     path = tmp_path / "bad.yaml"
-    path.write_text(_mutated(profile, edit))
-    with pytest.raises(ProfileError) as info:
-        load_profile(path)
-    msg = str(info.value)
+    msg = refused(load_profile, path, _mutated(profile, edit), ProfileError)
     assert msg.startswith(str(path)), msg
     assert f"{field}:" in msg or f"{field} " in msg or msg.endswith(field), msg
     assert reason in msg, msg
@@ -152,19 +150,13 @@ def test_yaml_syntax_error_names_file_and_line(profile, tmp_path):
     text = profile_to_yaml(profile).splitlines()
     text[5] = text[5] + " ]["  # line 6 becomes unparseable
     path = tmp_path / "broken.yaml"
-    path.write_text("\n".join(text) + "\n")
-    with pytest.raises(ProfileError) as info:
-        load_profile(path)
-    msg = str(info.value)
+    msg = refused(load_profile, path, "\n".join(text) + "\n", ProfileError)
     assert f"{path}:6:" in msg and "not valid YAML" in msg
 
 
 @pytest.mark.parametrize("text,what", [("", "empty"), ("- 1\n- 2\n", "mapping"), ("just text\n", "mapping")])
 def test_not_a_profile(tmp_path, text, what):
-    path = tmp_path / "x.yaml"
-    path.write_text(text)
-    with pytest.raises(ProfileError, match=what):
-        load_profile(path)
+    refused(load_profile, tmp_path / "x.yaml", text, ProfileError, what)
 
 
 def test_missing_file(tmp_path):

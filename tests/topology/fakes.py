@@ -307,26 +307,14 @@ def mi300x_amdsmi(*, link_type_as_enum: bool = False, p2p_off: set[tuple[int, in
     class AmdSmiParameterException(AmdSmiException):
         pass
 
-    class AmdSmiIoLinkType(enum.IntEnum):
-        UNDEFINED = 0
-        PCIEXPRESS = 1
-        XGMI = 2
-
-    class AmdSmiLinkType(enum.IntEnum):
-        AMDSMI_LINK_TYPE_INTERNAL = 0
-        AMDSMI_LINK_TYPE_XGMI = 1
-        AMDSMI_LINK_TYPE_PCIE = 2
-        AMDSMI_LINK_TYPE_NOT_APPLICABLE = 3
-        AMDSMI_LINK_TYPE_UNKNOWN = 4
-
-    class AmdSmiMemoryType(enum.IntEnum):
-        VRAM = 0
-        VIS_VRAM = 1
-        GTT = 2
-
-    class AmdSmiInitFlags(enum.IntEnum):
-        INIT_ALL_PROCESSORS = 0
-        INIT_AMD_GPUS = 2
+    # amdsmi's enums, with its values (the functional form: each is a name-to-value table).
+    AmdSmiIoLinkType = enum.IntEnum("AmdSmiIoLinkType", {"UNDEFINED": 0, "PCIEXPRESS": 1, "XGMI": 2})
+    AmdSmiLinkType = enum.IntEnum("AmdSmiLinkType", {
+        "AMDSMI_LINK_TYPE_INTERNAL": 0, "AMDSMI_LINK_TYPE_XGMI": 1, "AMDSMI_LINK_TYPE_PCIE": 2,
+        "AMDSMI_LINK_TYPE_NOT_APPLICABLE": 3, "AMDSMI_LINK_TYPE_UNKNOWN": 4,
+    })
+    AmdSmiMemoryType = enum.IntEnum("AmdSmiMemoryType", {"VRAM": 0, "VIS_VRAM": 1, "GTT": 2})
+    AmdSmiInitFlags = enum.IntEnum("AmdSmiInitFlags", {"INIT_ALL_PROCESSORS": 0, "INIT_AMD_GPUS": 2})
 
     class Handle:
         def __init__(self, i):

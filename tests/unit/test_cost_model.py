@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from tests.bad_files import refused
 from tree_attn.cost import (
     PRESETS,
     ClusterSpec,
@@ -267,10 +268,7 @@ def test_a_bad_parameters_file_is_one_clear_error(tmp_path, change, match):
                               device=DEV, network=NET).to_dict()
     change(d)
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps(d))
-    with pytest.raises(ConfigError, match=match) as err:
-        load_params(path)
-    assert str(path) in str(err.value)
+    assert str(path) in refused(load_params, path, json.dumps(d), ConfigError, match)
 
 
 @pytest.mark.parametrize("content, match", [(b"{a: [}", "not valid YAML or JSON: line 1"),
@@ -278,10 +276,7 @@ def test_a_bad_parameters_file_is_one_clear_error(tmp_path, change, match):
 def test_a_parameters_file_that_is_not_yaml_is_one_clear_error(tmp_path, content, match):
     from tree_attn.cost.fit import load_params
 
-    path = tmp_path / "bad.json"
-    path.write_bytes(content)
-    with pytest.raises(ConfigError, match=match):
-        load_params(path)
+    refused(load_params, tmp_path / "bad.json", content, ConfigError, match)
 
 
 def test_cluster_from_a_measured_topology_uses_its_numbers(tmp_path):

@@ -10,7 +10,6 @@ prompt never needs less), for the world size asked and for 2x and 4x as many ran
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from ..dtypes import is_fp8, parse_dtype, parse_kv_dtype
 from ..errors import ConfigError
 from ..sizes import parse_count
 from .defaults import MAX_SEQ
+from .generate.models import read_config_json
 
 # Real configs (every layer, the real vocabulary: unlike generate's random-weight presets, which
 # keep two layers and a 32,000-token vocabulary so that a CPU can run them). Values from the
@@ -132,12 +132,8 @@ def _model(options: FitOptions) -> tuple[str, dict[str, Any]]:
     path = Path(options.config)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--config {options.config}: not a readable config.json ({exc})") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"--config {options.config}: expected a JSON object (a model's config.json)")
+    config = read_config_json(path, unreadable=f"--config {options.config}: not a readable config.json",
+                              not_object=f"--config {options.config}: expected a JSON object (a model's config.json)")
     return str(options.config), config
 
 

@@ -110,42 +110,30 @@ KiB = 1024
 # 81,559 MiB nvidia-smi reports for an H100 80GB, the 24,564 MiB it reports for a 24 GB RTX 4090,
 # MI300X's 192 GB (binary: 8 stacks of 24 GiB); H100 PCIe 81,559, H100 NVL 95,830, H200 143,771,
 # A100 80GB 81,920 and A100 40GB 40,960 MiB (nvidia-smi's totals).
+# What every card of one NVIDIA architecture shares (L2, shared memory, resident warps, DRAM latency,
+# launch gap); each row below gives what differs.
+_HOPPER = dict(vendor="nvidia", l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64,
+               mem_latency_ns=650.0, launch_gap_us=2.5)
+_ADA = dict(vendor="nvidia", l2_bytes=72 * MiB, smem_per_sm_bytes=100 * KiB, max_warps_per_sm=48,
+            mem_latency_ns=550.0, launch_gap_us=2.5)
+_AMPERE = dict(vendor="nvidia", l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64,
+               mem_latency_ns=600.0, launch_gap_us=2.5)
+
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
-    "h100-sxm": DeviceSpec(
-        name="NVIDIA H100 SXM5 80GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3350.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=55.0, memory_bytes=81_559 * MiB,
-    ),
-    "h100-pcie": DeviceSpec(
-        name="NVIDIA H100 PCIe 80GB", vendor="nvidia", sm_count=114, mem_bandwidth_gbps=2000.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=756.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0, memory_bytes=81_559 * MiB,
-    ),
-    "h100-nvl": DeviceSpec(
-        name="NVIDIA H100 NVL 94GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=3900.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=835.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0, memory_bytes=95_830 * MiB,
-    ),
-    "h200": DeviceSpec(
-        name="NVIDIA H200 SXM 141GB", vendor="nvidia", sm_count=132, mem_bandwidth_gbps=4800.0,
-        l2_bytes=50 * MiB, smem_per_sm_bytes=228 * KiB, max_warps_per_sm=64, tensor_tflops=989.0,
-        mem_latency_ns=650.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=60.0, memory_bytes=143_771 * MiB,
-    ),
-    "rtx4090": DeviceSpec(
-        name="NVIDIA GeForce RTX 4090", vendor="nvidia", sm_count=128, mem_bandwidth_gbps=1008.0,
-        l2_bytes=72 * MiB, smem_per_sm_bytes=100 * KiB, max_warps_per_sm=48, tensor_tflops=165.0,
-        mem_latency_ns=550.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0, memory_bytes=24_564 * MiB,
-    ),
-    "a100-sxm-80gb": DeviceSpec(
-        name="NVIDIA A100-SXM4-80GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=2039.0,
-        l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=40.0, memory_bytes=81_920 * MiB,
-    ),
-    "a100-40gb": DeviceSpec(
-        name="NVIDIA A100-SXM4-40GB", vendor="nvidia", sm_count=108, mem_bandwidth_gbps=1555.0,
-        l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64, tensor_tflops=312.0,
-        mem_latency_ns=600.0, launch_gap_us=2.5, per_sm_bandwidth_gbps=35.0, memory_bytes=40_960 * MiB,
-    ),
+    "h100-sxm": DeviceSpec(**_HOPPER, name="NVIDIA H100 SXM5 80GB", sm_count=132, mem_bandwidth_gbps=3350.0,
+                           tensor_tflops=989.0, per_sm_bandwidth_gbps=55.0, memory_bytes=81_559 * MiB),
+    "h100-pcie": DeviceSpec(**_HOPPER, name="NVIDIA H100 PCIe 80GB", sm_count=114, mem_bandwidth_gbps=2000.0,
+                            tensor_tflops=756.0, per_sm_bandwidth_gbps=40.0, memory_bytes=81_559 * MiB),
+    "h100-nvl": DeviceSpec(**_HOPPER, name="NVIDIA H100 NVL 94GB", sm_count=132, mem_bandwidth_gbps=3900.0,
+                           tensor_tflops=835.0, per_sm_bandwidth_gbps=60.0, memory_bytes=95_830 * MiB),
+    "h200": DeviceSpec(**_HOPPER, name="NVIDIA H200 SXM 141GB", sm_count=132, mem_bandwidth_gbps=4800.0,
+                       tensor_tflops=989.0, per_sm_bandwidth_gbps=60.0, memory_bytes=143_771 * MiB),
+    "rtx4090": DeviceSpec(**_ADA, name="NVIDIA GeForce RTX 4090", sm_count=128, mem_bandwidth_gbps=1008.0,
+                          tensor_tflops=165.0, per_sm_bandwidth_gbps=40.0, memory_bytes=24_564 * MiB),
+    "a100-sxm-80gb": DeviceSpec(**_AMPERE, name="NVIDIA A100-SXM4-80GB", sm_count=108, mem_bandwidth_gbps=2039.0,
+                                tensor_tflops=312.0, per_sm_bandwidth_gbps=40.0, memory_bytes=81_920 * MiB),
+    "a100-40gb": DeviceSpec(**_AMPERE, name="NVIDIA A100-SXM4-40GB", sm_count=108, mem_bandwidth_gbps=1555.0,
+                            tensor_tflops=312.0, per_sm_bandwidth_gbps=35.0, memory_bytes=40_960 * MiB),
     "mi300x": DeviceSpec(
         name="AMD Instinct MI300X", vendor="amd", sm_count=304, mem_bandwidth_gbps=5300.0,
         l2_bytes=32 * MiB, smem_per_sm_bytes=64 * KiB, max_warps_per_sm=32, warp_size=64,

@@ -96,6 +96,18 @@ def transformers_version(text: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
+def read_config_json(path: Path, *, unreadable: str, not_object: str) -> dict[str, Any]:
+    """The JSON object in a model's ``config.json`` at ``path``: ConfigError ``"{unreadable} ({why})"``
+    when the file cannot be read or parsed, ``not_object`` when it holds something else than an object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{unreadable} ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(not_object)
+    return config
+
+
 def check_source(source: ModelSource) -> dict[str, Any]:
     """Check ``source`` before any weight is read; return the model's config as a dict.
 
@@ -120,12 +132,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {source.path}: config.json is missing from the folder")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--model {source.path}: config.json is not readable JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"--model {source.path}: config.json must hold a JSON object")
+    config = read_config_json(config_file, unreadable=f"--model {source.path}: config.json is not readable JSON",
+                              not_object=f"--model {source.path}: config.json must hold a JSON object")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         archs = config.get("architectures")
