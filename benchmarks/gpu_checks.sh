@@ -13,8 +13,7 @@
 #   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged, bench-generate (generate's
 #          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time)
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
-#          generate-refused,
-#          calibrate-costmodel, simulate-calibrated
+#          generate-refused, fit, calibrate-costmodel, simulate-calibrated
 #   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
 #          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
 #          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes)
@@ -33,7 +32,7 @@ touch "$summary"
 
 all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-gpu-tests generate generate-eager
-           generate-long generate-refused calibrate-costmodel simulate-calibrated)
+           generate-long generate-refused fit calibrate-costmodel simulate-calibrated)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
@@ -41,11 +40,11 @@ for arg in "${@:-tests bench cli fp8}"; do
       tests) selected+=(replay-timeout whole-suite) ;;
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
-                      generate-long generate-refused calibrate-costmodel simulate-calibrated) ;;
+                      generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8) ;;
       gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-gpu-tests|generate|generate-eager|\
-      generate-long|generate-refused|calibrate-costmodel|simulate-calibrated)
+      generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
@@ -101,7 +100,8 @@ step run-eager 60 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce --no
 # fp8 KV through the CLI: each rank's bf16 shard quantized; max_abs_err (dequantized cache) and
 # max_abs_err_unquantized in the JSON, ring's bytes per step half of the bf16 run's plus the scales.
 step run-fp8 120 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring --dtype bf16 --kv-dtype fp8 --json
-# The default dtype on GPUs (bf16), the one-process rows in a child (the launcher keeps no CUDA context).
+# The default dtype on GPUs (bf16); the one-rank row is a spawned rank and the reference a child
+# process (the launcher keeps no CUDA context).
 # generate's token as one CUDA graph: the GPU tests (capture, the eager fallback and its reason), then
 # the command with graphs (the default: rows say "graph") and without.
 step generate-gpu-tests 200 python3 -m pytest -q -rs -m gpu tests/generate
@@ -110,9 +110,11 @@ step generate-eager 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-
 # Sharded prefill at a long context on the GPUs there are (the ring between them, each rank's
 # K/V straight into its pool; rank peaks by max_memory_allocated beside the estimate in the JSON),
 # the one-process rows where they fit (--reference auto); then a prompt the GPUs cannot hold is
-# refused in one line before anything loads (exit 1 expected), and fit's answer for this GPU.
+# refused in one line before anything loads (exit 1 expected); then fit's answer for this GPU (its
+# memory as NVML reports it, through --memory) beside what generate-long measured.
 step generate-long 400 "${cli[@]}" generate --preset llama-3.1-8b --layers 4 --prompt-len 64K --new-tokens 8 --json
 step generate-refused 30 "${cli[@]}" generate --preset llama-3.1-8b --layers 32 --prompt-len 8M --max-len 9M --new-tokens 8
+step fit 30 "${cli[@]}" fit --preset llama-3.1-8b --gpu h100-sxm --memory "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)MiB" -g 1 --json
 # The cost model's single-GPU terms and this node's links, measured; then the model from them.
 step calibrate-costmodel 120 python3 benchmarks/calibrate_costmodel.py --out "$out/costmodel_params.json"
 step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params.json" -w 8,16,128 -n 32K,1M,5.12M --json
