@@ -35,11 +35,11 @@ capture records NCCL work): every rank builds its token step at the same point.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Self
+from typing import Any
 
 import torch
 
-from ...graphs import CapturedStep
+from ...graphs import CapturedStep, StaticStep
 from ...reduce.exchange import Traffic
 from .hf_attention import CONTEXT_KWARG, DecodeContext
 
@@ -75,7 +75,7 @@ def _token(model, ctx: DecodeContext, ids: torch.Tensor, positions: torch.Tensor
     return token
 
 
-class TokenStep:
+class TokenStep(StaticStep):
     """Greedy decoding one token per call: ``token = step()`` (an int).
 
     Args:
@@ -96,7 +96,8 @@ class TokenStep:
     shard's valid tokens and is overwritten by the first real token. ``captured`` says whether a
     call is a replay, ``why_eager`` why not; ``traffic`` what this rank sends per token (the
     tree's merges; a ring counts into ``ctx.stats`` as it runs). :meth:`close` frees the graph
-    (before the process group is destroyed).
+    (before the process group is destroyed); ``captured``, ``why_eager``, ``close`` and the
+    context manager come from :class:`~tree_attn.graphs.StaticStep`.
     """
 
     def __init__(self, model, ctx: DecodeContext, first: int, start: int, *, cuda_graph: bool = True,
@@ -127,14 +128,6 @@ class TokenStep:
         )
         self.calls = 0
 
-    @property
-    def captured(self) -> bool:
-        return self.graph.captured
-
-    @property
-    def why_eager(self) -> str | None:
-        return self.graph.why_eager
-
     def _reset(self) -> None:
         """Inputs and device state back to where the first real token starts (after warm-ups)."""
         self.ids.fill_(self.first)
@@ -150,13 +143,3 @@ class TokenStep:
         self.calls += 1
         return int(self.token)
 
-    def close(self) -> None:
-        """Free the graph (waiting, bounded, for its last replay). Idempotent."""
-        self.graph.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.close()
-        return False
