@@ -243,3 +243,41 @@ def test_gpu_token_step_falls_back_to_eager_naming_why():
         handle.remove()
     assert run.execution == "eager" and run.why_eager.startswith("capture failed")
     assert run.tokens == plain.tokens
+
+
+# -- an fp8 pool: the layer's step reads it with the layer's scales ---------------------------------
+
+def test_fp8_pool_layer_step_equals_float64_on_the_dequantized_pool(model):
+    """The prefill writes layer l's K/V quantized (scales from that write); a new token is written
+    with those scales; layer l's step then equals float64 attention over the dequantized pool
+    (per layer: each layer's own scales, which differ, so a step given another layer's, or none,
+    would not)."""
+    from tree_attn.commands.generate.layer_steps import build_layer_step
+    from tree_attn.kernels.fp8 import dequantize
+
+    use_tree_attention(model)
+    prompt = _prompt(70, seed=6)
+    n = len(prompt) - 1
+    shape = ModelShape.from_config(model.config.to_dict())
+    store = PagedKVShard.allocate(shape.layers, n + 2, shape.kv_heads, shape.head_dim,
+                                  dtype=torch.float8_e4m3fn, device="cpu", page_size=16, seed=1)
+    sharded_prefill(model, prompt, ShardedPrefill(store, plan_ring(zigzag(n, 1), 0)))
+    gen = torch.Generator().manual_seed(3)
+    new_k, new_v = (4 * torch.randn(1, shape.kv_heads, shape.head_dim, generator=gen) for _ in range(2))
+    for layer in range(shape.layers):
+        store.write_slots(layer, *store.slots(torch.tensor([n])), new_k, new_v)
+    store.set_length(n + 1)
+    ctx = DecodeContext(store, "local", holds_new=True)
+    assert not torch.equal(store.k_scale[0], store.k_scale[1])
+    scale = shape.head_dim ** -0.5
+    group = shape.q_heads // shape.kv_heads
+    for layer in range(shape.layers):
+        assert store.k[layer].dtype == torch.float8_e4m3fn and store.k_scale[layer].shape == (shape.kv_heads,)
+        query = torch.randn(1, shape.q_heads, 1, shape.head_dim, generator=gen)
+        out = build_layer_step(ctx, layer, query, scale)(query)  # [1, 1, Hq, D]
+        k8, v8 = store.read(layer)  # [n + 1, Hkv, D] fp8
+        k = dequantize(k8, store.k_scale[layer], torch.float64).repeat_interleave(group, 1)
+        v = dequantize(v8, store.v_scale[layer], torch.float64).repeat_interleave(group, 1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[0, :, 0].double(), k) * scale, dim=-1)
+        want = torch.einsum("hn,nhd->hd", weights, v)
+        assert torch.allclose(out[0, 0].double(), want, atol=1e-5, rtol=1e-4), layer

@@ -64,6 +64,13 @@ def generate_command(
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or "
         "bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks.")] = DEFAULTS.dtype,
+    kv_dtype: Annotated[str | None, typer.Option(
+        "--kv-dtype", help="KV cache dtype (default: the --dtype): float32, fp16, bf16 or fp8 (float8_e4m3fn: "
+        "each rank quantizes K and V as they are written, the prefill and every new token, with per-layer, "
+        "per-KV-head scales "
+        "fixed by its prefill; 1 byte per element in the capacity check). The ring strategy is skipped under fp8. "
+        "Rows on an fp8 cache report how many greedy tokens equal the unquantized reference's (same n/N): a fact, "
+        "not a failure.")] = DEFAULTS.kv_dtype,
     page_size: Annotated[int, count_option("--page-size", help="Tokens per KV page (1..256).")] = DEFAULTS.page_size,
     cuda_graph: Annotated[bool, typer.Option(
         "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each generated token (the model's forward, every "
@@ -84,13 +91,16 @@ def generate_command(
     setup = plan_generate(GenerateOptions(
         model=model, preset=preset, layers=layers, seed=seed, prompt=prompt, prompt_len=prompt_len,
         new_tokens=new_tokens, max_len=max_len, world_size=world_size, strategy=strategy, fanout=fanout,
-        plan=plan, device=device, backend=backend, dtype=dtype, page_size=page_size, reference=reference,
+        plan=plan, device=device, backend=backend, dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
+        reference=reference,
         timeout_s=timeout, profile=profile_ref, cuda_graph=cuda_graph,
     ))
     spec = setup.spec
     announce_setup(setup, (  # under torchrun every rank runs this: rank 0 speaks
         f"generating {spec.new_tokens} tokens after a {len(spec.prompt_ids):,}-token prompt over "
-        f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}); strategies: "
+        f"{ranks(spec.world_size)} ({spec.backend}, {spec.dtype}"
+        + (f", KV {spec.kv_dtype}: scales per layer and KV head fixed by the prefill" if spec.kv_dtype != spec.dtype
+           else "") + "); strategies: "
         f"{', '.join(plan_name(p.label, spec.world_size) if p else 'ring' for _, p in spec.plans)}"))
     say = lambda text: err_console.print(text, markup=False, style="dim")
     result = run_generate(spec, progress=say, tokenizer=setup.tokenizer)
@@ -100,7 +110,7 @@ def generate_command(
     result.prompt_text = setup.prompt_text
     report(result, render_generate, json_out)
     if not result.all_match:
-        bad = [r.name for r in result.rows if r.ran and not (r.matches and r.ranks_agree)]
+        bad = [r.name for r in result.rows if r.ran and not r.ok]
         against = "the reference's" if result.checked_against == "reference" else \
             f"the {result.checked_against} row's" if result.checked_against == "one rank" else "each other's"
         error(f"{', '.join(bad)}: generated tokens differ from {against} (or between ranks)")
@@ -126,8 +136,10 @@ def render_generate(result) -> None:
             continue
         if r.name == result.checked_against:
             same = "yardstick" if r.name != "reference" else "reference"
+        elif r.quantized and r.ranks_agree:  # fp8 KV: a count, not a verdict
+            same = f"same {r.same_tokens}/{len(r.tokens)}" if r.same_tokens is not None else "unchecked"
         else:
-            same = "same" if r.matches and r.ranks_agree else "DIFFER"
+            same = "same" if r.ok else "DIFFER"
         table.add_row(styled(r.name), str(r.ranks), "graph" if r.execution == "cuda graph" else "eager",
                       f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
@@ -172,6 +184,11 @@ def render_generate(result) -> None:
     if result.checked_against == "nothing":
         out_console.print("one row ran: its tokens are not checked against anything (--reference off, or it did "
                           "not fit)", style="yellow")
+    elif any(r.quantized for r in result.rows if r.ran):
+        if result.all_match:
+            out_console.print(line((f"KV {result.kv_dtype}: ", "bold"), "tokens of the quantized rows equal to the "
+                                   f"{result.checked_against}'s, position by position, in 'tokens' (a fact, not a "
+                                   "failure; scales per layer and KV head fixed by each rank's prefill)"))
     elif result.all_match:
         what = {"reference": "the reference's tokens", "one rank": "the one-rank row's tokens (no reference)"}.get(
             result.checked_against, "the same tokens (no reference: rows checked against each other)")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ...dtypes import itemsize, torch_dtype
+from ...dtypes import is_fp8, itemsize, torch_dtype
 from ...launch.env import RankEnv
 from ...launch.job import percentile, say_on_rank_0
 from ...launch.memory import MemoryMonitor
@@ -165,7 +165,9 @@ class GenerateRow:
     """One row of the result: a strategy on ``ranks`` ranks (rank 0's tokens and times; bytes and
     messages: the most any rank sent in a step). ``matches``: the tokens equal those of the row
     the result is checked against (``GenerateResult.checked_against``). ``skipped``: why a
-    one-process row did not run (then it has no tokens)."""
+    one-process row did not run (then it has no tokens). ``quantized``: the row read an fp8 KV
+    cache, so differing tokens are a fact to count (``same_tokens``: positions equal to the
+    yardstick's), not a failure."""
 
     name: str
     ranks: int
@@ -179,10 +181,17 @@ class GenerateRow:
     execution: str = "eager"
     why_eager: str | None = None
     skipped: str | None = None
+    quantized: bool = False
+    same_tokens: int | None = None
 
     @property
     def ran(self) -> bool:
         return self.skipped is None
+
+    @property
+    def ok(self) -> bool:
+        """The row passes: its ranks agree, and its tokens equal the yardstick's (any tokens when quantized)."""
+        return self.ranks_agree and (self.matches or self.quantized)
 
     @property
     def median_s(self) -> float:
@@ -203,7 +212,8 @@ class GenerateRow:
             "name": self.name, "ranks": self.ranks, "median_ms": 1e3 * self.median_s, "p95_ms": 1e3 * self.p95_s,
             "tokens_per_s": self.tokens_per_s, "bytes_per_rank_per_token": self.bytes_per_token,
             "messages_per_rank_per_token": self.messages_per_token, "ranks_agree": self.ranks_agree,
-            "matches": self.matches, "tokens": self.tokens, "text": self.text,
+            "matches": self.matches, "quantized": self.quantized, "same_tokens": self.same_tokens,
+            "tokens": self.tokens, "text": self.text,
             "step_ms": [1e3 * s for s in self.step_s], "execution": self.execution, "why_eager": self.why_eager,
         }
 
@@ -232,10 +242,11 @@ class GenerateResult:
     estimate: Any = None  # .memory.GenerateEstimate
     launcher_peak_bytes: int | None = None  # the launching process's peak RSS (spawned ranks)
     shards: SequenceShards | None = None
+    kv_dtype: str | None = None  # None: the dtype's
 
     @property
     def all_match(self) -> bool:
-        return all(r.matches and r.ranks_agree for r in self.rows if r.ran)
+        return all(r.ok for r in self.rows if r.ran)
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate
@@ -250,7 +261,8 @@ class GenerateResult:
         return {
             "model": self.model, "random_weights": self.random_weights, "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens, "world_size": self.world_size, "device": self.device,
-            "backend": self.backend, "dtype": self.dtype, "page_size": self.page_size,
+            "backend": self.backend, "dtype": self.dtype, "kv_dtype": self.kv_dtype or self.dtype,
+            "page_size": self.page_size,
             "prefill_tokens_per_rank": self.shard_sizes, "new_tokens_rank": self.world_size - 1,
             "assignment": self.shards.to_dict() if self.shards is not None else None,
             "prefill_s": self.prefill_s, "checked_against": self.checked_against, "all_match": self.all_match,
@@ -382,7 +394,7 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
         plan = plan_ring(spec.shards(env.world_size), env.rank)
         last = env.rank == env.world_size - 1
         store = PagedKVShard.allocate(shape.layers, plan.tokens + (spec.new_tokens + 1 if last else 0),
-                                      shape.kv_heads, shape.head_dim, dtype=torch_dtype(spec.dtype), device=device,
+                                      shape.kv_heads, shape.head_dim, dtype=torch_dtype(spec.kv_dtype), device=device,
                                       page_size=spec.page_size, seed=spec.seed + env.rank)
     sizes = plan.sizes
     say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
@@ -402,9 +414,9 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
                       decode_mem.result.peak_bytes, load.method, load.result.start_bytes)
 
 
-def _row(name: str, ranks: int, runs: list[StrategyRun]) -> GenerateRow:
+def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False) -> GenerateRow:
     mine = runs[0]
-    return GenerateRow(
+    return GenerateRow(quantized=quantized,
         name=name, ranks=ranks, tokens=mine.tokens, step_s=mine.step_s,
         bytes_per_token=max(max(r.bytes_per_step, default=0) for r in runs),
         messages_per_token=max(max(r.messages_per_step, default=0) for r in runs),
@@ -428,6 +440,7 @@ def _check(rows: list[GenerateRow]) -> str:
         return "nothing"
     for r in ran:
         r.matches = r.tokens == yardstick
+        r.same_tokens = sum(a == b for a, b in zip(r.tokens, yardstick, strict=False))
     return against
 
 
@@ -465,10 +478,11 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
             ref = reference_in_child(spec, say)
     rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER) if ref is not None else
             GenerateRow(REFERENCE, 1, [], [], skipped=spec.reference.reason)]
-    rows.append(_row(ONE_RANK, 1, [one.runs[ONE_RANK]]) if one is not None else
+    fp8 = is_fp8(spec.kv_dtype)
+    rows.append(_row(ONE_RANK, 1, [one.runs[ONE_RANK]], fp8) if one is not None else
                 GenerateRow(ONE_RANK, 1, [], [], skipped=spec.one_rank.reason))
     labels = list(reports[0].runs)
-    rows += [_row(label, spec.world_size, [rep.runs[label] for rep in reports]) for label in labels]
+    rows += [_row(label, spec.world_size, [rep.runs[label] for rep in reports], fp8) for label in labels]
     against = _check(rows)
     if tokenizer is not None:
         for row in rows:
@@ -477,7 +491,7 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
     return GenerateResult(
         model=spec.source.label, random_weights=spec.source.random_weights, prompt_tokens=len(spec.prompt_ids),
         new_tokens=spec.new_tokens, world_size=spec.world_size, device=job.device,
-        backend=torchrun.backend if torchrun is not None else spec.backend, dtype=spec.dtype,
+        backend=torchrun.backend if torchrun is not None else spec.backend, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         page_size=spec.page_size, prefill_s=max(rep.prefill.wall_s for rep in reports), rows=rows,
         shard_sizes=spec.shard_sizes(), cuda_graph=spec.cuda_graph, checked_against=against, ranks=reports,
         reference_report=ref, one_rank_report=one, estimate=spec.estimate,

@@ -76,12 +76,16 @@ def build_layer_step(ctx: DecodeContext, layer: int, query: torch.Tensor, scale:
     if b != 1:
         raise ConfigError(f"generate decodes one sequence; got a batch of {b}")
     store = ctx.store
-    if store.fp8:  # the prepared steps take no scales here; generate allocates no fp8 pool
-        raise ConfigError("generate's decode steps read bf16, fp16 or float32 KV pools; this shard is fp8")
+    # An fp8 pool: the layer's per-KV-head scales ([Hkv] float32), fixed by the prefill's write and
+    # used by every later token's write, so the step built once reads every token right.
+    scales = store.scales(layer)
+    if scales and ctx.strategy == "ring":  # RingDecodeStep sends whole pools, not yet their scales
+        raise ConfigError("generate's ring decode reads bf16, fp16 or float32 KV pools; with --kv-dtype fp8 "
+                          "use --strategy tree or allreduce")
     q = torch.empty((1, hq, d) if sq == 1 else (1, sq, hq, d), dtype=query.dtype, device=query.device)
     pools = (store.k[layer], store.v[layer])
     kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table,
-              "causal": sq > 1}
+              "causal": sq > 1, **scales}
     if ctx.strategy == "tree":
         from ...reduce.collectives import TreeDecodeStep
 

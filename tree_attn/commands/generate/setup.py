@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...dtypes import is_fp8
 from ...errors import ConfigError
 from ...launch.setup import AnnouncesLaunch, PlanOptions
 from ...validate import check_int, is_int
@@ -31,7 +32,9 @@ __all__ = ["GenerateOptions", "GenerateSetup", "parse_prompt", "plan_generate"]
 class GenerateOptions(PlanOptions):
     """What the user asked ``generate`` for: the launch and its plans (:class:`PlanOptions`; the
     dtype is the weights' and the KV cache's), the model, the prompt. These are the defaults of
-    ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`."""
+    ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`. ``kv_dtype``: the KV pools'
+    (None: the dtype's; fp8 = float8_e4m3fn, quantized as written with per-layer, per-KV-head
+    scales fixed by each rank's prefill)."""
 
     model: str | None = None
     preset: str = DEFAULT_PRESET
@@ -44,6 +47,7 @@ class GenerateOptions(PlanOptions):
     page_size: int = PAGE_SIZE
     cuda_graph: bool = True
     reference: str = "auto"
+    kv_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,21 @@ def _check_window(config: dict, total: int) -> None:
                           f"keep prompt + --new-tokens <= {window}")
 
 
+def _without_ring(launch, notices: list[str]):
+    """An fp8 KV launch without the ring strategy (its decode step sends whole pools, not yet
+    their scales): dropped with a notice when other strategies remain, refused when it is the only one."""
+    from dataclasses import replace
+
+    kept = tuple((name, p) for name, p in launch.plans if name != "ring")
+    if len(kept) == len(launch.plans):
+        return launch
+    if not kept:
+        raise ConfigError("--kv-dtype fp8: generate's ring decode does not read fp8 pools yet; "
+                          "use --strategy tree or allreduce")
+    notices.append("--kv-dtype fp8: the ring strategy is skipped (its decode does not read fp8 pools yet)")
+    return replace(launch, plans=kept)
+
+
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
     from ...cost.capacity import ModelDims
@@ -137,11 +156,13 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
 
     total = len(ids) + n_new
     launch = resolve_launch(options.launch_request(shape=KernelShape(shape.q_heads, shape.kv_heads, shape.head_dim,
-                                                                     total)))
-    world, dtype = launch.world_size, launch.dtype
+                                                                     total), kv_dtype=options.kv_dtype))
+    world, dtype, kv_dtype = launch.world_size, launch.dtype, launch.kv_dtype
     notices: list[str] = []
     warnings: list[str] = []
-    job = JobShape(ModelDims.from_config(config), n_new, dtype, dtype, launch.device_kind, page,
+    if is_fp8(kv_dtype):
+        launch = _without_ring(launch, notices)
+    job = JobShape(ModelDims.from_config(config), n_new, dtype, kv_dtype, launch.device_kind, page,
                    preset=source.random_weights, ring_decode=any(name == "ring" for name, _ in launch.plans))
     budget = read_budget(launch.device_kind)
     spawned = not launch.under_torchrun
@@ -156,6 +177,9 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     reference, one_rank = choose_rows(options.reference, est)
     if dtype != "float32":
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
+    if is_fp8(kv_dtype):
+        notices.append(f"KV cache {kv_dtype}: quantized as written, with per-layer, per-KV-head scales fixed by each "
+                       "rank's prefill; tokens may differ from the unquantized reference's (counted, not a failure)")
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
     spec = GenerateSpec(source=source, prompt_ids=tuple(ids), launch=launch, new_tokens=n_new, page_size=page,
