@@ -110,7 +110,7 @@ def test_generate_across_the_fabric_gives_transformers_tokens(tmp_path):
     with Fabric(2, rate="100mbit") as fab:
         results = fab.torchrun(GEN_ARGS, ranks_per_node=2, join_timeout_s=60, env=env).wait(timeout=300)
     result = _report(results)
-    assert result["world_size"] == 4 and result["all_match_reference"] is True
+    assert result["world_size"] == 4 and result["checked_against"] == "reference" and result["all_match"] is True
     expected = _expected_for_cli_prompt()
     names = [r["name"] for r in result["rows"]]
     assert any(n.startswith("hier ") for n in names) and "ring" in names, names
