@@ -14,12 +14,16 @@
 #          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time)
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
 #          generate-refused, fit, calibrate-costmodel, simulate-calibrated
+#   short  what fits one 10-minute call on a fresh machine (about 9 minutes; --quick is implied):
+#          gpu-tests beside cpu-suite (the rest of the README's tests, spread over the CPU cores by
+#          pytest-xdist when it is installed), then short rows of bench-kernel-fp8 (bf16 and fp8 at
+#          64K and 256K), bench-generate (8K, one GPU, graph vs eager, kernel time), run and generate
 #   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
 #          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
 #          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes)
 # With no group or step named, every group runs in turn (about 40 minutes).
 set -u
-usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|STEP ...]"
+usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|fp8|short|STEP ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=$(realpath -m "$1"); shift  # absolute before the cd below
 quick=""
@@ -30,9 +34,10 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
+all_steps=(replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-gpu-tests generate generate-eager
-           generate-long generate-refused fit calibrate-costmodel simulate-calibrated)
+           generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
+           bench-generate-short)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
@@ -42,7 +47,8 @@ for arg in "${@:-tests bench cli fp8}"; do
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8) ;;
-      gpu-tests|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
+      short) quick="--quick"; selected+=(gpu-tests cpu-suite bench-kernel-short bench-generate-short run generate) ;;
+      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
@@ -64,7 +70,19 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs only when NAME was selected
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
 cli=(python3 -m tree_attn)
-step gpu-tests 540 python3 -m pytest -q -m gpu -rs
+# gpu-tests and cpu-suite together make the whole suite; when both are selected they run side by
+# side (the GPU tests on the GPU, the rest spread over the CPU cores), both done before any timing.
+xdist=()
+workers=$(( $(nproc) - 1 )); (( workers > 8 )) && workers=8
+python3 -c "import xdist" 2>/dev/null && (( workers > 1 )) && xdist=(-n "$workers")
+if [[ " ${selected[*]} " == *" gpu-tests "* && " ${selected[*]} " == *" cpu-suite "* ]]; then
+  step gpu-tests 230 python3 -m pytest -q -m gpu -rs &
+  step cpu-suite 230 python3 -m pytest -q -m "not gpu" -rs "${xdist[@]}" &
+  wait
+else
+  step gpu-tests 540 python3 -m pytest -q -m gpu -rs
+  step cpu-suite 540 python3 -m pytest -q -m "not gpu" -rs "${xdist[@]}"
+fi
 # A replay that never finishes must end in one line naming the rank and the step, after the
 # timeout, not hang: on one GPU a captured spin kernel longer than the timeout; on two or more,
 # a replayed tree step whose peer never replays its own (NCCL aborted). Written without a GPU at
@@ -84,6 +102,7 @@ else
   step bench-kernel-fp8 600 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,4,16 --lens 16k,64k,256k,1m --out "$out/bench_kernel_fp8.json"
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
+step bench-kernel-short 100 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 64k,256k --out "$out/bench_kernel_short.json"
 step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
 step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
 # generate's token step: each row with CUDA graphs and eagerly (--no-cuda-graph), the one-rank row
@@ -92,6 +111,8 @@ step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65
 step bench-generate 300 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --ctx 32768 \
   --worlds "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" --new-tokens 32 --compare-eager \
   --kernel-time --out "$out/bench_generate.json"
+step bench-generate-short 110 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --worlds 1 \
+  --new-tokens 16 --compare-eager --kernel-time --out "$out/bench_generate_short.json"
 step probe 30 "${cli[@]}" probe
 step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json
