@@ -149,3 +149,19 @@ def interpreter_subprocess():
         return proc.stdout
 
     return run
+
+
+# Failures written as they happen, for runs that may be stopped before pytest's own report (a GPU
+# machine lent for a few minutes, a CI job at its time limit): with TREE_ATTN_FAILURE_LOG set, each
+# failing test's id and traceback are appended to that file the moment it fails. Under pytest-xdist
+# the workers append to the same file, one whole record per write (the controller, which receives
+# each worker's reports again, marked with the worker ``node``, writes none).
+_FAILURE_LOG = os.environ.get("TREE_ATTN_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if not _FAILURE_LOG or not report.failed or hasattr(report, "node"):
+        return
+    record = f"=== {report.nodeid} ({report.when}) FAILED\n{report.longreprtext}\n"
+    with open(_FAILURE_LOG, "a", encoding="utf-8") as log:
+        log.write(record)

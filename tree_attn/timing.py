@@ -194,7 +194,12 @@ def _capture(sequence: Sequence[Callable[[], object]], device: torch.device):
 
 def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read plus bytes written), the practical
-    ceiling of a kernel that streams its input once: median of ``repeats`` copies between events."""
+    ceiling of a kernel that streams its input once: median of ``repeats`` copies between events.
+
+    The copy is an elementwise kernel (``torch.neg(src, out=dst)``), run by the SMs as our kernels
+    are, not ``dst.copy_(src)``: captured in a CUDA graph that becomes a memcpy node served by the
+    copy engines, measured at 2.71 TB/s on an H200 against 4.25 TB/s for the kernel (and 4.23 TB/s
+    for an eager ``copy_``), which made kernels look faster than the card's copy."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError("copy bandwidth is measured on GPUs only")
@@ -202,5 +207,5 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 1 << 30, re
     nbytes = min(nbytes, int(0.2 * free))
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    timing = time_calls([lambda: dst.copy_(src)], device, repeats=repeats, warmup=2, calls_per_sample=5)
+    timing = time_calls([lambda: torch.neg(src, out=dst)], device, repeats=repeats, warmup=2, calls_per_sample=5)
     return 2 * src.numel() * 4 / (timing.device_us * 1e-6) / 1e9

@@ -248,4 +248,30 @@ def test_probe_this_gpu_machine(capsys):
     out = capsys.readouterr().out
     assert "hierarchy" in out and "GPU0" in out
     assert main(["probe", "--measure", "--iterations", "3"]) == 0
-    assert "all-reduce of" in capsys.readouterr().out
+    measured = capsys.readouterr().out
+    if torch.cuda.device_count() > 1:
+        assert "all-reduce of" in measured and "bandwidth (measured" in measured
+    else:  # one GPU: no pair, no all-reduce, and the output says so
+        assert "measured nothing: one device (" in measured and "all-reduce of" not in measured
+
+
+def test_measure_on_one_gpu_says_it_measured_nothing(monkeypatch, capsys):
+    """``probe --measure`` on a one-GPU machine: no pair and no all-reduce, said in one line (the
+    GPU run printed nothing about the measurement on an H200). CPU test: the probe and the
+    measurement are stand-ins returning what they return on one GPU."""
+    from tree_attn import topology as topology_pkg
+    from tree_attn.topology import measure as measure_mod
+    from tree_attn.topology.model import Device, Topology
+
+    gpu = Topology(devices=[Device(index=0, vendor="nvidia", name="NVIDIA H200")], links=[], source="nvml")
+    measured = dataclasses.replace(gpu, measurement=measure_mod.Measurement(
+        method="cuda-copy+nccl-allreduce", iterations=3, copy_bytes=1 << 20, latency_bytes=8, allreduce_bytes=16512,
+        allreduce_latency_us=None, device="NVIDIA H200"))
+    monkeypatch.setattr(topology_pkg, "probe_topology", lambda *a, **k: gpu)
+    monkeypatch.setattr(measure_mod, "measure_topology", lambda topo, **k: measured)
+    assert main(["probe", "--measure", "--iterations", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "measuring 1 device(s) (0 pairs, 3 iterations)" in captured.err
+    assert "measured nothing: one device (NVIDIA H200) has no link to another and nothing to all-reduce with" in \
+        captured.out.replace("\n", " ")
+    assert "all-reduce of" not in captured.out

@@ -182,6 +182,9 @@ def render_topology(topo) -> None:
         if hi is not lo and hi.bandwidth_gbps != lo.bandwidth_gbps:
             text += f" to {hi.bandwidth_gbps:.1f} GB/s ({prefix}{hi.a}-{prefix}{hi.b})"
         out_console.print(styled(text))
+    if topo.measurement and len(topo) == 1 and topo.measurement.allreduce_latency_us is None:
+        out_console.print(styled(f"\nmeasured nothing: one device ({topo.measurement.device}) has no link to another "
+                                 "and nothing to all-reduce with"))
     if topo.measurement and topo.measurement.allreduce_latency_us is not None:
         m = topo.measurement
         out_console.print(styled(f"all-reduce of {m.allreduce_bytes} B (decode message): "
