@@ -68,7 +68,8 @@ def generate_command(
         "--kv-dtype", help="KV cache dtype (default: the --dtype): float32, fp16, bf16 or fp8 (float8_e4m3fn: "
         "each rank quantizes K and V as they are written, the prefill and every new token, with per-layer, "
         "per-KV-head scales "
-        "fixed by its prefill; 1 byte per element in the capacity check). The ring strategy is skipped under fp8. "
+        "fixed by its prefill; 1 byte per element in the capacity check; the ring sends each rank's scales with its "
+        "pool). "
         "Rows on an fp8 cache report how many greedy tokens equal the unquantized reference's (same n/N): a fact, "
         "not a failure.")] = DEFAULTS.kv_dtype,
     page_size: Annotated[int, count_option("--page-size", help="Tokens per KV page (1..256).")] = DEFAULTS.page_size,

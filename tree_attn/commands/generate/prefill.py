@@ -11,7 +11,8 @@ any layer's cache, and the launching process holds none.
 
 A rank with no token (fewer prompt tokens than ranks) cannot run the model on an empty sequence
 (transformers' projections reject it), so it calls the layer exchange itself, once per layer, with
-empty blocks: it relays the others' blocks like any rank.
+empty blocks: it relays the others' blocks like any rank. Its fp8 pool's scales are then 1
+(:meth:`.kv_store.PagedKVShard.fix_unset_scales`).
 
 The MLP is applied in chunks of :data:`MLP_ROWS` tokens (:func:`chunk_mlp`): it is token-wise, so
 the result is the same, and its ``3 x intermediate`` activations per token, the largest of a
@@ -128,6 +129,9 @@ def sharded_prefill(model, prompt_ids: tuple[int, ...] | list[int], ctx: Sharded
         kv = torch.empty((1, kv_heads, 0, head_dim), dtype=dtype, device=device)
         for layer in range(config.num_hidden_layers):
             ctx.attend(layer, q, kv, kv, head_dim ** -0.5)
+    # An fp8 pool's layers without a prefill token (this rank had none) get scales of 1, fixed now,
+    # before any decode step is built on them (kv_store says why).
+    ctx.store.fix_unset_scales()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     ctx.store.set_length(len(positions))
