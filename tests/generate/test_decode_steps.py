@@ -328,9 +328,8 @@ def test_a_rank_without_prefill_tokens_takes_fp8_scales_of_1_and_reads_its_new_t
         query = torch.randn(1, shape.q_heads, 1, shape.head_dim, generator=gen)
         step = build_layer_step(ctx, layer, query, shape.head_dim ** -0.5)
         out = step(query)  # [1, 1, Hq, D]
-        ref_out, ref_lse = float64_over_shards(
-            query.transpose(1, 2), [(dequantize(k8, ones, torch.float64)[None], dequantize(v8, ones, torch.float64)[None],
-                                     torch.tensor([NEW]))], causal=False)
+        pool = (*(dequantize(t, ones, torch.float64)[None] for t in (k8, v8)), torch.tensor([NEW]))
+        ref_out, ref_lse = float64_over_shards(query.transpose(1, 2), [pool], causal=False)
         assert_decode_close(out[:, 0], step.step.lse, ref_out[:, 0], ref_lse[:, 0], tol_for(torch.float32),
                             what=f"layer {layer}")
         step.close()
