@@ -47,3 +47,26 @@ def counted_generate_rank(env, spec) -> dict[str, tuple[list[int], dict, dict]]:
     finally:
         decode.decode_strategies = real
     return out
+
+
+def scales_agreed_at_prefill(env, tokens_per_rank):
+    """Rank r gives ``agree_on_scales`` its own K/V of ``tokens_per_rank[r]`` tokens (0: none),
+    drawn from one generator so that every process can rebuild every rank's; returns this rank's
+    fixed scales and the scales of the whole prompt (all ranks' tokens together)."""
+    import torch
+
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+    from tree_attn.commands.generate.prefill import ShardedPrefill
+    from tree_attn.kernels.fp8 import E4M3
+
+    g = torch.Generator().manual_seed(11)
+    gains = torch.tensor([1.0, 3.0, 0.5])[:, None]
+    shards = [(torch.randn(n, 3, 8, generator=g) * gains, torch.randn(n, 3, 8, generator=g)) for n in tokens_per_rank]
+    store = PagedKVShard.allocate(2, 32, 3, 8, dtype=E4M3, device="cpu", page_size=4)
+    ctx = ShardedPrefill(store, plan=None)
+    k, v = shards[env.rank]
+    for layer in range(2):
+        ctx.agree_on_scales(layer, k * (layer + 1), v)
+    whole_k = torch.cat([s[0] for s in shards]).abs().amax(dim=(0, 2))
+    whole_v = torch.cat([s[1] for s in shards]).abs().amax(dim=(0, 2))
+    return [(store.k_scale[layer], store.v_scale[layer]) for layer in range(2)], (whole_k / 448, whole_v / 448)

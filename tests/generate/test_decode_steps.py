@@ -281,3 +281,52 @@ def test_fp8_pool_layer_step_equals_float64_on_the_dequantized_pool(model):
         weights = torch.softmax(torch.einsum("hd,nhd->hn", query[0, :, 0].double(), k) * scale, dim=-1)
         want = torch.einsum("hn,nhd->hd", weights, v)
         assert torch.allclose(out[0, 0].double(), want, atol=1e-5, rtol=1e-4), layer
+
+
+def test_ranks_agree_on_fp8_scales_at_prefill_an_empty_rank_too():
+    """3 CPU ranks (gloo), one with no prompt token: every rank fixes each layer's scales to the
+    whole prompt's per-head maxima / 448 (one all-reduce MAX per layer), the ones one process
+    would take, not its own shard's (and not 1 where it holds nothing)."""
+    from tests.generate.rank_fns import scales_agreed_at_prefill
+
+    per_rank = launch_ranks(scales_agreed_at_prefill, 3, args=((13, 0, 6),), timeout_s=60)
+    _, (whole_k, whole_v) = per_rank[0]
+    for rank, (layers, _) in enumerate(per_rank):
+        for layer, (ks, vs) in enumerate(layers):
+            assert torch.equal(ks, whole_k * (layer + 1)), (rank, layer)
+            assert torch.equal(vs, whole_v), (rank, layer)
+
+
+def test_the_fp8_reference_attends_over_its_cache_through_fp8():
+    """The reference's attention under fp8 (written apart from the ranks' quantizer): prompt calls
+    read the K/V as they are; a decode call reads K and V rounded through e4m3 with per-head scales
+    from the prompt's positions (the new one excluded), saturating. Against float64."""
+    from types import SimpleNamespace
+
+    from tree_attn.commands.generate.reference import FP8CacheAttention
+
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, n = 4, 2, 16, 37
+    module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=hq // hkv, training=False)
+    attend = FP8CacheAttention(torch.float8_e4m3fn)
+    key = torch.randn(1, hkv, n, d, generator=gen) * torch.tensor([1.0, 6.0]).view(1, 2, 1, 1)
+    value = torch.randn(1, hkv, n, d, generator=gen)
+    key[0, 0, -1] = 50.0  # the new token, beyond the prompt's largest: saturates at 448 x scale
+    query = torch.randn(1, hq, 1, d, generator=gen)
+
+    def truth(k, v):
+        k, v = k.double().repeat_interleave(hq // hkv, 1), v.double().repeat_interleave(hq // hkv, 1)
+        w = torch.softmax(torch.einsum("bhqd,bhnd->bhqn", query.double(), k) * d ** -0.5, dim=-1)
+        return torch.einsum("bhqn,bhnd->bqhd", w, v)  # transformers' layout [B, Sq, Hq, D]
+
+    out, _ = attend(module, query, key, value, None, scaling=d ** -0.5)
+    assert torch.allclose(out.double(), truth(key, value), atol=1e-5)  # not decoding yet: as stored
+    attend.decoding = True
+    out, _ = attend(module, query, key, value, None, scaling=d ** -0.5)
+    ks = key[:, :, :-1].abs().amax(dim=(0, 2, 3)) / 448
+    vs = value[:, :, :-1].abs().amax(dim=(0, 2, 3)) / 448
+    k8 = (key / ks.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).double() * ks.view(1, -1, 1, 1)
+    v8 = (value / vs.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).double() * vs.view(1, -1, 1, 1)
+    assert float(k8[0, 0, -1, 0]) == pytest.approx(448 * float(ks[0]))
+    assert torch.allclose(out.double(), truth(k8, v8), atol=1e-5)
+    assert not torch.allclose(out.double(), truth(key, value), atol=1e-3)  # the rounding shows
