@@ -73,6 +73,19 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs only when NAME was selected
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
+# generate and its tests need the models extra's transformers (>= 5.24): say so first when the
+# machine's is older (a GPU image's own, say), instead of a failure in every generate step.
+python3 - <<'PY' 2>&1 | tee -a "$summary"
+from importlib.metadata import PackageNotFoundError, version
+try:
+    have = version("transformers")
+except PackageNotFoundError:
+    have = None
+major_minor = tuple(int(p) for p in (have or "0.0").split(".")[:2])
+if have is None or not (5, 24) <= major_minor < (6, 0):
+    print(f"note: transformers {have or 'missing'} here; generate needs >=5.24,<6 (pip install '.[models]'): "
+          "its steps and tests fail without it")
+PY
 cli=(python3 -m tree_attn)
 # Every pytest step: failures written to OUTDIR/STEP.failures the moment they happen (tests/conftest.py),
 # so a step stopped at its limit still says what failed; with pytest-timeout installed, one hung test

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tests.dist.cases import CaseHeads
+from tests.dist.cases import CaseHeads, ShardedCase
 from tests.fp8_inputs import quantize
 from tests.paged_inputs import to_paged
 from tree_attn import ReductionPlan, TreeDecodeStep, ring_decode, tree_decode
@@ -24,29 +24,14 @@ MAX_WORLD = 5
 
 
 @dataclass(frozen=True)
-class F8Case(CaseHeads):
-    """Rank r holds ``shard_lens[r]`` tokens per row, ``valid[r]`` of them valid, quantized to
-    float8_e4m3fn per KV head (``per_head``) or with one scalar scale (passed as a 0-d tensor, or
-    a Python number when ``number_scales``); paged into ``block_size`` pools when given; q has
-    ``sq`` tokens per row (``[B, Hq, D]`` when sq == 1)."""
+class F8Case(ShardedCase, CaseHeads):
+    """A :class:`ShardedCase` (strategy "tree", "allreduce", "ring", "tree-step" or "ring-step")
+    whose shards are quantized to float8_e4m3fn per KV head (``per_head``) or with one scalar scale
+    (passed as a 0-d tensor, or a Python number when ``number_scales``); q is ``[B, Hq, D]`` when
+    sq == 1."""
 
-    name: str
-    strategy: str  # "tree" | "allreduce" | "ring" | "tree-step" | "ring-step"
-    shard_lens: tuple[int, ...]
-    valid: tuple[tuple[int, ...], ...]
-    sq: int = 1
-    causal: bool = False
-    block_size: int | None = None
     per_head: bool = True
     number_scales: bool = False
-
-    @property
-    def world(self) -> int:
-        return len(self.shard_lens)
-
-    @property
-    def batch(self) -> int:
-        return len(self.valid[0])
 
     def kv_lens(self) -> list[int]:
         """Every rank's KV length as the decode sees it (paged: ``max_blocks * block_size``)."""

@@ -6,29 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.dist.cases import PlanCase
+from tests.dist.cases import PlanCase, ShardedCase
 from tests.paged_inputs import to_paged
 from tree_attn import ReductionPlan, ShapeError, TreeDecodeStep, ring_decode, tree_decode
 
 
 @dataclass(frozen=True)
-class MTCase(PlanCase):
-    """One distributed case: rank r holds ``shard_lens[r]`` tokens per row, ``valid[r]`` of them
-    valid (per row), paged into pools of ``block_size`` when given; q has ``sq`` tokens per row
-    (a ``[B, Hq, D]`` query when ``q3``)."""
+class MTCase(ShardedCase, PlanCase):
+    """A :class:`ShardedCase` (strategy "tree", "allreduce" or "ring") in the plan's dtype; a
+    ``[B, Hq, D]`` query when ``q3``."""
 
-    name: str
-    strategy: str  # "tree" | "allreduce" | "ring"
-    shard_lens: tuple[int, ...]
-    valid: tuple[tuple[int, ...], ...]
-    sq: int = 1
-    causal: bool = False
-    block_size: int | None = None
     q3: bool = False
-
-    @property
-    def batch(self) -> int:
-        return len(self.valid[0])
 
     def inputs(self):
         """q ``[B, Sq, Hq, D]`` and every rank's ``(k, v, lens, k_pool, v_pool, table)``

@@ -49,12 +49,36 @@ def counted_generate_rank(env, spec) -> dict[str, tuple[list[int], dict, dict]]:
     return out
 
 
+def scales_agreed_at_prefill(env, tokens_per_rank):
+    """Rank r gives ``agree_on_scales`` its own K/V of ``tokens_per_rank[r]`` tokens (0: none),
+    drawn from one generator so that every process can rebuild every rank's; returns this rank's
+    fixed scales and the scales of the whole prompt (all ranks' tokens together)."""
+    import torch
+
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+    from tree_attn.commands.generate.prefill import ShardedPrefill
+    from tree_attn.kernels.fp8 import E4M3
+
+    g = torch.Generator().manual_seed(11)
+    gains = torch.tensor([1.0, 3.0, 0.5])[:, None]
+    shards = [(torch.randn(n, 3, 8, generator=g) * gains, torch.randn(n, 3, 8, generator=g)) for n in tokens_per_rank]
+    store = PagedKVShard.allocate(2, 32, 3, 8, dtype=E4M3, device="cpu", page_size=4)
+    ctx = ShardedPrefill(store, plan=None)
+    k, v = shards[env.rank]
+    for layer in range(2):
+        ctx.agree_on_scales(layer, k * (layer + 1), v)
+    whole_k = torch.cat([s[0] for s in shards]).abs().amax(dim=(0, 2))
+    whole_v = torch.cat([s[1] for s in shards]).abs().amax(dim=(0, 2))
+    return [(store.k_scale[layer], store.v_scale[layer]) for layer in range(2)], (whole_k / 448, whole_v / 448)
+
+
 def fp8_ring_layer_steps(env, shard_tokens: tuple[int, ...], new_tokens: int, seed: int) -> dict:
     """generate's ring layer steps (``build_layer_step``) on fp8 pools, in generate's order.
 
     Rank r writes ``shard_tokens[r]`` prefill tokens of random K/V into its fp8 pool (per-rank,
-    per-head gains: every rank's scales its own); a rank with none takes scales of 1, as the
-    prefill gives it (``fix_unset_scales``). The last rank makes room for ``new_tokens`` in
+    per-head gains: every rank's scales its own, which the ring API allows, though generate's
+    prefill makes them agree); a rank with none gets scales 0.05 (K) and 0.02 (V), fixed before
+    the steps are built, as the prefill fixes them. The last rank makes room for ``new_tokens`` in
     ``seq_lens``, then each layer's step is built for Sq = 1 and Sq = ``new_tokens`` (causal),
     and only then are the new tokens written (with the scales the steps already hold), as a
     decode forward does. Returns the queries, each step's ``(out, lse)`` and ``(messages, bytes)``
@@ -78,7 +102,8 @@ def fp8_ring_layer_steps(env, shard_tokens: tuple[int, ...], new_tokens: int, se
             gain = torch.rand(hkv, 1, generator=g) * 4 + 0.1
             store.write(layer, 0, torch.randn(n, hkv, d, generator=g) * gain,
                         torch.randn(n, hkv, d, generator=g) * gain / 4)
-    store.fix_unset_scales()
+        else:  # no token to take scales from: fixed before the steps are built, as the prefill fixes them
+            store.set_scales(layer, torch.full((hkv,), 0.05), torch.full((hkv,), 0.02))
     store.set_length(n + (new_tokens if last else 0))  # seq_lens holds the new tokens before the steps
     caps = [None] * env.world_size
     dist.all_gather_object(caps, store.capacity)

@@ -283,12 +283,61 @@ def test_fp8_pool_layer_step_equals_float64_on_the_dequantized_pool(model):
         assert torch.allclose(out[0, 0].double(), want, atol=1e-5, rtol=1e-4), layer
 
 
-def test_a_rank_without_prefill_tokens_takes_fp8_scales_of_1_and_reads_its_new_tokens_with_them(model):
-    """A 1-token prompt on one rank: the prefill has no token, so no values to fix scales from; it
-    fixes every layer's at 1 (before, the first decode step's build failed: no scales yet). The new
-    tokens are then written with those 1s, stored as e4m3 values themselves (a value past 448
-    saturates, never NaN), the scales stay the tensors the steps were built with, and each
-    layer's step equals float64 attention over the dequantized pool, out and lse."""
+def test_ranks_agree_on_fp8_scales_at_prefill_an_empty_rank_too():
+    """3 CPU ranks (gloo), one with no prompt token: every rank fixes each layer's scales to the
+    whole prompt's per-head maxima / 448 (one all-reduce MAX per layer), the ones one process
+    would take, not its own shard's (and not 1 where it holds nothing)."""
+    from tests.generate.rank_fns import scales_agreed_at_prefill
+
+    per_rank = launch_ranks(scales_agreed_at_prefill, 3, args=((13, 0, 6),), timeout_s=60)
+    _, (whole_k, whole_v) = per_rank[0]
+    for rank, (layers, _) in enumerate(per_rank):
+        for layer, (ks, vs) in enumerate(layers):
+            assert torch.equal(ks, whole_k * (layer + 1)), (rank, layer)
+            assert torch.equal(vs, whole_v), (rank, layer)
+
+
+def test_the_fp8_reference_attends_over_its_cache_through_fp8():
+    """The reference's attention under fp8 (written apart from the ranks' quantizer): prompt calls
+    read the K/V as they are; a decode call reads K and V rounded through e4m3 with per-head scales
+    from the prompt's positions (the new one excluded), saturating. Against float64."""
+    from types import SimpleNamespace
+
+    from tree_attn.commands.generate.reference import FP8CacheAttention
+
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, n = 4, 2, 16, 37
+    module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=hq // hkv, training=False)
+    attend = FP8CacheAttention(torch.float8_e4m3fn)
+    key = torch.randn(1, hkv, n, d, generator=gen) * torch.tensor([1.0, 6.0]).view(1, 2, 1, 1)
+    value = torch.randn(1, hkv, n, d, generator=gen)
+    key[0, 0, -1] = 50.0  # the new token, beyond the prompt's largest: saturates at 448 x scale
+    query = torch.randn(1, hq, 1, d, generator=gen)
+
+    def truth(k, v):
+        k, v = k.double().repeat_interleave(hq // hkv, 1), v.double().repeat_interleave(hq // hkv, 1)
+        w = torch.softmax(torch.einsum("bhqd,bhnd->bhqn", query.double(), k) * d ** -0.5, dim=-1)
+        return torch.einsum("bhqn,bhnd->bqhd", w, v)  # transformers' layout [B, Sq, Hq, D]
+
+    out, _ = attend(module, query, key, value, None, scaling=d ** -0.5)
+    assert torch.allclose(out.double(), truth(key, value), atol=1e-5)  # not decoding yet: as stored
+    attend.decoding = True
+    out, _ = attend(module, query, key, value, None, scaling=d ** -0.5)
+    ks = key[:, :, :-1].abs().amax(dim=(0, 2, 3)) / 448
+    vs = value[:, :, :-1].abs().amax(dim=(0, 2, 3)) / 448
+    k8 = (key / ks.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).double() * ks.view(1, -1, 1, 1)
+    v8 = (value / vs.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).double() * vs.view(1, -1, 1, 1)
+    assert float(k8[0, 0, -1, 0]) == pytest.approx(448 * float(ks[0]))
+    assert torch.allclose(out.double(), truth(k8, v8), atol=1e-5)
+    assert not torch.allclose(out.double(), truth(key, value), atol=1e-3)  # the rounding shows
+
+
+def test_an_fp8_prefill_without_tokens_gives_scales_of_1_and_new_tokens_are_written_with_them(model):
+    """A 1-token prompt: the prefill has no token anywhere, so every maximum is 0 and every layer's
+    scales are 1. The new tokens are then written with those 1s, stored as e4m3 values
+    themselves (a value past 448 saturates, never NaN), the scales stay the tensors the steps
+    were built with, and each layer's step equals float64 attention over the dequantized pool,
+    out and lse."""
     from tests.paged_inputs import float64_over_shards
     from tests.tolerances import assert_decode_close, tol_for
     from tree_attn.commands.generate.layer_steps import build_layer_step
@@ -333,7 +382,7 @@ def test_a_rank_without_prefill_tokens_takes_fp8_scales_of_1_and_reads_its_new_t
         assert_decode_close(out[:, 0], step.step.lse, ref_out[:, 0], ref_lse[:, 0], tol_for(torch.float32),
                             what=f"layer {layer}")
         step.close()
-    # A value past the format's largest saturates at 448 x scale, never NaN (vLLM's scale-1 caveat).
+    # A value past the format's largest saturates at 448 x scale, never NaN.
     big = torch.full((1, shape.kv_heads, shape.head_dim), 1000.0)
     store.write_slots(0, *store.slots(torch.tensor([NEW])), big, -big)
     k8, v8 = store.k[0], store.v[0]
@@ -342,9 +391,10 @@ def test_a_rank_without_prefill_tokens_takes_fp8_scales_of_1_and_reads_its_new_t
 
 
 def test_ring_layer_steps_on_fp8_pools_equal_float64_on_the_dequantized_pools():
-    """3 CPU ranks, each with its own fp8 pool and scales, the last one's prefill empty (scales of
-    1) and then holding 3 new tokens: generate's ring layer step (``build_layer_step``, built before
-    the new tokens are written) equals float64 attention over the union of the dequantized pools,
+    """3 CPU ranks, each with its own fp8 pool and scales (they differ, so a block read with the
+    wrong rank's scales shows), the last one's prefill empty and then holding 3 new tokens written
+    with its scales: generate's ring layer step (``build_layer_step``, built before the new tokens
+    are written) equals float64 attention over the union of the dequantized pools,
     out and lse, for one query token and three causal ones; it sends, per ring step, the block's
     lengths, its K and V pages (1 byte an element) and its owner's scales (8 * Hkv bytes)."""
     from tests.fp8_inputs import dequantize
@@ -357,8 +407,9 @@ def test_ring_layer_steps_on_fp8_pools_equal_float64_on_the_dequantized_pools():
     pools = [rep["pools"] for rep in per_rank]
     hkv, d = pools[0][0][0].shape[1:]
     for layer in range(len(pools[0])):
-        assert torch.equal(pools[2][layer][2], torch.ones(hkv)) and torch.equal(pools[2][layer][3], torch.ones(hkv))
-        assert not torch.equal(pools[0][layer][2], pools[1][layer][2])  # a block read with another's scales shows
+        assert torch.equal(pools[2][layer][2], torch.full((hkv,), 0.05))
+        assert torch.equal(pools[2][layer][3], torch.full((hkv,), 0.02))
+        assert not torch.equal(pools[0][layer][2], pools[1][layer][2])
     caps = per_rank[0]["caps"]
     assert caps == [40, 20, 5]
     for sq, query in per_rank[0]["queries"].items():

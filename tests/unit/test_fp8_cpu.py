@@ -186,6 +186,33 @@ def test_quantize_kv_per_head_scales_and_zero_head():
     assert k8z.dtype == FNUZ and torch.allclose(ksz[0], amax_k[0] / 240)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_quantize_kv_and_the_store_leave_their_inputs_alone(dtype):
+    """Quantizing reads its inputs only: a float32 cache (whose ``.float()`` is itself) once came
+    back as its absolute values, and the fp8 store wrote |K| into its pools."""
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+    from tree_attn.kernels.fp8 import head_amax
+
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(2, 21, 3, 8, generator=g).to(dtype)
+    v = torch.randn(2, 21, 3, 8, generator=g).to(dtype)
+    k0, v0 = k.clone(), v.clone()
+    k8, v8, ks, vs = quantize_kv(k, v)
+    head_amax(k)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    # What is stored is the cache, signs and all: within half an fp8 step of each value.
+    for x, x8, s in ((k, k8, ks), (v, v8, vs)):
+        err = (dequantize(x8, s) - x.double()).abs()
+        assert bool((err <= x.double().abs() * 2.0**-4 + s.double().max() * 2.0**-9).all())
+    store = PagedKVShard.allocate(1, 32, 3, 8, dtype=FN, device="cpu", page_size=8, seed=2)
+    store.write(0, 0, k[0], v[0])
+    store.set_length(21)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    kk, vv = store.read(0)
+    assert torch.equal(dequantize(kk, store.k_scale[0]).sign(), k[0].double().sign())
+    assert torch.equal(dequantize(vv, store.v_scale[0]).sign(), v[0].double().sign())
+
+
 def test_quantize_kv_bad_inputs():
     k = torch.randn(1, 4, 2, 8)
     with pytest.raises(ConfigError, match="k and v must have the same KV heads"):

@@ -99,7 +99,7 @@ def head_amax(x: torch.Tensor) -> torch.Tensor:
     hkv = x.shape[-2]
     amax = torch.zeros(hkv, dtype=torch.float32, device=x.device)
     for _, c in _chunks(x):
-        a = c.float().abs_()
+        a = c.float().abs()  # out of place: .float() of a float32 tensor is the tensor itself
         a = torch.where(torch.isfinite(a), a, 0.0)
         amax = torch.maximum(amax, a.amax(dim=(0, 2)) if a.shape[0] else amax)
     return amax

@@ -166,8 +166,8 @@ class GenerateRow:
     messages: the most any rank sent in a step). ``matches``: the tokens equal those of the row
     the result is checked against (``GenerateResult.checked_against``). ``skipped``: why a
     one-process row did not run (then it has no tokens). ``quantized``: the row read an fp8 KV
-    cache, so differing tokens are a fact to count (``same_tokens``: positions equal to the
-    yardstick's), not a failure."""
+    cache (checked as any row: the reference then reads its cache quantized alike).
+    ``same_tokens``: positions equal to the yardstick's."""
 
     name: str
     ranks: int
@@ -190,8 +190,8 @@ class GenerateRow:
 
     @property
     def ok(self) -> bool:
-        """The row passes: its ranks agree, and its tokens equal the yardstick's (any tokens when quantized)."""
-        return self.ranks_agree and (self.matches or self.quantized)
+        """The row passes: its ranks agree, and its tokens equal the yardstick's."""
+        return self.ranks_agree and self.matches
 
     @property
     def median_s(self) -> float:

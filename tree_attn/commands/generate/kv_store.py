@@ -12,18 +12,6 @@ whole prompt, so that every rank uses the same), or else from the layer's first 
 prefill): amax / 448 per head. Later tokens are quantized with those scales, saturating at +-448
 times the scale (a value beyond the prefill's largest is clipped, never NaN): what an engine that
 fixes its scales at prefill does.
-
-A shard whose prefill has no token (a prompt shorter than the world leaves the last ranks empty)
-has no values to take scales from: the prefill fixes them at 1 (:meth:`PagedKVShard.fix_unset_scales`),
-vLLM's scale for an fp8 cache without calibrated scales, before any decode step is built. Each
-layer's step is built before that layer's first new-token write, and it holds the scale tensors
-it was given, so scales fixed later (say, from the first new token) would be read by no step; a
-step would have nothing to read at all (:meth:`PagedKVShard.scales` raises). When that shard is
-the last rank's, the new tokens are written with those scales of 1: stored as e4m3 values
-themselves (3 mantissa bits for ``|x|`` in ``[2**-6, 448]``, steps of ``2**-9`` below,
-saturated at +-448), and every step reads them back with the same 1s (the ring sends them with
-the pool). Fixing them from the first new token instead would clip every later token larger than
-that one.
 """
 
 from __future__ import annotations
@@ -90,14 +78,6 @@ class PagedKVShard:
         dev = self.k[layer].device
         self.k_scale[layer] = k_scale.to(device=dev, dtype=torch.float32).contiguous()
         self.v_scale[layer] = v_scale.to(device=dev, dtype=torch.float32).contiguous()
-
-    def fix_unset_scales(self) -> None:
-        """Scales of 1 for every layer whose scales are not fixed yet (an fp8 shard whose prefill
-        had no token; nothing for other dtypes). Called once the prefill has written."""
-        for layer in range(len(self.k_scale)):
-            if self.k_scale[layer] is None:
-                one = torch.ones(self.k[layer].shape[2], dtype=torch.float32)
-                self.set_scales(layer, one, one)
 
     def scales(self, layer: int) -> dict:
         """Layer ``layer``'s scales as the decode functions' keywords (``{}`` unless fp8)."""

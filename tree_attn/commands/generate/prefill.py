@@ -11,8 +11,17 @@ any layer's cache, and the launching process holds none.
 
 A rank with no token (fewer prompt tokens than ranks) cannot run the model on an empty sequence
 (transformers' projections reject it), so it calls the layer exchange itself, once per layer, with
-empty blocks: it relays the others' blocks like any rank. Its fp8 pool's scales are then 1
-(:meth:`.kv_store.PagedKVShard.fix_unset_scales`).
+empty blocks: it relays the others' blocks like any rank.
+
+An fp8 pool (``--kv-dtype fp8``) is quantized as it is written, with per-layer, per-KV-head scales
+that the ranks agree on before the layer's first write (:meth:`ShardedPrefill.agree_on_scales`):
+the whole prompt's maxima, the scales one process would take, so every strategy, world size and
+the reference quantize alike. A rank with no prompt token takes them too (its maxima count as
+0), and when it is the last rank it quantizes every new token with them, before any decode step
+reads its pool; a new token beyond the prompt's largest saturates at 448 times the scale. Only a
+prompt with no prefill token at all (a single token) leaves every maximum 0: its scales are 1, a
+zero maximum's (``scales_for``). The prefill's own attention reads the unquantized K/V (the blocks
+travel in the model's dtype); the decode steps read the pools.
 
 The MLP is applied in chunks of :data:`MLP_ROWS` tokens (:func:`chunk_mlp`): it is token-wise, so
 the result is the same, and its ``3 x intermediate`` activations per token, the largest of a
@@ -28,9 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ...cost.capacity import MLP_ROWS
 from ...errors import ConfigError
+from ...kernels.fp8 import head_amax, scales_for
 from ...reduce.ring_prefill import PrefillTiming, RingPlan, ring_prefill_attention
 from .hf_attention import CONTEXT_KWARG
 from .kv_store import PagedKVShard
@@ -57,11 +68,26 @@ class ShardedPrefill:
         if query.shape[0] != 1:
             raise ConfigError(f"generate prefills one sequence; got a batch of {query.shape[0]}")
         k, v = key[0], value[0]
+        if self.store.fp8:
+            self.agree_on_scales(layer, k.transpose(0, 1), v.transpose(0, 1))
         if k.shape[1]:
             self.store.write(layer, 0, k.transpose(0, 1), v.transpose(0, 1))
         out, _ = ring_prefill_attention(query[0], k, v, self.plan, scale=scale, group=self.group,
                                         timing=self.timing)
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0)
+
+    def agree_on_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An fp8 pool: fix layer ``layer``'s scales from the whole prompt's K and V, ``[S_r, Hkv, D]``
+        here: each rank's per-head maxima, all-reduced (MAX: exact) over the ring's group, / 448.
+        Every rank, one that holds no prompt tokens included, then stores with the same scales, the
+        ones a single process would take from the whole prompt, and the reference quantizes its
+        cache with them: one all-reduce of ``2 * Hkv`` floats per layer."""
+        amax = torch.cat([head_amax(k), head_amax(v)])
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        dtype = self.store.k[layer].dtype
+        hkv = k.shape[1]
+        self.store.set_scales(layer, scales_for(amax[:hkv], dtype), scales_for(amax[hkv:], dtype))
 
 
 @dataclass
@@ -129,9 +155,6 @@ def sharded_prefill(model, prompt_ids: tuple[int, ...] | list[int], ctx: Sharded
         kv = torch.empty((1, kv_heads, 0, head_dim), dtype=dtype, device=device)
         for layer in range(config.num_hidden_layers):
             ctx.attend(layer, q, kv, kv, head_dim ** -0.5)
-    # An fp8 pool's layers without a prefill token (this rank had none) get scales of 1, fixed now,
-    # before any decode step is built on them (kv_store says why).
-    ctx.store.fix_unset_scales()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     ctx.store.set_length(len(positions))

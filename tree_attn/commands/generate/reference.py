@@ -6,6 +6,13 @@ a user of transformers would) and decodes greedily from the last prompt token. N
 tree-attn's attention, prefill or cache takes part, so every other row is checked against an
 independent computation. It runs in a child process (the launching process computes nothing on a
 device, and holds no KV), only where the whole context fits in one process (``--reference``).
+
+With an fp8 KV cache (``--kv-dtype fp8``) the reference's cache is quantized as the ranks'
+(:class:`FP8CacheAttention`, written here with torch's own fp8 cast, apart from tree-attn's
+quantizer): each layer's K and V per KV head with scale = the prompt's largest ``|value|`` / the
+format's largest, a decode step's new token saturating at it; its prompt attention reads the
+unquantized K/V, as the ranks' prefill does. So the fp8 rows are checked token for token, as
+16-bit rows are, and what quantization does to the tokens is the reference's own business.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ import torch
 
 from ...cost.capacity import REFERENCE_CHUNK
 from ...dtypes import torch_dtype
+from ...kernels.fp8 import is_fp8
 from ...launch.job import device_name
 from ...launch.memory import MemoryMonitor
 from .models import build_model
 
-__all__ = ["ReferenceReport", "reference_in_child", "reference_work"]
+__all__ = ["FP8_REFERENCE", "FP8CacheAttention", "ReferenceReport", "reference_in_child", "reference_work"]
 
 
 @dataclass
@@ -47,9 +55,17 @@ def reference_work(spec, say: Callable[[str], None]) -> ReferenceReport:
 
     device = torch.device("cuda", 0) if spec.device_kind == "cuda" else torch.device("cpu")
     with MemoryMonitor(str(device)) as mem:
-        say(f"reference: loading {spec.source.label} (transformers, sdpa attention)")
+        fp8 = FP8CacheAttention(torch_dtype(spec.kv_dtype)) if is_fp8(torch_dtype(spec.kv_dtype)) else None
+        say(f"reference: loading {spec.source.label} (transformers, sdpa attention"
+            + (f", its cache read as {spec.kv_dtype})" if fp8 is not None else ")"))
         model = build_model(spec.source, dtype=torch_dtype(spec.dtype), device=device)
-        model.set_attn_implementation("sdpa")
+        if fp8 is not None:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(FP8_REFERENCE, fp8)
+            model.set_attn_implementation(FP8_REFERENCE)
+        else:
+            model.set_attn_implementation("sdpa")
         prompt = list(spec.prompt_ids)
         n = len(prompt) - 1
 
@@ -64,6 +80,8 @@ def reference_work(spec, say: Callable[[str], None]) -> ReferenceReport:
             forward(cache, prompt[start:min(n, start + REFERENCE_CHUNK)])
         prefill_s = time.perf_counter() - t0
         say(f"reference: prefilled {n:,} tokens in {prefill_s:.1f} s; decoding {spec.new_tokens} tokens")
+        if fp8 is not None:
+            fp8.decoding = True  # from here on the cache is read as fp8 (scales from the prompt)
         forward(cache, [prompt[-1]])  # warm-up, as the other rows have; its KV is dropped
         cache.crop(-1)
         token, tokens, steps = prompt[-1], [], []
@@ -76,6 +94,44 @@ def reference_work(spec, say: Callable[[str], None]) -> ReferenceReport:
             tokens.append(token)
     return ReferenceReport(tokens, steps, prefill_s, mem.result.peak_bytes, mem.method, device_name(str(device)),
                            os.getpid())
+
+
+FP8_REFERENCE = "tree_attn_fp8_reference"
+
+
+class FP8CacheAttention:
+    """Transformers' sdpa attention over the cache as an fp8 engine stores it (``kv_dtype``: an
+    fp8 dtype), registered as an attention implementation. Until :attr:`decoding` is set (the
+    prompt's forwards) it attends over the unquantized K/V. At a layer's first call after that its
+    scales are fixed from the prompt's K and V (every cached position but the call's own token):
+    per KV head ``amax / finfo(kv_dtype).max`` (1 for an all-zero head); every decode call then
+    attends over K and V rounded through ``kv_dtype`` with those scales, saturating."""
+
+    def __init__(self, kv_dtype: torch.dtype):
+        self.kv_dtype = kv_dtype
+        self.top = torch.finfo(kv_dtype).max
+        self.decoding = False
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _through_fp8(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # x [B, Hkv, S, D]
+        s = scale.view(1, -1, 1, 1)
+        return ((x.float() / s).clamp(-self.top, self.top).to(self.kv_dtype).float() * s).to(x.dtype)
+
+    def _per_head_scale(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.float().abs().amax(dim=(0, 2, 3))
+        return torch.where(amax > 0, amax / self.top, torch.ones_like(amax))
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if self.decoding:
+            layer = module.layer_idx
+            if layer not in self.scales:
+                new = query.shape[2]
+                self.scales[layer] = (self._per_head_scale(key[:, :, :-new]), self._per_head_scale(value[:, :, :-new]))
+            k_scale, v_scale = self.scales[layer]
+            key, value = self._through_fp8(key, k_scale), self._through_fp8(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def reference_in_child(spec, say: Callable[[str], None]) -> ReferenceReport:

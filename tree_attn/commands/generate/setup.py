@@ -161,8 +161,9 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     if dtype != "float32":
         warnings.append(f"{dtype}: rounding may differ between the reference and the ranks, and greedy tokens with it")
     if is_fp8(kv_dtype):
-        notices.append(f"KV cache {kv_dtype}: quantized as written, with per-layer, per-KV-head scales fixed by each "
-                       "rank's prefill; tokens may differ from the unquantized reference's (counted, not a failure)")
+        notices.append(f"KV cache {kv_dtype}: quantized as written, with per-layer, per-KV-head scales from the whole "
+                       "prompt (the ranks agree on them at prefill); the reference reads its cache quantized the same "
+                       "way, so tokens are checked as in 16 bits")
     if source.random_weights:
         notices.append(f"model: {source.label}; random weights, so the output is token ids, not text")
     spec = GenerateSpec(source=source, prompt_ids=tuple(ids), launch=launch, new_tokens=n_new, page_size=page,
