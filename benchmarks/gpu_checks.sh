@@ -21,7 +21,8 @@
 #          side, the two test steps slowed each other past their limits on an H200 (2026-11-26).
 #   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
 #          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
-#          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes)
+#          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes),
+#          generate-fp8 (`generate --kv-dtype fp8`: every strategy, ring included, on fp8 pools)
 # With no group or step named, every group runs in turn (about 40 minutes).
 set -u
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|fp8|short|STEP ...]"
@@ -37,7 +38,7 @@ summary="$out/summary.txt"
 touch "$summary"
 
 all_steps=(replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
-           bench-generate probe probe-measure tune run run-eager run-fp8 generate-gpu-tests generate generate-eager
+           bench-generate probe probe-measure tune run run-eager run-fp8 generate-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
            bench-generate-short)
 selected=()
@@ -48,10 +49,10 @@ for arg in "${@:-tests bench cli fp8}"; do
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
-      fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8) ;;
+      fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8 generate-fp8) ;;
       short) quick="--quick"; short=1; selected+=(gpu-tests cpu-suite bench-kernel-short bench-generate-short run generate) ;;
       gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
-      bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-gpu-tests|generate|generate-eager|\
+      bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
       *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
@@ -140,6 +141,9 @@ step run-fp8 120 "${cli[@]}" run --seq-len 65536 --strategy tree,allreduce,ring 
 step generate-gpu-tests 200 python3 -m pytest -q "${pytest_opts[@]}" -m gpu tests/generate
 step generate 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --json
 step generate-eager 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --no-cuda-graph --json
+# generate on fp8 pools (scales fixed by each rank's prefill): every strategy, the ring sending each
+# rank's scales with its pool; rows report same n/N against the unquantized reference.
+step generate-fp8 150 "${cli[@]}" generate --layers 2 --prompt-len 4096 --new-tokens 16 --kv-dtype fp8 --json
 # Sharded prefill at a long context on the GPUs there are (the ring between them, each rank's
 # K/V straight into its pool; rank peaks by max_memory_allocated beside the estimate in the JSON),
 # the one-process rows where they fit (--reference auto); then a prompt the GPUs cannot hold is

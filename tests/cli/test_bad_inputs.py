@@ -178,8 +178,6 @@ CASES = [
     ("generate-weights-lfs-pointer", ["generate", *CPU, "--model", "{d}/lfs-weights"], {}, 1,
      "model.safetensors is a Git LFS pointer, not the weights: fetch them with `git lfs pull`"),
     ("generate-kv-dtype-unknown", ["generate", *CPU, "--kv-dtype", "int4"], {}, 1, "KV dtype must be one of"),
-    ("generate-kv-fp8-ring-only", ["generate", *CPU, "--kv-dtype", "fp8", "--strategy", "ring"], {}, 1,
-     "use --strategy tree or allreduce"),
     ("generate-layers-with-model", ["generate", *CPU, "--model", "{d}/no-weights", "--layers", "2"], {}, 1,
      "--layers applies to a preset"),
     ("generate-unknown-preset", ["generate", *CPU, "--preset", "gpt-5"], {}, 1, "unknown model preset 'gpt-5'"),

@@ -18,18 +18,25 @@ from tests.fp8_inputs import quantize
 from tests.paged_inputs import to_paged
 from tree_attn import ReductionPlan, TreeDecodeStep, ring_decode, tree_decode
 from tree_attn.reduce.comm import CommStats
+from tree_attn.reduce.ring import RingDecodeStep
 
 MAX_WORLD = 5
 
 
 @dataclass(frozen=True)
 class F8Case(ShardedCase, CaseHeads):
-    """A :class:`ShardedCase` (strategy "tree", "allreduce", "ring" or "tree-step") whose shards are
-    quantized to float8_e4m3fn per KV head (``per_head``) or with one scalar scale (passed as a 0-d
-    tensor, or a Python number when ``number_scales``); q is ``[B, Hq, D]`` when sq == 1."""
+    """A :class:`ShardedCase` (strategy "tree", "allreduce", "ring", "tree-step" or "ring-step")
+    whose shards are quantized to float8_e4m3fn per KV head (``per_head``) or with one scalar scale
+    (passed as a 0-d tensor, or a Python number when ``number_scales``); q is ``[B, Hq, D]`` when
+    sq == 1."""
 
     per_head: bool = True
     number_scales: bool = False
+
+    def kv_lens(self) -> list[int]:
+        """Every rank's KV length as the decode sees it (paged: ``max_blocks * block_size``)."""
+        bs = self.block_size
+        return [(-(-n // bs) + 1) * bs if bs else n for n in self.shard_lens]
 
     def inputs(self):
         """q ``[B, Sq, Hq, D]`` bf16 and per rank ``(k8, v8, k_scale, v_scale, lens)`` (contiguous
@@ -69,6 +76,12 @@ def _call(case: F8Case, group, rank: int, stats: CommStats):
     kw = dict(seq_lens=lens, block_table=table, causal=case.causal, k_scale=k_scale, v_scale=v_scale, group=group)
     if case.strategy == "ring":
         return ring_decode(qq, k8, v8, stats=stats, **kw)
+    if case.strategy == "ring-step":  # called twice: the second reuses the receive buffers
+        kw.pop("seq_lens")
+        step = RingDecodeStep(qq, k8, v8, lens, lengths=case.kv_lens(), **kw)
+        step()
+        out, lse = step(stats)
+        return out.clone(), lse.clone()
     if case.strategy == "tree-step":
         kw.pop("seq_lens")
         with TreeDecodeStep(qq, k8, v8, lens, plan=ReductionPlan("tree", 2), cuda_graph=False, **kw) as step:
@@ -102,7 +115,8 @@ def run_fp8_cases(env, cases_by_world: dict[int, list[F8Case]], traffic_cases: d
 
 def _ring_traffic(group, rank: int, shard_lens, batch: int, kv_heads: int, head_dim: int):
     """The ring's CommStats for the same shapes, fp8 against bf16: two calls each (the second
-    with ``lengths`` known, so without the shape all-gather)."""
+    with ``lengths`` known, so without the shape all-gather), and one call of a
+    :class:`RingDecodeStep` (``"<dtype>-step"``)."""
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(batch, 8, head_dim, generator=g).bfloat16()
     k = torch.randn(batch, shard_lens[rank], kv_heads, head_dim, generator=g)
@@ -116,4 +130,7 @@ def _ring_traffic(group, rank: int, shard_lens, batch: int, kv_heads: int, head_
         ring_decode(q, kk, vv, group=group, stats=first, **scales)
         ring_decode(q, kk, vv, group=group, stats=second, lengths=list(shard_lens), **scales)
         counts[name] = ((first.messages, first.bytes_sent), (second.messages, second.bytes_sent))
+        step_stats = CommStats()
+        RingDecodeStep(q, kk, vv, lengths=list(shard_lens), group=group, **scales)(step_stats)
+        counts[f"{name}-step"] = (step_stats.messages, step_stats.bytes_sent)
     return counts

@@ -1,11 +1,12 @@
-"""fp8 KV shards across CPU ranks (gloo): tree_decode, the all-reduce merge, ring_decode and
-TreeDecodeStep at world sizes 1-5, against float64 on the union of the DEQUANTIZED shards (each
-rank's stored values times its own scales), out and lse at the bf16 tolerance. Contiguous and
+"""fp8 KV shards across CPU ranks (gloo): tree_decode, the all-reduce merge, ring_decode,
+TreeDecodeStep and RingDecodeStep (generate's ring layer step) at world sizes 1-5, against float64
+on the union of the DEQUANTIZED shards (each rank's stored values times its own scales), out and
+lse at the bf16 tolerance. Contiguous and
 paged shards, GQA, shards and rows that are empty or not a multiple of the page, several causal
 query tokens, scales per KV head, as 0-d tensors and as Python numbers.
 
 Then the ring's traffic, counted exactly: an fp8 block is half a bf16 block's bytes, plus one
-message of its scales (8 * Hkv bytes) per step.
+message of its scales (8 * Hkv bytes) per step, and RingDecodeStep sends what ring_decode sends.
 
 One spawn of 5 ranks runs every world size (one process group per size): spawning is the slow
 part on two cores.
@@ -46,6 +47,12 @@ def _cases_for(world: int) -> list[F8Case]:
         F8Case("ring-number-scales-gqa8", "ring", uneven, valid, per_head=False, number_scales=True, kv_heads=1,
                seed=s + 21),
         F8Case("tree-step-paged3", "tree-step", uneven, valid, block_size=3, seed=s + 22),
+        # generate's ring layer step: each rank's pool with its own scales, sent along with it
+        F8Case("ring-step-gqa4-uneven", "ring-step", uneven, valid, seed=s + 30),
+        F8Case("ring-step-paged5-sq3-causal", "ring-step", causal_lens, causal_valid, sq=3, causal=True,
+               block_size=5, seed=s + 31),
+        F8Case("ring-step-scalar-tensor-scales-mha", "ring-step", uneven, valid, per_head=False, q_heads=4,
+               kv_heads=4, seed=s + 32),
     ]
 
 
@@ -104,6 +111,7 @@ def test_ring_sends_fp8_blocks_at_half_the_bytes_plus_scales(world):
             first, second = counts[name]
             assert first == _ring_expected(world, rank, itemsize, fp8, True), (name, rank)
             assert second == _ring_expected(world, rank, itemsize, fp8, False), (name, rank)
+            assert counts[f"{name}-step"] == second, (name, rank)  # RingDecodeStep counts as ring_decode
         # The K/V bytes exactly halve; the rest is the lengths, and the scales fp8 adds.
         (m8, b8), (m16, b16) = counts["fp8"][1], counts["bfloat16"][1]
         overhead = (world - 1) * 4 * b

@@ -70,3 +70,62 @@ def scales_agreed_at_prefill(env, tokens_per_rank):
     whole_k = torch.cat([s[0] for s in shards]).abs().amax(dim=(0, 2))
     whole_v = torch.cat([s[1] for s in shards]).abs().amax(dim=(0, 2))
     return [(store.k_scale[layer], store.v_scale[layer]) for layer in range(2)], (whole_k / 448, whole_v / 448)
+
+
+def fp8_ring_layer_steps(env, shard_tokens: tuple[int, ...], new_tokens: int, seed: int) -> dict:
+    """generate's ring layer steps (``build_layer_step``) on fp8 pools, in generate's order.
+
+    Rank r writes ``shard_tokens[r]`` prefill tokens of random K/V into its fp8 pool (per-rank,
+    per-head gains: every rank's scales its own, which the ring API allows, though generate's
+    prefill makes them agree); a rank with none gets scales 0.05 (K) and 0.02 (V), fixed before
+    the steps are built, as the prefill fixes them. The last rank makes room for ``new_tokens`` in
+    ``seq_lens``, then each layer's step is built for Sq = 1 and Sq = ``new_tokens`` (causal),
+    and only then are the new tokens written (with the scales the steps already hold), as a
+    decode forward does. Returns the queries, each step's ``(out, lse)`` and ``(messages, bytes)``
+    per layer, every rank's pool capacity, and this rank's pools read back (float32, exact) with
+    their scales."""
+    import torch
+    import torch.distributed as dist
+
+    from tree_attn.commands.generate.hf_attention import DecodeContext
+    from tree_attn.commands.generate.kv_store import PagedKVShard
+    from tree_attn.commands.generate.layer_steps import build_layer_step
+
+    layers, hq, hkv, d, page = 2, 4, 2, 16, 5
+    last = env.rank == env.world_size - 1
+    n = shard_tokens[env.rank]
+    g = torch.Generator().manual_seed(seed + env.rank)
+    store = PagedKVShard.allocate(layers, n + (new_tokens if last else 0), hkv, d, dtype=torch.float8_e4m3fn,
+                                  device="cpu", page_size=page, seed=seed + env.rank)
+    for layer in range(layers):
+        if n:
+            gain = torch.rand(hkv, 1, generator=g) * 4 + 0.1
+            store.write(layer, 0, torch.randn(n, hkv, d, generator=g) * gain,
+                        torch.randn(n, hkv, d, generator=g) * gain / 4)
+        else:  # no token to take scales from: fixed before the steps are built, as the prefill fixes them
+            store.set_scales(layer, torch.full((hkv,), 0.05), torch.full((hkv,), 0.02))
+    store.set_length(n + (new_tokens if last else 0))  # seq_lens holds the new tokens before the steps
+    caps = [None] * env.world_size
+    dist.all_gather_object(caps, store.capacity)
+    ctx = DecodeContext(store, "ring", holds_new=last, ring_lengths=caps)
+    gq = torch.Generator().manual_seed(seed)  # the same queries on every rank
+    queries = {sq: torch.randn(1, hq, sq, d, generator=gq) for sq in (1, new_tokens)}
+    steps = {sq: [build_layer_step(ctx, layer, queries[sq], d ** -0.5) for layer in range(layers)]
+             for sq in queries}
+    if last:
+        for layer in range(layers):
+            store.write(layer, n, 2 * torch.randn(new_tokens, hkv, d, generator=g),
+                        torch.randn(new_tokens, hkv, d, generator=g))
+    results, traffic = {}, {}
+    for sq, per_layer in steps.items():
+        results[sq], traffic[sq] = [], []
+        for layer, step in enumerate(per_layer):
+            ctx.stats.reset()
+            out = step(queries[sq]).clone()
+            results[sq].append((out, step.step.lse.clone()))
+            traffic[sq].append((ctx.stats.messages, ctx.stats.bytes_sent))
+            step.close()
+    # fp8 values as float32 (exact): fp8 storages do not cross the result pipe
+    pools = [(*(t.float() for t in store.read(layer)), store.k_scale[layer], store.v_scale[layer])
+             for layer in range(layers)]
+    return {"queries": queries, "steps": results, "traffic": traffic, "caps": caps, "pools": pools}

@@ -330,3 +330,98 @@ def test_the_fp8_reference_attends_over_its_cache_through_fp8():
     assert float(k8[0, 0, -1, 0]) == pytest.approx(448 * float(ks[0]))
     assert torch.allclose(out.double(), truth(k8, v8), atol=1e-5)
     assert not torch.allclose(out.double(), truth(key, value), atol=1e-3)  # the rounding shows
+
+
+def test_an_fp8_prefill_without_tokens_gives_scales_of_1_and_new_tokens_are_written_with_them(model):
+    """A 1-token prompt: the prefill has no token anywhere, so every maximum is 0 and every layer's
+    scales are 1. The new tokens are then written with those 1s, stored as e4m3 values
+    themselves (a value past 448 saturates, never NaN), the scales stay the tensors the steps
+    were built with, and each layer's step equals float64 attention over the dequantized pool,
+    out and lse."""
+    from tests.paged_inputs import float64_over_shards
+    from tests.tolerances import assert_decode_close, tol_for
+    from tree_attn.commands.generate.layer_steps import build_layer_step
+    from tree_attn.kernels.fp8 import dequantize
+
+    use_tree_attention(model)
+    shape = ModelShape.from_config(model.config.to_dict())
+    store = PagedKVShard.allocate(shape.layers, NEW + 3, shape.kv_heads, shape.head_dim, dtype=torch.float8_e4m3fn,
+                                  device="cpu", page_size=16, seed=2)
+    sharded_prefill(model, [17], ShardedPrefill(store, plan_ring(zigzag(0, 1), 0)))
+    assert store.length == 0
+    ones = torch.ones(shape.kv_heads)
+    fixed = [(store.k_scale[layer], store.v_scale[layer]) for layer in range(shape.layers)]
+    assert all(torch.equal(ks, ones) and torch.equal(vs, ones) for ks, vs in fixed)
+    written: dict[int, list] = {}
+    real_write = store.write_slots
+
+    def recording(layer, blocks, offsets, k, v):  # the float K/V the decode writes, as it writes them
+        written.setdefault(layer, []).append((k.clone(), v.clone()))
+        real_write(layer, blocks, offsets, k, v)
+
+    store.write_slots = recording
+    ctx = DecodeContext(store, "local", holds_new=True)
+    run = decode_tokens(model, ctx, 17, 0, NEW, lambda t: None, "local")
+    store.write_slots = real_write
+    assert len(run.tokens) == NEW and store.length == NEW
+    gen = torch.Generator().manual_seed(8)
+    for layer in range(shape.layers):
+        assert store.k_scale[layer] is fixed[layer][0] and store.v_scale[layer] is fixed[layer][1]
+        assert torch.equal(store.k_scale[layer], ones) and torch.equal(store.v_scale[layer], ones)
+        # the last write of each position is the one kept (the warm-up's is overwritten)
+        k_new = torch.cat([k for k, _ in written[layer][-NEW:]])
+        v_new = torch.cat([v for _, v in written[layer][-NEW:]])
+        k8, v8 = store.read(layer)
+        assert torch.equal(k8.float(), k_new.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+        assert torch.equal(v8.float(), v_new.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+        query = torch.randn(1, shape.q_heads, 1, shape.head_dim, generator=gen)
+        step = build_layer_step(ctx, layer, query, shape.head_dim ** -0.5)
+        out = step(query)  # [1, 1, Hq, D]
+        pool = (*(dequantize(t, ones, torch.float64)[None] for t in (k8, v8)), torch.tensor([NEW]))
+        ref_out, ref_lse = float64_over_shards(query.transpose(1, 2), [pool], causal=False)
+        assert_decode_close(out[:, 0], step.step.lse, ref_out[:, 0], ref_lse[:, 0], tol_for(torch.float32),
+                            what=f"layer {layer}")
+        step.close()
+    # A value past the format's largest saturates at 448 x scale, never NaN.
+    big = torch.full((1, shape.kv_heads, shape.head_dim), 1000.0)
+    store.write_slots(0, *store.slots(torch.tensor([NEW])), big, -big)
+    k8, v8 = store.k[0], store.v[0]
+    blk, off = store.slots(torch.tensor([NEW]))
+    assert torch.all(k8[blk, off].float() == 448) and torch.all(v8[blk, off].float() == -448)
+
+
+def test_ring_layer_steps_on_fp8_pools_equal_float64_on_the_dequantized_pools():
+    """3 CPU ranks, each with its own fp8 pool and scales (they differ, so a block read with the
+    wrong rank's scales shows), the last one's prefill empty and then holding 3 new tokens written
+    with its scales: generate's ring layer step (``build_layer_step``, built before the new tokens
+    are written) equals float64 attention over the union of the dequantized pools,
+    out and lse, for one query token and three causal ones; it sends, per ring step, the block's
+    lengths, its K and V pages (1 byte an element) and its owner's scales (8 * Hkv bytes)."""
+    from tests.fp8_inputs import dequantize
+    from tests.generate.rank_fns import fp8_ring_layer_steps
+    from tests.paged_inputs import float64_over_shards
+    from tests.tolerances import assert_decode_close, tol_for
+
+    shards, new = (37, 20, 0), 3
+    per_rank = launch_ranks(fp8_ring_layer_steps, 3, args=(shards, new, 11), timeout_s=120)
+    pools = [rep["pools"] for rep in per_rank]
+    hkv, d = pools[0][0][0].shape[1:]
+    for layer in range(len(pools[0])):
+        assert torch.equal(pools[2][layer][2], torch.full((hkv,), 0.05))
+        assert torch.equal(pools[2][layer][3], torch.full((hkv,), 0.02))
+        assert not torch.equal(pools[0][layer][2], pools[1][layer][2])
+    caps = per_rank[0]["caps"]
+    assert caps == [40, 20, 5]
+    for sq, query in per_rank[0]["queries"].items():
+        q = query.transpose(1, 2)  # [1, Sq, Hq, D]
+        for layer in range(len(pools[0])):
+            union = [(dequantize(k8, ks)[None], dequantize(v8, vs)[None], torch.tensor([k8.shape[0]]))
+                     for k8, v8, ks, vs in (pools[r][layer] for r in range(3))]
+            assert [u[2].item() for u in union] == [37, 20, new]
+            ref_out, ref_lse = float64_over_shards(q, union, causal=sq > 1)
+            for rank, rep in enumerate(per_rank):
+                out, lse = rep["steps"][sq][layer]
+                assert_decode_close(out, lse.view(1, sq, -1), ref_out, ref_lse, tol_for(torch.float32),
+                                    what=f"sq {sq}, layer {layer}, rank {rank}")
+                sent = sum(4 + 2 * caps[(rank - s) % 3] * hkv * d + 8 * hkv for s in range(2))
+                assert rep["traffic"][sq][layer] == (2 * 4, sent), (sq, layer, rank)

@@ -520,8 +520,9 @@ def test_generate_help_states_the_kv_dtype():
 
 
 def test_kv_dtype_fp8_reaches_the_spec_and_the_capacity_counts_1_byte():
-    """--kv-dtype fp8: the spec's KV dtype is float8_e4m3fn (the dtype stays float32), ring is
-    dropped with a notice, and the capacity estimate's KV is exactly a quarter of float32's."""
+    """--kv-dtype fp8: the spec's KV dtype is float8_e4m3fn (the dtype stays float32), every
+    strategy runs (ring too: it sends each rank's scales with its pool), and the capacity
+    estimate's KV is exactly a quarter of float32's."""
     from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
 
     common = {"device": "cpu", "world_size": 2, "layers": 1, "prompt_len": 200, "new_tokens": 3,
@@ -529,8 +530,8 @@ def test_kv_dtype_fp8_reaches_the_spec_and_the_capacity_counts_1_byte():
     fp8 = plan_generate(GenerateOptions(kv_dtype="fp8", **common))
     f32 = plan_generate(GenerateOptions(**common))
     assert fp8.spec.kv_dtype == "float8_e4m3fn" and fp8.spec.dtype == f32.spec.dtype == f32.spec.kv_dtype == "float32"
-    assert [n for n, _ in fp8.spec.plans] == [n for n, _ in f32.spec.plans if n != "ring"] != []
-    assert any("ring strategy is skipped" in n for n in fp8.own_notices)
+    assert [n for n, _ in fp8.spec.plans] == [n for n, _ in f32.spec.plans] == ["tree", "allreduce", "ring"]
+    assert not any("ring" in n for n in fp8.own_notices)
     assert any("scales from the whole prompt" in n and "quantized the same way" in n for n in fp8.own_notices)
     for a, b in zip(fp8.spec.estimate.ranks, f32.spec.estimate.ranks, strict=True):
         assert a.kv > 0 and 4 * a.kv == b.kv and a.weights == b.weights
@@ -551,25 +552,49 @@ def test_fp8_rows_are_checked_token_for_token():
 
 
 @pytest.mark.slow
-def test_fp8_kv_on_2_ranks_tree(small_model):
-    """2 CPU ranks, tree, fp8 KV (float32 model: the ranks' kernels and the reference differ by
-    rounding only): the tree's tokens equal those of the reference, transformers with its cache
-    read through fp8 with the whole prompt's scales, and of the one-rank row, whose scales come
-    from the whole prompt in one process; each rank's pools are fp8 (1 byte per element, plus one
-    float32 scale per layer, KV head, K and V)."""
+def test_fp8_kv_on_2_ranks_tree_and_ring(small_model):
+    """2 CPU ranks, tree and ring, fp8 KV (float32 model: the ranks' kernels and the reference
+    differ by rounding only): the tokens of both equal those of the reference, transformers with
+    its cache read through fp8 with the whole prompt's scales, and of the one-rank row, whose
+    scales come from the whole prompt in one process; each rank's pools are fp8 (1 byte per
+    element, plus one float32 scale per layer, KV head, K and V); the ring sends per layer its
+    lengths, its whole pool and its scales (8 * Hkv bytes)."""
     prompt = _prompt(161, 4096, seed=4)
-    launch = LaunchSetup(world_size=2, plans=TREE, timeout_s=90.0, kv_dtype="fp8")
+    launch = LaunchSetup(world_size=2, plans=TREE_AND_RING, timeout_s=90.0, kv_dtype="fp8")
     spec = GenerateSpec(SMALL, prompt, launch, new_tokens=8)
     assert spec.kv_dtype == "float8_e4m3fn" and spec.dtype == "float32"
     result = run_generate(spec)
-    ref, one, tree = result.rows[0], result.rows[1], _strategy_rows(result)[0]
-    assert ref.name == REFERENCE and one.name == "one rank"
-    assert tree.quantized and one.quantized and tree.ranks_agree
-    assert tree.tokens == one.tokens == ref.tokens and len(ref.tokens) == 8, result.rows
+    ref, one, (tree, ring) = result.rows[0], result.rows[1], _strategy_rows(result)
+    assert ref.name == REFERENCE and one.name == "one rank" and ring.name == "ring"
+    assert tree.quantized and ring.quantized and one.quantized and tree.ranks_agree and ring.ranks_agree
+    assert ring.tokens == tree.tokens == one.tokens == ref.tokens and len(ref.tokens) == 8, result.rows
     assert result.all_match and result.checked_against == REFERENCE and result.to_dict()["kv_dtype"] == "float8_e4m3fn"
     shape = ModelShape.from_config(small_model.config.to_dict())
+    sent = []
     for rep in result.ranks:
         held = rep.prefill.tokens + (8 + 1 if rep.rank == 1 else 0)
         pages = -(-held // spec.page_size)
         pool = 2 * shape.layers * pages * spec.page_size * shape.kv_heads * shape.head_dim
         assert rep.kv_bytes == pool * 1 + 2 * shape.layers * shape.kv_heads * 4  # bf16: pool * 2
+        sent.append(shape.layers * (4 + pool // shape.layers + 8 * shape.kv_heads))
+    assert ring.bytes_per_token == max(sent) and ring.messages_per_token == shape.layers * 4
+
+
+@pytest.mark.slow
+def test_fp8_kv_on_3_ranks_with_an_empty_last_rank_tree_and_ring(small_model):
+    """A 3-token prompt over 3 ranks, fp8 KV: the last rank's prefill has no token; it takes the
+    scales the ranks agree on (the whole prompt's) and quantizes every new token with them, as
+    the reference quantizes its cache. Tree and ring give the reference's tokens, token for token,
+    and every rank's pool holds its scales."""
+    prompt = _prompt(3, 4096, seed=9)
+    launch = LaunchSetup(world_size=3, plans=TREE_AND_RING, timeout_s=90.0, kv_dtype="fp8")
+    spec = GenerateSpec(SMALL, prompt, launch, new_tokens=6, one_rank=OFF)
+    assert spec.shard_sizes() == [1, 1, 0]
+    result = run_generate(spec)
+    ref, (tree, ring) = result.rows[0], _strategy_rows(result)
+    assert ref.name == REFERENCE and result.checked_against == REFERENCE
+    assert ring.tokens == tree.tokens == ref.tokens and len(ref.tokens) == 6, result.rows
+    assert tree.ranks_agree and ring.ranks_agree and result.all_match
+    shape = ModelShape.from_config(small_model.config.to_dict())
+    pool = 2 * shape.layers * spec.page_size * shape.kv_heads * shape.head_dim  # one page a rank
+    assert [rep.kv_bytes for rep in result.ranks] == [pool + 2 * shape.layers * shape.kv_heads * 4] * 3

@@ -68,8 +68,8 @@ def generate_command(
         "--kv-dtype", help="KV cache dtype (default: the --dtype): float32, fp16, bf16 or fp8 (float8_e4m3fn: "
         "each rank quantizes K and V as they are written, the prefill and every new token, with per-layer, "
         "per-KV-head scales that the ranks take together from the whole prompt; 1 byte per element in the capacity "
-        "check). The ring strategy is skipped under fp8. The reference then reads its cache quantized the same "
-        "way, so the rows are checked token for token, as in 16 bits.")] = DEFAULTS.kv_dtype,
+        "check; the ring sends each rank's scales with its pool). The reference then reads its cache quantized the "
+        "same way, so the rows are checked token for token, as in 16 bits.")] = DEFAULTS.kv_dtype,
     page_size: Annotated[int, count_option("--page-size", help="Tokens per KV page (1..256).")] = DEFAULTS.page_size,
     cuda_graph: Annotated[bool, typer.Option(
         "--cuda-graph/--no-cuda-graph", help="GPU ranks: capture each generated token (the model's forward, every "

@@ -158,15 +158,22 @@ class RingDecodeStep:
     """:func:`ring_decode` prepared once on static tensors: ``out, lse = step(stats)``.
 
     For decode loops (``generate``'s layers): built from the tensors the loop updates in place
-    (``q``, this rank's ``k``/``v`` or paged pools with ``block_table``, ``seq_lens``) and every
-    rank's shard length ``lengths`` (paged: ``max_blocks * block_size``), it checks the shapes
-    once (and, on the last rank under ``causal``, that its shard holds the new tokens), resolves
-    one local kernel per ring step (each source rank's block has its own length) and allocates
-    the receive buffers, two sets of the longest shard's size used in turn. A call then gathers
-    its own pages (what travels), exchanges blocks around the ring and merges, as
-    :func:`ring_decode` does, without a cache look-up, a shape check or a receive allocation.
-    It stays eager on GPUs: whole shards travel each step (see ``commands/run``'s reason).
-    The received lengths are checked on every call on CPU ranks (they come from a peer).
+    (``q``, this rank's ``k``/``v`` or paged pools with ``block_table``, ``seq_lens``, an fp8
+    shard's ``k_scale``/``v_scale``) and every rank's shard length ``lengths`` (paged:
+    ``max_blocks * block_size``), it checks the shapes and the scales' form once (and, on the last
+    rank under ``causal``, that its shard holds the new tokens), resolves one local kernel per ring
+    step (each source rank's block has its own length) and allocates the receive buffers, two
+    sets of the longest shard's size used in turn. A call then gathers its own pages (what
+    travels), exchanges blocks around the ring and merges, as :func:`ring_decode` does, without a
+    cache look-up, a shape check or a receive allocation. It stays eager on GPUs: whole shards
+    travel each step (see ``commands/run``'s reason). The received lengths (and scales) are
+    checked on every call on CPU ranks (they come from a peer).
+
+    An fp8 shard travels as :func:`ring_decode` sends it: its bytes as ``uint8``, and with each
+    block its owner's scales (float32 ``[2, Hkv]``, one more message of ``8 * Hkv`` bytes per
+    ring step, counted in ``stats``), read from ``k_scale``/``v_scale`` at every call (they may
+    be updated in place). Each received block is computed with the scales that came with it:
+    ranks quantize their shards apart.
 
     Building is local (no collective): every rank must pass the same ``lengths``.
     """
@@ -174,10 +181,10 @@ class RingDecodeStep:
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, lengths: Sequence[int], scale: float | None = None, group=None, impl: str = "auto", config=None,
-        block_table: torch.Tensor | None = None, causal: bool = False,
+        block_table: torch.Tensor | None = None, causal: bool = False, k_scale=None, v_scale=None,
     ) -> None:
         comm.require_initialized()
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         lengths = [int(n) for n in lengths]
         if len(lengths) != world or lengths[rank] != shape.kv_len:
@@ -191,6 +198,7 @@ class RingDecodeStep:
         self.group, self.world, self.rank, self.lengths = group, world, rank, lengths
         self.succ, self.pred = (rank + 1) % world, (rank - 1) % world
         self.q, self.k, self.v, self.block_table = q, k, v, block_table
+        self.k_scale, self.v_scale = k_scale, v_scale
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         self.lens = seq_lens if seq_lens is not None else torch.full((b,), shape.kv_len, dtype=torch.int32,
@@ -198,46 +206,73 @@ class RingDecodeStep:
         self._own_lens = torch.empty(b, dtype=torch.int32, device=q.device)  # what is sent: int32
         opts = DecodeOptions(scale, impl, config, FLOAT32)
         # Step 0: this rank's own block, read in place; step s > 0: the block of rank (rank - s).
+        # The local kernel checks the scales' form (and, on GPUs, their values) here, once.
         self.local = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=False,
-                                    options=opts._replace(causal=causal and rank == world - 1))
+                                    options=opts._replace(causal=causal and rank == world - 1),
+                                    k_scale=k_scale, v_scale=v_scale)
+        self.fp8 = self.local.scales.fp8
+        travel = world > 1 and self.fp8
+        # What travels with this rank's block: its scales [2, Hkv], refreshed at every call.
+        self._own_scales = torch.empty((2, hkv), dtype=torch.float32, device=k.device) if travel else None
         longest = max(lengths)
         per = b * hkv * d
+        # Received scales start at 1, not garbage: a GPU kernel checks its scales' values once, when
+        # it is built here (the peer's arrive before every use).
         self._bufs = [(torch.empty(longest * per, dtype=k.dtype, device=k.device),
                        torch.empty(longest * per, dtype=k.dtype, device=k.device),
-                       torch.zeros(b, dtype=torch.int32, device=q.device)) for _ in range(2 if world > 1 else 0)]
-        self._steps = []  # per ring step s = 1..world-1: (kernel, k view, v view, lens) of rank (rank - s)'s block
+                       torch.zeros(b, dtype=torch.int32, device=q.device),
+                       torch.ones((2, hkv), dtype=torch.float32, device=k.device) if travel else None)
+                      for _ in range(2 if world > 1 else 0)]
+        # per ring step s = 1..world-1: (kernel, k view, v view, lens, scales) of rank (rank - s)'s block
+        self._steps = []
         for s in range(1, world):
             src = (rank - s) % world
-            kb, vb, lb = self._bufs[(s - 1) % 2]
+            kb, vb, lb, sb = self._bufs[(s - 1) % 2]
             n = lengths[src]
             kv = (kb[: n * per].view(b, n, hkv, d), vb[: n * per].view(b, n, hkv, d))
-            kernel = PreparedDecode(q, *kv, lb, options=opts._replace(causal=causal and src == world - 1))
-            self._steps.append((kernel, *kv, lb))
+            scales = {"k_scale": sb[0], "v_scale": sb[1]} if travel else {}
+            kernel = PreparedDecode(q, *kv, lb, options=opts._replace(causal=causal and src == world - 1), **scales)
+            self._steps.append((kernel, *kv, lb, sb))
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """What a send or receive takes: fp8 bytes as uint8 (gloo has no fp8 dtypes)."""
+        return t.view(torch.uint8) if self.fp8 else t
 
     def __call__(self, stats: CommStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        world, rank, q = self.world, self.rank, self.q
+        world, rank, q, wire = self.world, self.rank, self.q, self._wire
         self._own_lens.copy_(self.lens)
         if self.world == 1:
             cur = None
         elif self.block_table is None:
-            cur = (self.k.contiguous(), self.v.contiguous(), self._own_lens)
+            cur = (self.k.contiguous(), self.v.contiguous(), self._own_lens, self._own_scales)
         else:  # what travels: the shard's pages, gathered
             cur = (gather_pages(self.k, self.block_table, self._own_lens),
-                   gather_pages(self.v, self.block_table, self._own_lens), self._own_lens)
-        out, lse = self.local(q, self.k, self.v, self.lens, block_table=self.block_table)
+                   gather_pages(self.v, self.block_table, self._own_lens), self._own_lens, self._own_scales)
+        if self._own_scales is not None:  # this call's scales (CPU: their values checked), as they travel
+            ks, vs = self.local.scales(self.k_scale, self.v_scale)
+            self._own_scales[0].copy_(ks)
+            self._own_scales[1].copy_(vs)
+        out, lse = self.local(q, self.k, self.v, self.lens, block_table=self.block_table,
+                              k_scale=self.k_scale, v_scale=self.v_scale)
         for step in range(world):
             reqs: list = []
             if step < world - 1:
                 src = (rank - step - 1) % world  # whose block arrives in this step
-                _, nxt_k, nxt_v, nxt_len = self._steps[step]
+                _, nxt_k, nxt_v, nxt_len, nxt_scales = self._steps[step]
                 fwd_len = self.lengths[(rank - step) % world]
-                sends = [(cur[2], self.succ)] + ([(cur[0], self.succ), (cur[1], self.succ)] if fwd_len > 0 else [])
-                recvs = [(nxt_len, self.pred)] + ([(nxt_k, self.pred), (nxt_v, self.pred)]
+                # As ring_decode: lengths, K and V unless the block is empty, an fp8 block's scales.
+                sends = [(cur[2], self.succ)] + ([(wire(cur[0]), self.succ), (wire(cur[1]), self.succ)]
+                                                 if fwd_len > 0 else [])
+                recvs = [(nxt_len, self.pred)] + ([(wire(nxt_k), self.pred), (wire(nxt_v), self.pred)]
                                                   if self.lengths[src] > 0 else [])
+                if nxt_scales is not None:
+                    sends.append((cur[3], self.succ))
+                    recvs.append((nxt_scales, self.pred))
                 reqs = comm.batch_p2p(sends, recvs, self.group, stats)
-            if step > 0:  # the block in hand came from rank (rank - step)
-                kernel, blk_k, blk_v, blk_len = self._steps[step - 1]
-                o_blk, lse_blk = kernel(q, blk_k, blk_v, blk_len)
+            if step > 0:  # the block in hand came from rank (rank - step), with its owner's scales
+                kernel, blk_k, blk_v, blk_len, blk_scales = self._steps[step - 1]
+                scales = {} if blk_scales is None else {"k_scale": blk_scales[0], "v_scale": blk_scales[1]}
+                o_blk, lse_blk = kernel(q, blk_k, blk_v, blk_len, **scales)
                 out, lse = merge_two(out, lse, o_blk, lse_blk)
             if reqs:
                 comm.wait_all(reqs, f"ring step {step}: exchange with ranks {self.pred} and {self.succ}",

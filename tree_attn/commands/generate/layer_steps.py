@@ -12,7 +12,8 @@ shape check (:class:`LayerStep`).
 - ``tree`` (and ``allreduce``): :class:`~tree_attn.reduce.collectives.TreeDecodeStep` (building
   it is collective: every rank builds each layer's step at the same point, the first forward);
 - ``local`` (one process): :class:`~tree_attn.kernels.prepared.DecodeStep`;
-- ``ring``: :class:`~tree_attn.reduce.ring.RingDecodeStep` (eager: whole shards travel).
+- ``ring``: :class:`~tree_attn.reduce.ring.RingDecodeStep` (eager: whole shards travel, an fp8
+  pool with its owner's scales).
 
 None of these captures a graph of its own: on GPUs the whole token step, every layer included, is
 one graph (:mod:`.token_step`).
@@ -76,12 +77,10 @@ def build_layer_step(ctx: DecodeContext, layer: int, query: torch.Tensor, scale:
     if b != 1:
         raise ConfigError(f"generate decodes one sequence; got a batch of {b}")
     store = ctx.store
-    # An fp8 pool: the layer's per-KV-head scales ([Hkv] float32), fixed by the prefill's write and
-    # used by every later token's write, so the step built once reads every token right.
+    # An fp8 pool: the layer's per-KV-head scales ([Hkv] float32), fixed by this rank's prefill (1
+    # where it had no token: kv_store) and used by every later token's write, so the step built
+    # once reads every token right. The ring sends them with the pool (each rank's are its own).
     scales = store.scales(layer)
-    if scales and ctx.strategy == "ring":  # RingDecodeStep sends whole pools, not yet their scales
-        raise ConfigError("generate's ring decode reads bf16, fp16 or float32 KV pools; with --kv-dtype fp8 "
-                          "use --strategy tree or allreduce")
     q = torch.empty((1, hq, d) if sq == 1 else (1, sq, hq, d), dtype=query.dtype, device=query.device)
     pools = (store.k[layer], store.v[layer])
     kernel = {"scale": scale, "impl": ctx.impl, "config": ctx.config, "block_table": store.block_table,

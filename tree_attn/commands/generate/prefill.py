@@ -16,7 +16,11 @@ empty blocks: it relays the others' blocks like any rank.
 An fp8 pool (``--kv-dtype fp8``) is quantized as it is written, with per-layer, per-KV-head scales
 that the ranks agree on before the layer's first write (:meth:`ShardedPrefill.agree_on_scales`):
 the whole prompt's maxima, the scales one process would take, so every strategy, world size and
-the reference quantize alike. The prefill's own attention reads the unquantized K/V (the blocks
+the reference quantize alike. A rank with no prompt token takes them too (its maxima count as
+0), and when it is the last rank it quantizes every new token with them, before any decode step
+reads its pool; a new token beyond the prompt's largest saturates at 448 times the scale. Only a
+prompt with no prefill token at all (a single token) leaves every maximum 0: its scales are 1, a
+zero maximum's (``scales_for``). The prefill's own attention reads the unquantized K/V (the blocks
 travel in the model's dtype); the decode steps read the pools.
 
 The MLP is applied in chunks of :data:`MLP_ROWS` tokens (:func:`chunk_mlp`): it is token-wise, so

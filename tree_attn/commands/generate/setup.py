@@ -104,21 +104,6 @@ def _check_window(config: dict, total: int) -> None:
                           f"keep prompt + --new-tokens <= {window}")
 
 
-def _without_ring(launch, notices: list[str]):
-    """An fp8 KV launch without the ring strategy (its decode step sends whole pools, not yet
-    their scales): dropped with a notice when other strategies remain, refused when it is the only one."""
-    from dataclasses import replace
-
-    kept = tuple((name, p) for name, p in launch.plans if name != "ring")
-    if len(kept) == len(launch.plans):
-        return launch
-    if not kept:
-        raise ConfigError("--kv-dtype fp8: generate's ring decode does not read fp8 pools yet; "
-                          "use --strategy tree or allreduce")
-    notices.append("--kv-dtype fp8: the ring strategy is skipped (its decode does not read fp8 pools yet)")
-    return replace(launch, plans=kept)
-
-
 def plan_generate(options: GenerateOptions) -> GenerateSetup:
     """Check ``options`` and resolve them; raises ConfigError / ProfileError naming the option."""
     from ...cost.capacity import ModelDims
@@ -160,8 +145,6 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     world, dtype, kv_dtype = launch.world_size, launch.dtype, launch.kv_dtype
     notices: list[str] = []
     warnings: list[str] = []
-    if is_fp8(kv_dtype):
-        launch = _without_ring(launch, notices)
     job = JobShape(ModelDims.from_config(config), n_new, dtype, kv_dtype, launch.device_kind, page,
                    preset=source.random_weights, ring_decode=any(name == "ring" for name, _ in launch.plans))
     budget = read_budget(launch.device_kind)
