@@ -22,6 +22,8 @@ baseline (it takes no fp8 cache). They run through ``decode_attention(..., k_sca
 when the library takes those keywords, else through the launcher that its prepared path runs
 (``TritonDecodeLaunch``, same kernels; only the host time differs): ``meta.fp8_path`` says which.
 Before timing, the fp8 kernel is checked against float64 on the dequantized cache.
+``--fp8-configs`` adds fp8 rows at each point with other configs (e.g. the config the default
+replaced), on the same buffers, each checked the same way first; the goals judge the default rows.
 
 Goals reported against (never asserted): eager host time <= 20 us per call at batch 1; eager within
 1.15x of graph for N >= 16K; device time <= SDPA's at every shape; >= 90% of copy bandwidth for
@@ -30,7 +32,7 @@ N >= 64K.
 
 Usage:
     python benchmarks/bench_kernel.py [--quick] [--out results.json] [--batches 1,4] [--lens 1k,64k]
-                                      [--kv-dtypes bf16,fp8]
+                                      [--kv-dtypes bf16,fp8] [--fp8-configs '[{"block_n": 128, "num_warps": 8}]']
 """
 
 from __future__ import annotations
@@ -204,10 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20, help="timed samples per point (median reported)")
     ap.add_argument("--kv-dtypes", type=str, default="bf16,fp8",
                     help="cache dtypes timed at each point, comma list of bf16, fp8 (default both)")
+    ap.add_argument("--fp8-configs", type=str, default="[]",
+                    help="more fp8 rows at each point, one per config: a JSON list of DecodeConfig dicts, e.g. "
+                         '\'[{"block_n": 64, "num_stages": 2}, {"block_n": 128, "num_warps": 8}]\' (num_splits: the '
+                         "heuristic's unless given); checked against float64 like the default, not judged by the goals")
     args = ap.parse_args(argv)
     kv_dtypes = [x.strip() for x in args.kv_dtypes.split(",") if x.strip()]
     if not kv_dtypes or any(x not in KV_DTYPES for x in kv_dtypes):
         ap.error(f"--kv-dtypes: a comma list of {', '.join(KV_DTYPES)}; got {args.kv_dtypes!r}")
+    from tree_attn.errors import ConfigError
+    from tree_attn.kernels.config import DecodeConfig  # no torch at import
+
+    try:  # checked before anything else, so that a typo fails here and not after the GPU warm-up
+        extra = json.loads(args.fp8_configs)
+        if not isinstance(extra, list):
+            raise ConfigError("a JSON list of DecodeConfig dicts is needed")
+        fp8_extra = [DecodeConfig.from_dict(c) for c in extra] if "fp8" in kv_dtypes else []
+    except (ValueError, ConfigError) as exc:
+        ap.error(f"--fp8-configs: {exc}")
 
     try:
         import torch
@@ -224,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     from tree_attn import decode_attention
     from tree_attn.cost.devices import DeviceSpec
     from tree_attn.cost.kernel import predict_time_us
-    from tree_attn.kernels.config import DecodeConfig, resolve_config
+    from tree_attn.kernels.config import resolve_config
     from tree_attn.kernels.reference import decode_attention_float64
     from tree_attn.kernels.shapes import DecodeShape
     from tree_attn.timing import measure_copy_bandwidth, rotation_count, time_calls
@@ -266,24 +282,29 @@ def main(argv: list[str] | None = None) -> int:
         sdpa_err = (s_out.cpu().double() - r_out).abs().max().item()
     _log(f"check vs float64: max |out| err {err_out:.2e}, max |lse| err {err_lse:.2e}; SDPA {sdpa_err}")
     fp8_check = fp8_path = None
+    fp8_checks: list[dict] = []
     if "fp8" in kv_dtypes:
         # fp8: against float64 on the dequantized cache (the stored values times their head's scale).
         k8, v8 = random_fp8(torch, k.shape, dev, g), random_fp8(torch, v.shape, dev, g)
         ks = torch.rand(HKV, device=dev, generator=g) / 448 + 1 / 896  # per KV head, |k| <= ~1.4
         vs = torch.rand(HKV, device=dev, generator=g) / 448 + 1 / 896
-        calls, fp8_path = fp8_calls(torch, decode_attention, [(q, k8, v8, ks, vs)], user_cfg, seq_lens=lens_t)
-        out8, lse8 = calls[0]()
         k64 = (k8.double() * ks.double()[:, None]).cpu()
         v64 = (v8.double() * vs.double()[:, None]).cpu()
         ref8_out, ref8_lse = float64_attention(torch, q.cpu(), k64, v64, lens_t.cpu())
-        fp8_check = {"max_abs_out_err": (out8.cpu().double() - ref8_out).abs().max().item(),
-                     "max_abs_lse_err": (lse8.cpu().double() - ref8_lse).abs().max().item(), "path": fp8_path}
-        _log(f"fp8 check vs float64 on the dequantized cache: max |out| err {fp8_check['max_abs_out_err']:.2e}, "
-             f"max |lse| err {fp8_check['max_abs_lse_err']:.2e} ({fp8_path})")
-        if not (fp8_check["max_abs_out_err"] <= 2e-2 and fp8_check["max_abs_lse_err"] <= 2e-3):
-            print("bench_kernel: the fp8 kernel disagrees with float64 on the dequantized cache; not timing it.",
-                  file=sys.stderr)
-            return 1
+        for check_cfg in [user_cfg, *fp8_extra]:  # every config timed below
+            calls, fp8_path = fp8_calls(torch, decode_attention, [(q, k8, v8, ks, vs)], check_cfg, seq_lens=lens_t)
+            out8, lse8 = calls[0]()
+            one = {"max_abs_out_err": (out8.cpu().double() - ref8_out).abs().max().item(),
+                   "max_abs_lse_err": (lse8.cpu().double() - ref8_lse).abs().max().item(), "path": fp8_path,
+                   "config": None if check_cfg is None else check_cfg.to_dict()}
+            fp8_check = fp8_check or one  # the default's (or --config's) check, as before
+            fp8_checks.append(one)
+            _log(f"fp8 check vs float64 on the dequantized cache ({one['config'] or 'default config'}): max |out| "
+                 f"err {one['max_abs_out_err']:.2e}, max |lse| err {one['max_abs_lse_err']:.2e} ({fp8_path})")
+            if not (one["max_abs_out_err"] <= 2e-2 and one["max_abs_lse_err"] <= 2e-3):
+                print("bench_kernel: the fp8 kernel disagrees with float64 on the dequantized cache "
+                      f"({one['config'] or 'default config'}); not timing it.", file=sys.stderr)
+                return 1
         del k8, v8, k64, v64
     del q, k, v, out, lse
     torch.cuda.empty_cache()
@@ -314,55 +335,61 @@ def main(argv: list[str] | None = None) -> int:
                         bufs.append((qq, torch.randn(b, n, HKV, HEAD_DIM, device=dev, dtype=dtype, generator=gi),
                                      torch.randn(b, n, HKV, HEAD_DIM, device=dev, dtype=dtype, generator=gi)))
                 shape = DecodeShape(b, HQ, HKV, HEAD_DIM, n)
-                cfg = resolve_config(user_cfg, shape, kv_dtype, spec, q_dtype=dtype)
-                if fp8:
-                    ours, fp8_path = fp8_calls(torch, decode_attention, bufs, user_cfg)
-                else:
-                    ours = [functools.partial(decode_attention, qq, kk, vv, config=user_cfg) for qq, kk, vv in bufs]
-                graph = time_calls(ours, dev, repeats=args.repeats)
-                eager = time_calls(ours, dev, repeats=args.repeats, use_graph=False, hold=False)  # as a caller runs it
-                row = {
-                    "batch": b, "kv_len": n, "kv_dtype": kv_name, "kv_bytes": kv_bytes, "buffers": n_buf,
-                    "config": cfg.describe(), "config_dict": cfg.to_dict(),
-                    "graph_us": graph.device_us, "graph_method": graph.method,
-                    "eager_us": eager.device_us, "host_us": eager.host_us,
-                    "gbps": kv_bytes / (graph.device_us * 1e-6) / 1e9,
-                    "model_us": predict_time_us(cfg, shape, kv_dtype, measured_spec),
-                    "sdpa_graph_us": None, "sdpa_eager_us": None, "sdpa_host_us": None, "sdpa_error": None,
-                    "fp8_over_bf16": None,
-                }
-                row["frac_copy"] = row["gbps"] / copy_gbps
-                row["eager_over_graph"] = eager.device_us / graph.device_us
-                if fp8 and bf16_row is not None:
-                    row["fp8_over_bf16"] = row["graph_us"] / bf16_row["graph_us"]
-                if not fp8:
-                    bf16_row = row
-                if fp8:
-                    row["sdpa_error"] = "SDPA takes no fp8 cache"
-                elif not args.no_sdpa:
-                    try:
-                        theirs = [functools.partial(sdpa, qq, kk, vv) for qq, kk, vv in bufs]
-                        sg = time_calls(theirs, dev, repeats=args.repeats)
-                        se = time_calls(theirs, dev, repeats=args.repeats, use_graph=False, hold=False)
-                        row.update(sdpa_graph_us=sg.device_us, sdpa_graph_method=sg.method, sdpa_eager_us=se.device_us,
-                                   sdpa_host_us=se.host_us)
-                    except torch.cuda.OutOfMemoryError as exc:
-                        row["sdpa_error"] = f"out of memory: {str(exc).splitlines()[0]}"
-                    except RuntimeError as exc:
-                        row["sdpa_error"] = str(exc).splitlines()[0]
-                row["device_vs_sdpa"] = row["graph_us"] / row["sdpa_graph_us"] if row["sdpa_graph_us"] else None
-                rows.append(row)
-                _log(
-                    f"B={b} N={n} {kv_name}: graph {row['graph_us']:.1f} us ({100 * row['frac_copy']:.1f}% of copy), "
-                    f"eager {row['eager_us']:.1f} us, host {row['host_us']:.1f} us; SDPA "
-                    + (f"{row['sdpa_graph_us']:.1f} us" if row["sdpa_graph_us"] else str(row["sdpa_error"]))
-                    + (f"; fp8/bf16 {row['fp8_over_bf16']:.2f}" if row["fp8_over_bf16"] else "")
-                )
+                # The default config (or --config), then for fp8 each --fp8-configs entry on the same buffers.
+                variants = [(user_cfg, False)] + ([(c, True) for c in fp8_extra] if fp8 else [])
+                for run_cfg, variant in variants:
+                    cfg = resolve_config(run_cfg, shape, kv_dtype, spec, q_dtype=dtype)
+                    if fp8:
+                        ours, fp8_path = fp8_calls(torch, decode_attention, bufs, run_cfg)
+                    else:
+                        ours = [functools.partial(decode_attention, qq, kk, vv, config=user_cfg) for qq, kk, vv in bufs]
+                    graph = time_calls(ours, dev, repeats=args.repeats)
+                    # as a caller runs it:
+                    eager = time_calls(ours, dev, repeats=args.repeats, use_graph=False, hold=False)
+                    row = {
+                        "batch": b, "kv_len": n, "kv_dtype": kv_name, "kv_bytes": kv_bytes, "buffers": n_buf,
+                        "variant": variant,
+                        "config": cfg.describe(), "config_dict": cfg.to_dict(),
+                        "graph_us": graph.device_us, "graph_method": graph.method,
+                        "eager_us": eager.device_us, "host_us": eager.host_us,
+                        "gbps": kv_bytes / (graph.device_us * 1e-6) / 1e9,
+                        "model_us": predict_time_us(cfg, shape, kv_dtype, measured_spec),
+                        "sdpa_graph_us": None, "sdpa_eager_us": None, "sdpa_host_us": None, "sdpa_error": None,
+                        "fp8_over_bf16": None,
+                    }
+                    row["frac_copy"] = row["gbps"] / copy_gbps
+                    row["eager_over_graph"] = eager.device_us / graph.device_us
+                    if fp8 and bf16_row is not None:
+                        row["fp8_over_bf16"] = row["graph_us"] / bf16_row["graph_us"]
+                    if not fp8 and not variant:
+                        bf16_row = row
+                    if fp8:
+                        row["sdpa_error"] = "SDPA takes no fp8 cache"
+                    elif not args.no_sdpa:
+                        try:
+                            theirs = [functools.partial(sdpa, qq, kk, vv) for qq, kk, vv in bufs]
+                            sg = time_calls(theirs, dev, repeats=args.repeats)
+                            se = time_calls(theirs, dev, repeats=args.repeats, use_graph=False, hold=False)
+                            row.update(sdpa_graph_us=sg.device_us, sdpa_graph_method=sg.method,
+                                       sdpa_eager_us=se.device_us, sdpa_host_us=se.host_us)
+                        except torch.cuda.OutOfMemoryError as exc:
+                            row["sdpa_error"] = f"out of memory: {str(exc).splitlines()[0]}"
+                        except RuntimeError as exc:
+                            row["sdpa_error"] = str(exc).splitlines()[0]
+                    row["device_vs_sdpa"] = row["graph_us"] / row["sdpa_graph_us"] if row["sdpa_graph_us"] else None
+                    rows.append(row)
+                    _log(
+                        f"B={b} N={n} {kv_name} {cfg.describe()}: graph {row['graph_us']:.1f} us "
+                        f"({100 * row['frac_copy']:.1f}% of copy), "
+                        f"eager {row['eager_us']:.1f} us, host {row['host_us']:.1f} us; SDPA "
+                        + (f"{row['sdpa_graph_us']:.1f} us" if row["sdpa_graph_us"] else str(row["sdpa_error"]))
+                        + (f"; fp8/bf16 {row['fp8_over_bf16']:.2f}" if row["fp8_over_bf16"] else "")
+                    )
                 del bufs, ours
                 torch.cuda.empty_cache()
 
     bf16_rows = [r for r in rows if r["kv_dtype"] == "bf16"]
-    fp8_rows = [r for r in rows if r["kv_dtype"] == "fp8"]
+    fp8_rows = [r for r in rows if r["kv_dtype"] == "fp8" and not r["variant"]]  # goals: the default config
     goals = {}
     if bf16_rows:
         goals.update({
@@ -404,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                   "calls; host: issue time per eager call; inputs rotated over buffers >= 3x L2",
         "sdpa_mode": sdpa_mode,
         "check": {"max_abs_out_err": err_out, "max_abs_lse_err": err_lse, "sdpa_max_abs_out_err": sdpa_err,
-                  "fp8": fp8_check},
+                  "fp8": fp8_check, "fp8_configs": fp8_checks},
         "goals": {name: {"met": bool(judged) and not missed, "missed_at": [(r["batch"], r["kv_len"]) for r in missed]}
                   for name, (judged, missed) in goals.items()},
     }

@@ -19,9 +19,11 @@
 #          vs eager, kernel time), run and generate, then cpu-suite (the rest of the README's tests,
 #          over the CPU cores by pytest-xdist when installed) with what time is left. Run side by
 #          side, the two test steps slowed each other past their limits on an H200 (2026-11-26).
-#   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), bench-kernel-fp8 (fp8
-#          rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy bandwidth on fp8 bytes),
-#          run-fp8 (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes),
+#   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), sass-loop (the tile
+#          loop's instructions per iteration, bf16 and fp8 builds, from this Triton's SASS),
+#          bench-kernel-fp8 (fp8 rows beside bf16 at the same shapes: graph us, fp8/bf16, % of copy
+#          bandwidth on fp8 bytes; the fp8 default and the configs in fp8_alt below), run-fp8
+#          (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes),
 #          generate-fp8 (`generate --kv-dtype fp8`: every strategy, ring included, on fp8 pools)
 # With no group or step named, every group runs in turn (about 40 minutes).
 set -u
@@ -40,7 +42,7 @@ touch "$summary"
 all_steps=(replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
-           bench-generate-short)
+           bench-generate-short sass-loop)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
@@ -49,9 +51,10 @@ for arg in "${@:-tests bench cli fp8}"; do
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
-      fp8) selected+=(fp8-tests bench-kernel-fp8 run-fp8 generate-fp8) ;;
+      fp8) selected+=(fp8-tests sass-loop bench-kernel-fp8 run-fp8 generate-fp8) ;;
       short) quick="--quick"; short=1; selected+=(gpu-tests cpu-suite bench-kernel-short bench-generate-short run generate) ;;
-      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
+      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|sass-loop|\
+      bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
@@ -106,16 +109,27 @@ step whole-suite 560 python3 -m pytest -q "${pytest_opts[@]}"
 # skipped with a reason on GPUs without e4m3 (NVIDIA below sm_89).
 step fp8-tests 300 python3 -m pytest -q "${pytest_opts[@]}" tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py \
   tests/kernels/test_fp8_dispatch_gpu.py
+# fp8 rows beside the default config (3 stages on H100/H200 since the compile-time analysis in
+# RESULTS.md, not yet timed): the config it replaced (2 stages, the same kernel), which isolates the
+# kernel's change from the stage count, and 128-key tiles over 8 warps (as many bytes per tile as
+# bf16's default). The default's rows alone are judged against the goals.
+fp8_alt='[{"block_n": 64, "num_warps": 4, "num_stages": 2}, {"block_n": 128, "num_warps": 8, "num_stages": 2}]'
+# The same configs' tile loop counted in the SASS of this machine's Triton (compile-time facts, no
+# GPU needed: the instruction counts RESULTS.md gives for Triton 3.9 and 3.6, here for the timed build).
+step sass-loop 120 python3 benchmarks/sass_loop.py --fp8-configs "$fp8_alt" --out "$out/sass_loop.json"
 if [ "$quick" = "--quick" ]; then
   step bench-kernel 200 python3 benchmarks/bench_kernel.py --quick --kv-dtypes bf16 --out "$out/bench_kernel.json"
-  step bench-kernel-fp8 200 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 16k,64k,256k --out "$out/bench_kernel_fp8.json"
+  step bench-kernel-fp8 300 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 16k,64k,256k \
+    --fp8-configs "$fp8_alt" --out "$out/bench_kernel_fp8.json"
   step bench-step 200 python3 benchmarks/bench_step.py --lens 4k,64k,1m --steps 30 --out "$out/bench_step.json"
 else
   step bench-kernel 900 python3 benchmarks/bench_kernel.py --kv-dtypes bf16 --out "$out/bench_kernel.json"
-  step bench-kernel-fp8 600 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,4,16 --lens 16k,64k,256k,1m --out "$out/bench_kernel_fp8.json"
+  step bench-kernel-fp8 600 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,4,16 --lens 16k,64k,256k,1m \
+    --fp8-configs "$fp8_alt" --out "$out/bench_kernel_fp8.json"
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
-step bench-kernel-short 100 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 64k,256k --out "$out/bench_kernel_short.json"
+step bench-kernel-short 140 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 64k,256k \
+  --fp8-configs '[{"block_n": 64, "num_warps": 4, "num_stages": 2}]' --out "$out/bench_kernel_short.json"
 step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
 step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
 # generate's token step: each row with CUDA graphs and eagerly (--no-cuda-graph), the one-rank row

@@ -4,9 +4,10 @@ Run as a script (``python kernel_aot_compile.py [case ids...]``) in a process wh
 ``TRITON_INTERPRET`` is unset: Triton decides at import time whether its own library functions are
 interpreted, so compiling in the same process as interpreter tests is not possible. Prints one JSON
 object: case id -> the launch's config and, per kernel it launches, the build's facts (shared
-memory bytes; for NVIDIA targets whether the PTX has scalar 2-byte or 1-byte global loads, whether
-K/V go through 16-byte cp.async, and the registers and spill bytes ptxas reported; for AMD ones the
-hardware fp8 conversions and vector instructions in the code), or the error.
+memory bytes; for NVIDIA targets whether the PTX has scalar 2-byte or 1-byte global loads, how
+many one-byte shared-memory reads it has, whether K/V go through 16-byte cp.async, and the
+registers and spill bytes ptxas reported; for AMD ones the hardware fp8 conversions and vector
+instructions in the code), or the error.
 
 Every case is a real launch: CPU tensors with the shapes, dtypes and strides of the call, planned
 by the launcher itself (``TritonDecodeLaunch(..., backend=...)``, or the merge's own views) and
@@ -173,8 +174,9 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     # fp8 caches (e4m3, tiles widened to fp16): defaults over bf16 / fp16 / fp32 queries, many
     # splits and one (which writes the caller's out), head dims, an MQA-like group (wgmma on
     # Hopper), paged with whole tiles per page and gathered, several query tokens, and explicit
-    # configs on both sides of the fp8 spill boundary. On gfx942: AMD's fnuz format (hardware
-    # conversions) and e4m3 (converted in software by Triton).
+    # configs on both sides of the fp8 spill boundary (and the 2-stage config the H100 default
+    # replaced). On gfx942: AMD's fnuz format (hardware conversions) and e4m3 (converted in
+    # software by Triton).
     "h100-fp8-llama-b1-64k": ("h100", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
     "rtx4090-fp8-llama-b1-64k": ("rtx4090", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
     "h100-fp8-q-fp16-llama-b64-1split": ("h100", Launch("fp16", "fp8", 64, n=4096, **LLAMA)),
@@ -197,9 +199,11 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-fp8-bn128-w8": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128, num_warps=8), **LLAMA)),
     "rtx4090-fp8-bn64-s3":
         ("rtx4090", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=64, num_stages=3), **LLAMA)),
-    "h100-fp8-bn128-spills": ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128), **LLAMA)),
-    "h100-fp8-q-fp16-bn64-w2-spills":
-        ("h100", Launch("fp16", "fp8", 1, n=16384, config=cfg(block_n=64, num_warps=2), **LLAMA)),
+    "h100-fp8-bn64-s2": ("h100", Launch("bf16", "fp8", 1, n=65536, config=cfg(block_n=64, num_stages=2), **LLAMA)),
+    "h100-fp8-bn128-w2-spills":
+        ("h100", Launch("bf16", "fp8", 1, n=16384, config=cfg(block_n=128, num_warps=2), **LLAMA)),
+    "h100-fp8-q-fp16-g32-bn64-w2-spills":
+        ("h100", Launch("fp16", "fp8", 1, 32, 1, 128, 16384, config=cfg(block_n=64, num_warps=2))),
     "mi300x-fp8fnuz-llama-b1-64k": ("mi300x", Launch("bf16", "fp8fnuz", 1, n=65536, **LLAMA)),
     "mi300x-fp8-llama-b1-64k": ("mi300x", Launch("bf16", "fp8", 1, n=65536, **LLAMA)),
     "mi300x-fp8fnuz-sq4-paged16-causal":
@@ -313,6 +317,9 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         ptx = compiled.asm["ptx"]
         facts["scalar_b16_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b16|u16)\b", ptx))
         facts["scalar_b8_loads"] = bool(re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx))
+        # One-byte shared-memory reads: an fp8 tile read back element by element (the transposed
+        # operand of P @ V when Triton widens it after the read; see triton_decode's FP8_PTX).
+        facts["b8_shared_loads"] = len(re.findall(r"ld\.shared(\.\w+)*\.(b8|u8|s8)\b", ptx))
         cp_async_16 = r"cp\.async\.c[ga]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x10|16)\b"
         facts["cp_async_16"] = bool(re.search(cp_async_16, ptx))
         # A build another case already made comes from Triton's caches, without running ptxas.

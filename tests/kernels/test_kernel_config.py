@@ -151,11 +151,13 @@ def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype)
         where = (spec.name, d, group, page, c)
         assert kc.stage1_spill_free(c.block_n, c.num_warps, shape, dtype, spec.warp_size, q_dtype=q_dtype), where
         limit = 0.85 * spec.smem_per_sm_bytes
-        fits = kc.stage1_smem_bytes(c.block_n, c.num_stages, d, elem, kc.group_block(group), parts, kv) <= limit
+        nvidia = spec.vendor != "amd"
+        fits = kc.stage1_smem_bytes(c.block_n, c.num_stages, d, elem, kc.group_block(group), parts, kv,
+                                    nvidia=nvidia) <= limit
         # The q tiles alone fill the LDS / shared memory: 64 query rows at fp32 D=256, or an fp32
         # query's 3 parts at D=256 with 32 rows (MI300X's 64 KiB) or 64 rows (RTX 4090's 100 KiB);
         # the default shrinks as far as it goes (the launch then fails with a ConfigError that says so).
-        smallest = kc.stage1_smem_bytes(16, 1, d, elem, kc.group_block(group), parts, kv)
+        smallest = kc.stage1_smem_bytes(16, 1, d, elem, kc.group_block(group), parts, kv, nvidia=nvidia)
         assert fits or ((c.block_n, c.num_stages) == (16, 1) and smallest > limit), where
         if not fits:
             assert spec is MI300X or (parts == 3 and kc.group_block(group) == 64), where
@@ -185,13 +187,15 @@ def test_spill_rule_boundaries():
     assert not kc.spill_free(32, 4, 128, 4, 32) and kc.spill_free(16, 4, 128, 4, 32)
     assert kc.spill_free(32, 4, 128, 4, 16) and not kc.spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
     assert kc.spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
-    # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query).
-    assert kc.spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 default: 176 registers
-    assert kc.spill_free(128, 4, 128, 2, 16) and not kc.spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # fp8: 16 B spilled
-    assert kc.spill_free(128, 8, 128, 2, 16, kv_bytes=1)  # 149 registers
-    assert not kc.spill_free(64, 2, 128, 2, 16, kv_bytes=1)  # fp16 query: 44 B spilled
-    assert kc.spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows: 212 registers (255, no spill, on sm_89)
-    assert kc.spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 178 registers
+    # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query),
+    # conservative since V's widening stays in place (registers of the current builds).
+    assert kc.spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 tile and warps of the default: 122 registers
+    assert kc.spill_free(128, 4, 128, 2, 16) and not kc.spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # 174, pruned
+    assert not kc.spill_free(128, 2, 128, 2, 16, kv_bytes=1)  # 68 B spilled
+    assert kc.spill_free(128, 8, 128, 2, 16, kv_bytes=1)  # 118 registers
+    assert not kc.spill_free(64, 2, 128, 2, 32, kv_bytes=1)  # fp16 query, 32 rows: 8 B spilled
+    assert kc.spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows (wgmma)
+    assert kc.spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 142 registers
 
 
 def test_dot_math_and_paged_gather():
@@ -209,23 +213,35 @@ def test_dot_math_and_paged_gather():
 
 
 def test_fp8_shared_memory_estimate():
-    """fp8 K/V tiles are staged as fp8: what Triton 3.9 allocates for sm_89/sm_90 (D=128, 16 rows,
-    64 keys: 1 / 2 / 3 stages 12 / 22 / 38 KiB; an fp32 query's 3 parts 34 KiB), within the
-    estimate, which is exact (plus its 1 KiB of scratch) from 2 stages."""
-    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1) == 22528 + 1024
-    assert kc.stage1_smem_bytes(64, 3, 128, 2, 16, 1, kv_bytes=1) == 38912 + 1024
-    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 3, kv_bytes=1) == 34816 + 1024
-    assert kc.stage1_smem_bytes(64, 1, 128, 2, 16, 1, kv_bytes=1) >= 12288
+    """fp8 K/V tiles are staged as fp8, and on NVIDIA the V tile once more as fp16 (read back
+    transposed): what Triton 3.9 allocates for sm_89/sm_90 (D=128, 16 rows, 64 keys: 1 / 2 / 3
+    stages 22 / 38 / 54 KiB; an fp32 query's 3 parts 50 KiB at 2 stages), within the estimate,
+    which is exact (plus its 1 KiB of scratch) from 2 stages. AMD builds widen V in registers."""
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1) == 38912 + 1024
+    assert kc.stage1_smem_bytes(64, 3, 128, 2, 16, 1, kv_bytes=1) == 55296 + 1024
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 3, kv_bytes=1) == 51200 + 1024
+    assert kc.stage1_smem_bytes(64, 1, 128, 2, 16, 1, kv_bytes=1) >= 22528
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1, kv_bytes=1, nvidia=False) == 22528 + 1024
     assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1) == 38912 + 1024  # a bf16 cache
+    assert kc.stage1_smem_bytes(64, 2, 128, 2, 16, 1, nvidia=False) == 38912 + 1024
 
 
 def test_fp8_defaults():
-    """fp8 keeps the 16-bit tiles (the same keys per tile, half the bytes), whatever q's dtype."""
+    """fp8 keeps the 16-bit tiles (the same keys per tile, half the bytes), whatever q's dtype,
+    with a third pipeline stage on NVIDIA GPUs whose shared memory holds two such programs (the
+    same K/V bytes in flight per program as a 16-bit cache's two stages): H100, not RTX 4090; AMD
+    keeps its one stage."""
     for d, bn in ((64, 128), (128, 64), (256, 32)):
         shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
         for q in ("bf16", "fp16", "fp32"):
             c = kc.default_config(shape, FP8, H100, q_dtype=q)
+            assert (c.block_n, c.num_warps, c.num_stages) == (bn, 4, 3), (d, q, c)
+            c = kc.default_config(shape, FP8, KNOWN_DEVICES["rtx4090"], q_dtype=q)
             assert (c.block_n, c.num_warps, c.num_stages) == (bn, 4, 2), (d, q, c)
+            c = kc.default_config(shape, FP8, MI300X, q_dtype=q)
+            assert (c.block_n, c.num_stages) == (bn, 1), (d, q, c)
+            # a 16-bit cache keeps 2 stages on H100
+            assert kc.default_config(shape, "bf16", H100, q_dtype=q).num_stages == 2
 
 
 def test_mixed_and_paged_defaults():

@@ -107,7 +107,7 @@ def test_fp8_bytes_and_candidates():
     cands = candidate_configs(llama(1, 262144), fp8, H100)
     assert {c.block_n for c in cands} == {32, 64, 128}
     assert all(stage1_spill_free(c.block_n, c.num_warps, llama(1, 262144), fp8) for c in cands)
-    # the fp8 rule prunes more: 128 keys x 4 warps spill over fp8, not over bf16
+    # the fp8 rule prunes more (a conservative bound): 128 keys x 4 warps over fp8, not over bf16
     bf16_cands = candidate_configs(llama(1, 262144), torch.bfloat16, H100)
     assert {(c.block_n, c.num_warps) for c in cands} < {(c.block_n, c.num_warps) for c in bf16_cands}
     for shape in (llama(64, 65536), llama(1, 1 << 20)):  # enough programs to stream at the card's rate

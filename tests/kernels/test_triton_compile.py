@@ -5,11 +5,11 @@ rejects (a non-constexpr global read inside @jit, say) and says nothing about th
 Triton can compile for targets it does not have (it ships ptxas and the AMDGPU backend), so
 ``kernel_aot_compile.py`` builds real launches (the launcher's own arguments, hence the
 specialisations a launch derives from them) in fresh processes without the interpreter, and these
-tests check what matters for bandwidth: no scalar 2-byte (fp8: 1-byte) global loads, K/V
-pipelined through 16-byte cp.async when num_stages > 1, shared memory under the estimate that
-filters tuning candidates, (ptxas -v) register spills exactly where the rule that prunes tuning
-candidates says (never in a default config), and on MI300 an fp8 cache widened by the hardware's
-conversions where it has them.
+tests check what matters for bandwidth: no scalar 2-byte (fp8: 1-byte) global loads, no fp8
+tile read back from shared memory one byte at a time, K/V pipelined through 16-byte cp.async when
+num_stages > 1, shared memory under the estimate that filters tuning candidates, (ptxas -v)
+register spills exactly where the rule that prunes tuning candidates says (never in a default
+config), and on MI300 an fp8 cache widened by the hardware's conversions where it has them.
 
 These are compile-time facts of the installed Triton; none of these builds runs here.
 """
@@ -96,6 +96,9 @@ def test_launch_builds(compiled, cid):
         assert not s1["scalar_b8_loads"], "unvectorised 1-byte global loads"
         if cfg.num_stages > 1:
             assert s1["cp_async_16"], "K/V loads not pipelined through 16-byte cp.async"
+        # An fp8 tile must not be read back from shared memory a byte at a time (before the V tile's
+        # widening was kept in place, the sm_90 Llama build had 64 such reads per thread and tile).
+        assert s1["b8_shared_loads"] == 0, f"{s1['b8_shared_loads']} one-byte shared-memory reads"
     # One split writes the caller's out (16-bit, or the packed message) directly; several add stage two.
     assert ("stage2" in result) == (cfg.num_splits > 1)
     if "stage2" in result:

@@ -53,11 +53,15 @@ def element_sizes(dtype: Any) -> tuple[int, int]:
     return itemsize(dtype), dot_math(dtype, dtype)[0]
 
 
-def tile_smem_bytes(config: DecodeConfig, shape: DecodeShape, elem: int, kv_elem: int | None = None) -> int:
+def tile_smem_bytes(
+    config: DecodeConfig, shape: DecodeShape, elem: int, kv_elem: int | None = None, *, nvidia: bool = True
+) -> int:
     """Shared memory (LDS) of one stage-one program: K and V tiles per pipeline stage (``kv_elem``
-    bytes per element, default ``elem``), q and the weights (``elem``)."""
+    bytes per element, default ``elem``), q and the weights (``elem``); on NVIDIA an fp8 cache's V
+    tile once more, widened (see :func:`~tree_attn.kernels.config.stage1_smem_bytes`)."""
     return stage1_smem_bytes(
-        config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.query_rows), kv_bytes=kv_elem
+        config.block_n, config.num_stages, shape.head_dim, elem, group_block(shape.query_rows), kv_bytes=kv_elem,
+        nvidia=nvidia,
     )
 
 
@@ -70,7 +74,8 @@ def resident_programs_per_sm(
     if spec.vendor == "amd" and config.waves_per_eu:
         # waves_per_eu caps waves per SIMD; a CDNA CU has 4 SIMDs.
         by_warps = min(by_warps, (4 * config.waves_per_eu) // config.num_warps)
-    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem, kv_elem))
+    by_smem = spec.smem_per_sm_bytes // max(1, tile_smem_bytes(config, shape, elem, kv_elem,
+                                                               nvidia=spec.vendor != "amd"))
     threads = config.num_warps * spec.warp_size
     d = padded_head_dim(shape.head_dim)
     g = group_block(shape.query_rows)
@@ -254,7 +259,8 @@ def candidate_configs(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec) -
         for num_stages in stage_opts:
             probe = DecodeConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
             # 15% headroom: Triton also stages layout conversions and the P tile in shared memory.
-            if tile_smem_bytes(probe, shape, elem, kv_elem) > SMEM_HEADROOM * device_spec.smem_per_sm_bytes:
+            if (tile_smem_bytes(probe, shape, elem, kv_elem, nvidia=not amd)
+                    > SMEM_HEADROOM * device_spec.smem_per_sm_bytes):
                 continue
             for num_warps in (2, 4, 8):
                 if not stage1_spill_free(block_n, num_warps, shape, dtype, device_spec.warp_size):

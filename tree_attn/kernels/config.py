@@ -159,7 +159,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 def stage1_smem_bytes(
     block_n: int, num_stages: int, head_dim: int, elem_bytes: int, group_rows: int = 16, dot_parts: int = 1,
-    kv_bytes: int | None = None,
+    kv_bytes: int | None = None, *, nvidia: bool = True,
 ) -> int:
     """Shared memory (LDS) one stage-one program needs: an upper bound over the two ways Triton
     3.9 lowers the kernel's dots, fitted exactly to what it allocates for sm_80/89/90.
@@ -176,9 +176,11 @@ def stage1_smem_bytes(
 
     ``group_rows`` is the padded query-head rows per program (:func:`group_block`); ``elem_bytes``
     the dots' operand size, ``kv_bytes`` the cache's element size if it differs: an fp8 cache's
-    tiles are staged as fp8 and widened after the shared-memory read (sm_89/90, D=128, 16 rows,
-    block_n 64, 1 / 2 / 3 stages: 12 / 22 / 38 KiB; 34 KiB with an fp32 query's 3 parts). Plus 1
-    KiB for reduction scratch (fp32 builds use 256 B). CDNA3 builds stay below the ``mma`` figure.
+    tiles are staged as fp8, and on NVIDIA GPUs (``nvidia``) the V tile once more widened to fp16
+    (``mma``: it is read back transposed by ``ldmatrix``, see ``triton_decode``): sm_89/90, D=128,
+    16 rows, block_n 64, 2 / 3 stages: 38 / 54 KiB (22 / 38 KiB without that second staging). Plus
+    1 KiB for reduction scratch (fp32 builds use 256 B). CDNA3 builds (``nvidia=False``) stay below
+    the ``mma`` figure.
     """
     d = padded_head_dim(head_dim)
     kv_tile = block_n * d * (elem_bytes if kv_bytes is None else kv_bytes)
@@ -186,6 +188,8 @@ def stage1_smem_bytes(
     p_tile = group_rows * block_n * elem_bytes
     kv = (num_stages - 1) * 2 * kv_tile if num_stages > 1 else kv_tile
     mma = kv + dot_parts * (q_tile + p_tile)
+    if nvidia and kv_bytes is not None and kv_bytes < elem_bytes:
+        mma += block_n * d * elem_bytes  # the widened V tile
     wgmma = 0
     if group_rows >= 64 and elem_bytes == 2:
         wgmma = num_stages * 2 * kv_tile + dot_parts * q_tile + (dot_parts * p_tile if dot_parts > 1 else 0)
@@ -201,12 +205,15 @@ def stage1_smem_bytes(
 #   bf16 query over fp16) and a per-key paged gather add nothing. No build the rule passes spills;
 #   it also prunes some that fill all 255 registers without spilling (D=128, 64 keys, 2 warps: 255
 #   registers on sm_89, 4 B spilled on sm_90).
-# - fp8 caches (tiles widened to fp16 in registers, the dots as for an fp16 cache): the same counts
-#   below 144, not 160: the tiles' fp8 bytes and their fp16 widening are live together (D=128, 64
-#   keys, 4 warps, 2 stages: 176 registers, against 134 for fp16). Fitted to 648 builds (sm_89 and
-#   sm_90; D 64/128/256; 16/32/64 rows; 32-128 keys; 2/4/8 warps; fp16, bf16 and fp32 queries;
-#   contiguous and gathered); the one build it passes that spills is an fp32 query's (D=64, 16
-#   rows, 32 keys, 4 warps: 4 B at 80 registers on sm_90), a ptxas choice no count predicts.
+# - fp8 caches (tiles widened to fp16, the dots as for an fp16 cache): the same counts below 144,
+#   not 160. First fitted to 648 builds when V was widened after its shared-memory read, its fp8
+#   bytes and fp16 values live together (D=128, 64 keys, 4 warps, 2 stages: 176 registers). Refitted
+#   since V's widening stays in place (see triton_decode; the same build: 122 registers) to the 192
+#   builds within 0.7-1.4x of 160 per thread (sm_89 and sm_90; D 64/128/256; 16/32/64 rows; 32-128
+#   keys; 2/4/8 warps; fp16, bf16 and fp32 queries; contiguous and gathered): below 144 one build
+#   spills, an fp32 query's (D=64, 32 rows, 64 keys, 4 warps: 12 B at 128 registers on sm_90, a
+#   ptxas choice no count predicts); below 160 three would, so the bound stays, conservative (D=128,
+#   16 rows, 128 keys, 4 warps: 152 per thread, 174 registers and no spill, is pruned).
 # - fp32 (FMA dots, in IEEE fp32): ptxas's register use is not monotonic in these counts (32 rows,
 #   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
 #   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
@@ -324,8 +331,8 @@ def default_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec, *, q
     per tile (128 for D <= 64, 32 for D > 128 so the K/V tiles of two pipeline stages stay small;
     smaller where the program would spill registers (:func:`stage1_spill_free`): fp32 dots, 64-row
     query groups, per-key paged gathers), 4 warps (more for 64-row fp32 groups), 2 stages on
-    NVIDIA; on AMD 1 stage (the stream pipeliner gains little on a loop this light) and
-    ``waves_per_eu=2``.
+    NVIDIA (3 over an fp8 cache where shared memory allows: the same bytes in flight); on AMD 1
+    stage (the stream pipeliner gains little on a loop this light) and ``waves_per_eu=2``.
     """
     from .. import dtypes as _dtypes
 
@@ -347,10 +354,19 @@ def default_config(shape: DecodeShape, dtype: Any, device_spec: DeviceSpec, *, q
             break
     amd = device_spec.vendor == "amd"
     num_stages = 1 if amd else 2
+    smem_budget = SMEM_HEADROOM * device_spec.smem_per_sm_bytes
+    if (kv_bytes < elem and not amd
+            and TARGET_PROGRAMS_PER_SM * stage1_smem_bytes(block_n, 3, d, elem, group_rows, parts, kv_bytes)
+            <= smem_budget):
+        # An fp8 tile holds half the bytes of a 16-bit one: a third stage keeps two tiles' loads in
+        # flight per program, as many bytes as a 16-bit cache's one (a loop that waits on memory
+        # streams bytes in flight / latency; on an H200 the fp8 loop took as long per tile as bf16's
+        # with half the bytes). Only where TARGET_PROGRAMS_PER_SM such programs still fit the SM's
+        # shared memory (H100/H200: 2 x 55 KiB of 228; not an RTX 4090's 100 KiB).
+        num_stages = 3
     # Shrink until the pipelined K/V tiles fit the SM's shared memory (fp32 D=256 on a 100 KiB
     # RTX 4090, say): fewer stages first, then smaller tiles.
-    smem_budget = SMEM_HEADROOM * device_spec.smem_per_sm_bytes
-    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes) > smem_budget:
+    while stage1_smem_bytes(block_n, num_stages, d, elem, group_rows, parts, kv_bytes, nvidia=not amd) > smem_budget:
         if num_stages > 1:
             num_stages -= 1
         elif block_n > MIN_BLOCK_N:

@@ -48,6 +48,17 @@ program, which handles one KV head) and ``v_scale[h]`` the normalised output at 
 weights do not depend on it, so neither does lse). The split-KV partials and stage two are the
 same as for any other cache.
 
+The V tile's widening is written as inline PTX on NVIDIA GPUs (``FP8_PTX``): the conversion Triton
+itself emits for ``.to(tl.float16)``, two elements per ``cvt.rn.f16x2.e4m3x2``, marked impure so
+that Triton keeps it where it stands. Otherwise Triton moves P @ V's operand conversion above the
+(pure, elementwise) widening, so the V tile reaches the dot still in fp8, in the transposed layout
+of the dot's second operand, and an 8-bit transposed shared-memory read has no ``ldmatrix`` on
+sm_89/sm_90: the sm_90 build then read V back one byte at a time (64 ``LDS.U8`` per thread and
+64-key tile, plus as many instructions again to pack the bytes in pairs). With the widening kept in
+place the tile goes shared memory -> registers (16-byte reads) -> fp16 -> shared memory ->
+``ldmatrix.trans``, as a 16-bit cache's V does (see benchmarks/RESULTS.md for the instruction
+counts). K needs none of this: its operand is not transposed, and ``ldmatrix`` reads its fp8 bytes.
+
 Stage two, one program per (batch row, query head): the exact merge of the splits' states, the same
 algebra as ``tree_attn.reduce.state.merge_states`` (max-shifted weights ``exp(lse_i - m)``, empty states
 with lse -inf contribute nothing, a row with no keys gives out 0 and lse -inf; a NaN or +inf lse
@@ -97,6 +108,22 @@ def _dot_parts(a0, a1, a2, b, PARTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRE
         if PARTS > 2:
             c = tl.dot(a2, b, c)
     return c
+
+
+@triton.jit
+def _widen_fp8(x, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """An fp8 (e4m3) tile widened exactly to ``DTYPE`` (fp16, the only type the kernel widens to).
+    With ``PTX`` (NVIDIA, sm_89+) by the instruction Triton's own conversion uses, four elements
+    (one 32-bit register) per inline assembly block, impure so that Triton does not move a layout
+    conversion above it (see the module docstring); elsewhere (AMD, the CPU interpreter) by
+    Triton's conversion."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    else:
+        return x.to(DTYPE)
 
 
 @triton.jit
@@ -155,6 +182,7 @@ def split_kv_stage1_kernel(
     Q_PRESCALE: tl.constexpr,  # MIXED over an fp16 cache: scale q into fp16's range first
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (tf32 would lose ~3 decimal digits)
     KV_FP8: tl.constexpr,  # K/V are fp8 with per-KV-head scales (see above)
+    FP8_PTX: tl.constexpr,  # KV_FP8 on NVIDIA: V widened by inline PTX (see above)
 ):
     pid_bhg = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -292,7 +320,7 @@ def split_kv_stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vt_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if KV_FP8 and not UPCAST:
-            v = v.to(dot_t)
+            v = _widen_fp8(v, dot_t, FP8_PTX)
         if MIXED:
             p0, p1, p2 = _split_parts(p, dot_t, DOT_PARTS)
             if UPCAST:

@@ -180,6 +180,8 @@ class TritonDecodeLaunch:
             Q_PRESCALE=mixed and dot_dtype == torch.float16,
             DOT_PRECISION="ieee",
             KV_FP8=self.fp8,
+            # The V tile's widening as inline PTX (see triton_decode): e4m3 on NVIDIA, compiled code.
+            FP8_PTX=self.fp8 and backend == "cuda" and not upcast,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
