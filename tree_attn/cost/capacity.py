@@ -13,10 +13,11 @@ One rank of ``tree-attn generate`` holds, at its peak:
   on the last rank, the new tokens, in pages: ``layers x 2 x Hkv x D x itemsize(kv dtype)`` bytes
   per token (the itemsize from the one dtype table, so a new KV dtype is a new row there).
 - **activations**: the peak of its prefill forward over its own ``S`` tokens, whichever layer phase
-  is largest (:func:`prefill_activation_bytes`): the hidden state and residual, q, k and v, the
+  is largest (:func:`prefill_activation_bytes`): the hidden states (the embeddings' output, which
+  the model's forward keeps, the layer's input, the residual, the normed states), q, k and v, the
   ring's K/V blocks (its own packed, the next one arriving), the float32 running state of its
-  queries, and the MLP's gate/up/product on one chunk of :data:`MLP_ROWS` tokens; beside it the
-  decode step's (ring decode gathers whole layer shards).
+  queries, and the MLP's activation/up/product on one chunk of :data:`MLP_ROWS` tokens; beside it
+  the decode step's (ring decode gathers whole layer shards).
 - **overhead**: per process, the interpreter, torch and transformers on CPU ranks (measured:
   about 450 MiB resident after importing them); on GPUs the CUDA context and the allocator's
   slack, which ``max_memory_allocated`` does not see but the device's free memory does.
@@ -134,19 +135,28 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
                              mlp_rows: int = MLP_ROWS, device_kind: str = "cpu") -> int:
     """Peak bytes a rank's prefill forward over its ``tokens`` tokens needs beyond weights and KV.
 
-    The largest of a decoder layer's phases (``e`` the activations' itemsize, per token):
+    The largest of a decoder layer's phases (``e`` the activations' itemsize, per token). Through
+    all of them the model's forward holds the embeddings' output (``inputs_embeds``, ``H e``: from
+    the second layer on it is not the layer's input, which its caller holds as well) and RoPE's cos
+    and sin (``2 D e``). Then:
 
-    - attention, in the hook: the residual and normed hidden states ``2 H e``, q ``A e``, k and v
-      ``2 K e``, the ring's own packed block and the arriving one ``4 K e`` (``largest_block``
-      tokens for the arriving one), the float32 running state ``4 (A + Hq)`` and the output cast
-      to the dtype ``A e``;
+    - attention, in the hook: the layer's input (its residual) and the normed hidden states
+      ``2 H e``, q ``A e``, k and v ``2 K e``, the ring's own packed block and the arriving one
+      ``4 K e`` (``largest_block`` tokens for the arriving one), the float32 running state
+      ``4 (A + Hq)`` and the output cast to the dtype ``A e``;
     - RoPE: the hidden states, q, k, v and three q-sized temporaries ``3 A e``;
-    - the MLP: residual, normed input and output ``3 H e`` per token, and ``4 I e`` for one chunk of
-      ``mlp_rows`` tokens: gate, its activation, up and their product (at most three are alive at
-      once, but counting three left the estimate 7-9% under the measured RSS peaks of 16K-token
-      prefills, which four matches within 2%: benchmarks/RESULTS.md);
+    - the MLP: the layer's input, the residual after attention and the normed input ``3 H e`` per
+      token, the output when it is filled chunk by chunk ``H e`` (more than ``mlp_rows`` tokens),
+      and ``3 I e`` for one chunk of ``mlp_rows`` tokens: gate's activation, up and their product
+      (gate itself is freed once activated; the chunk's output is made after the first two go).
+      The residual sum after it (``5 H e`` with the kept states) is smaller while ``I >= H``;
     - the norms: input and residual ``2 H e`` and two float32 temporaries ``8 H`` (one more
       float32 copy ``4 H`` when ``e`` is not 4).
+
+    Measured on CPU ranks, where every freed tensor goes back to the OS
+    (:func:`tree_attn.launch.memory.set_malloc_mmap_threshold`): a layer's MLP peaks at these
+    terms (within 2%, tests/generate/test_prefill_memory.py) plus about 15 MiB that the first
+    forward leaves allocated for good (the process's part), with one layer and with two.
 
     ``A = Hq D``, ``K = Hkv D``; the merge's float32 temporaries add a fixed ``MERGE_ROWS`` rows.
     On GPUs the attention is the portable blockwise path (:func:`tree_attn.kernels.prefill.attention_blockwise`),
@@ -159,15 +169,16 @@ def prefill_activation_bytes(dims: ModelDims, tokens: int, dtype: str, *, larges
     e = itemsize(dtype)
     h, a, k = dims.hidden, dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
     block = tokens if largest_block is None else max(tokens, largest_block)
+    kept = tokens * ((h * e if dims.layers > 1 else 0) + 2 * dims.head_dim * e)
     hidden = 2 * h * e
     attention = tokens * (hidden + a * e + 2 * k * e + 2 * k * e + 4 * (a + dims.q_heads) + a * e) + block * 2 * k * e
     if device_kind == "cuda":
         attention += tokens * 4 * a + block * 8 * k + 3 * 4 * dims.q_heads * min(tokens, QUERY_ROWS) * block
     rope = tokens * (hidden + a * e + 2 * k * e + 3 * a * e)
-    mlp = tokens * 3 * h * e + min(tokens, mlp_rows) * 4 * dims.intermediate * e
+    mlp = tokens * (4 if tokens > mlp_rows else 3) * h * e + min(tokens, mlp_rows) * 3 * dims.intermediate * e
     norm = tokens * (hidden + 8 * h + (4 * h if e != 4 else 0))
     merge = min(tokens, MERGE_ROWS) * 6 * 4 * a
-    return max(attention + merge, rope, mlp, norm)
+    return kept + max(attention + merge, rope, mlp, norm)
 
 
 def decode_activation_bytes(dims: ModelDims, largest_share: int, kv_dtype: str, ring: bool) -> int:

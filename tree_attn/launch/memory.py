@@ -1,12 +1,15 @@
 """Memory of a job's ranks: what the host can give before a launch (:func:`available_host_bytes`,
 :func:`check_host_memory`: a job of CPU ranks that cannot fit is refused before any rank
-allocates), and the peak memory of a region of code inside a rank (:class:`MemoryMonitor`).
+allocates), the peak memory of a region of code inside a rank (:class:`MemoryMonitor`), and how
+freed host memory goes back to the OS (:func:`set_malloc_mmap_threshold`).
 
 Peak memory. On GPUs: ``torch.cuda.max_memory_allocated`` (bytes held by tensors), reset at the start.
 On CPU ranks torch keeps no allocator statistics, so the process's resident set size is used: the
 result is the peak RSS of the whole process (interpreter, torch and the KV shard included) and the
-peak above the RSS at the start of the region. Large tensors are mmap-backed and returned to the OS
-when freed, so the RSS follows tensor allocations closely.
+peak above the RSS at the start of the region. The RSS follows tensor allocations closely only where
+freed tensors go back to the OS: with glibc's default (dynamic) mmap threshold, tensors of up to
+32 MiB come from the heap after the first such block is freed, and freed heap blocks stay resident
+(:func:`set_malloc_mmap_threshold` says why and fixes it for a region).
 
 - On Linux the kernel keeps the peak itself: writing "5" to ``/proc/self/clear_refs`` resets the
   high-water mark (``VmHWM`` in ``/proc/self/status``) to the current RSS, and reading it after the
@@ -99,6 +102,43 @@ def check_host_memory(world_size: int, seq_len: int, batch: int, kv_heads: int, 
         f"over {world_size} CPU ranks needs about {need_gib:,.1f} GiB (K and V shards, "
         f"{'ring shards in flight, ' if ring else ''}query and states, one process each); this machine has "
         f"{have_gib:,.1f} GiB available: use a smaller --seq-len, --batch or --heads"))
+
+
+# glibc's mallopt(3) parameters (malloc.h) and its defaults: the mmap threshold starts at 128 KiB
+# and, dynamically, rises up to 32 MiB (64-bit); the heap's top is trimmed beyond twice it.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MIN = 128 * 1024
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def set_malloc_mmap_threshold(threshold: int) -> bool:
+    """Make this process's malloc serve every allocation of ``threshold`` bytes or more by an mmap
+    of its own (unmapped, i.e. returned to the OS, when freed), and trim the heap's top beyond
+    ``2 x threshold``. glibc only (``mallopt``); elsewhere nothing is done and False is returned.
+
+    Why: by default glibc raises its mmap threshold to the size of every mmapped block freed, up
+    to 32 MiB. From then on, blocks below that come from the heap, and a freed heap block stays
+    resident unless it lies at the heap's top. A prefill allocates and frees token-sized tensors
+    in every layer, so what stays resident depends on their exact sizes (the keys of 8,191 tokens,
+    1,024 float32 each, are just under 32 MiB and raise the threshold; those of 8,192 tokens are
+    not): in ``generate``'s sharded prefill the last rank, one token short, kept 80 MiB (16K-token
+    prompt, 2 ranks) to 170 MiB (32K) more resident than rank 0, through its prefill and its
+    decode (benchmarks/RESULTS.md). With a fixed threshold of
+    :data:`MMAP_THRESHOLD_MIN` they go back when freed, and the RSS is what the tensors hold.
+    A fixed threshold also stops the dynamic one: set it again to change it.
+    """
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):  # musl's mallopt does nothing; macOS has none
+            return False
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, ValueError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * int(threshold)))
 
 
 def _high_water_bytes() -> int | None:

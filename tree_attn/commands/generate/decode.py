@@ -37,7 +37,7 @@ import torch
 from ...dtypes import is_fp8, itemsize, torch_dtype
 from ...launch.env import RankEnv
 from ...launch.job import percentile, say_on_rank_0
-from ...launch.memory import MemoryMonitor
+from ...launch.memory import MMAP_THRESHOLD_MAX, MMAP_THRESHOLD_MIN, MemoryMonitor, set_malloc_mmap_threshold
 from ...launch.setup import LaunchSetup, OnLaunch
 from ...reduce.ring_prefill import plan_ring
 from ...reduce.zigzag import SequenceShards, zigzag
@@ -384,6 +384,12 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
     together, the ring), decode with each of ``strategies`` (``(name, plan)`` pairs; ``local``:
     one rank, no collective)."""
     device = torch.device(env.device)
+    host = device.type == "cpu"
+    if host:
+        # The load and the prefill allocate and free token-sized tensors layer after layer: each
+        # goes back to the OS when freed, so the RSS is what the tensors hold (the capacity
+        # estimate's terms), not what glibc's heap happened to keep (launch.memory).
+        set_malloc_mmap_threshold(MMAP_THRESHOLD_MIN)
     # Three regions one after the other (a monitor resets the high-water mark where it starts).
     with MemoryMonitor(env.device) as load:
         say_on_rank_0(env, f"loading {spec.source.label}")
@@ -408,6 +414,10 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
     with MemoryMonitor(env.device) as prefill_mem:
         pre = sharded_prefill(model, spec.prompt_ids, ShardedPrefill(store, plan))
     say_on_rank_0(env, f"prefill: {pre.wall_s:.1f} s (rank 0 waited {pre.timing.wait_s:.1f} s for blocks)")
+    if host:
+        # A token's buffers (the ring's gathered shards) are the same every token: the heap
+        # reuses them below glibc's usual cap, rather than mapping fresh pages each token.
+        set_malloc_mmap_threshold(MMAP_THRESHOLD_MAX)
     with MemoryMonitor(env.device) as decode_mem:
         runs = decode_strategies(env, spec, model, store, strategies)
     return RankReport(env.rank, runs, pre, store.nbytes, load.result.peak_bytes, prefill_mem.result.peak_bytes,
