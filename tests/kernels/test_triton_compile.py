@@ -29,7 +29,9 @@ pytest.importorskip("triton")
 
 from kernel_aot_compile import CASES, Launch, Merge
 
-from tree_attn.kernels.config import DecodeConfig, dot_math, group_block, stage1_smem_bytes, stage1_spill_free
+from tree_attn.kernels.config import (
+    DecodeConfig, dot_math, group_block, spill_profile, stage1_smem_bytes, stage1_spill_free,
+)
 from tree_attn.kernels.shapes import DecodeShape
 
 _SCRIPT = Path(__file__).resolve().parent / "kernel_aot_compile.py"
@@ -107,23 +109,32 @@ def test_launch_builds(compiled, cid):
 
 @pytest.mark.parametrize("cid", CUDA_LAUNCHES)
 def test_spills_exactly_where_the_rule_says(compiled, cid):
-    """ptxas spills stage one's registers iff :func:`stage1_spill_free` says so; never in a default."""
+    """ptxas never spills stage one's registers where :func:`stage1_spill_free` (for the Triton that
+    built it) says it does not, nor in a default; and, for the Triton the rule was fitted to
+    (``SpillProfile.exact``), spills wherever it says so. A conservative profile (an older Triton's)
+    prunes a superset: every build the fitted rule prunes, and more."""
     result = _ok(compiled[cid])
     _target, launch = CASES[cid]
     facts = result["stage1"]
     if "spill_store_bytes" not in facts:
         pytest.fail(f"no ptxas report: {facts.get('ptxas_error')}")
     cfg = DecodeConfig.from_dict(result["config"])
+    profile = spill_profile(facts["triton"])
     predicted = stage1_spill_free(
-        cfg.block_n, cfg.num_warps, _shape(launch), _DTYPE[launch.kv], _WARP["cuda"], q_dtype=_DTYPE[launch.q]
+        cfg.block_n, cfg.num_warps, _shape(launch), _DTYPE[launch.kv], _WARP["cuda"], q_dtype=_DTYPE[launch.q],
+        profile=profile,
     )
-    assert predicted == (facts["spill_store_bytes"] == 0), (
-        f"spill rule says {'no spill' if predicted else 'spills'}; ptxas: {facts['registers']} registers, "
-        f"{facts['spill_store_bytes']} B spilled ({cfg.describe()})"
-    )
-    assert predicted == (not cid.endswith("-spills")), "case name and rule disagree"
+    spilled = facts["spill_store_bytes"] > 0
+    why = (f"spill rule ({profile.name}) says {'no spill' if predicted else 'spills'}; ptxas: {facts['registers']} "
+           f"registers, {facts['spill_store_bytes']} B spilled ({cfg.describe()})")
+    assert not (predicted and spilled), why
+    if profile.exact:
+        assert predicted == (not spilled), why
+        assert predicted == (not cid.endswith("-spills")), "case name and rule disagree"
+    elif cid.endswith("-spills"):
+        assert not predicted, "a conservative profile passes a build the fitted rule prunes"
     if launch.config is None:
-        assert facts["spill_store_bytes"] == 0, "a default config spills"
+        assert not spilled, "a default config spills"
 
 
 def test_amd_fp8_formats(compiled):
