@@ -119,6 +119,8 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-fp32-d128-g32": ("h100", Launch("fp32", "fp32", 1, 32, 1, 128, 8192)),
     "h100-fp32-d256-g64": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 8192)),
     "h100-fp32-d256-g64-paged1": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 2048, page=1)),
+    # 64 query heads per KV head over 2 KV heads, gathered: 8 warps spilled 568 B (1 KV head: none).
+    "h100-fp32-d128-g64-kv2-paged1": ("h100", Launch("fp32", "fp32", 1, 128, 2, 128, 2048, page=1)),
     "rtx4090-fp32-d128-g32-paged3": ("rtx4090", Launch("fp32", "fp32", 2, 32, 1, 128, 2049, page=3)),
     # Paged: block sizes that hold whole tiles (one block id per tile) and others (a per-key gather).
     "h100-bf16-paged16": ("h100", Launch("bf16", "bf16", 4, n=8192, page=16, **LLAMA)),

@@ -235,6 +235,9 @@ def test_spill_rule_boundaries():
     assert not kc.spill_free(32, 4, 128, 4, 32) and kc.spill_free(16, 4, 128, 4, 32)
     assert kc.spill_free(32, 4, 128, 4, 16) and not kc.spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
     assert kc.spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
+    # Gathered, 64 rows (2 KV heads), 16 keys: 8 warps 568 B at 255 registers, 16 warps 66 registers.
+    assert not kc.spill_free(16, 8, 128, 4, 64, gather=True, paged=True)
+    assert kc.spill_free(16, 16, 128, 4, 64, gather=True, paged=True)
     # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query).
     assert kc.spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 default: 176 registers
     assert kc.spill_free(128, 4, 128, 2, 16) and not kc.spill_free(128, 4, 128, 2, 16, kv_bytes=1)  # fp8: 16 B spilled

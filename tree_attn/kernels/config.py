@@ -214,13 +214,18 @@ def stage1_smem_bytes(
 #   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
 #   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
 #   their registers (but one, below), at 1,024 more than half spill (D=128, 16 rows, 64 keys, 2
-#   warps: 15 KB). A per-key paged gather with 4 warps or fewer halves the bound (16 rows, D=128, 32
-#   keys, 4 warps: 524 B gathered, 107 registers contiguous); with 8 or more it does not (every
-#   gathered 8-warp build at 512 fits). Two 8-warp, 16-key, D=128 builds spill 8-24 B at 48-64
-#   registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count predicts; no
-#   default picks them.
+#   warps: 15 KB). A per-key paged gather below 16 warps halves the bound (16 rows, D=128, 32
+#   keys, 4 warps: 524 B gathered, 107 registers contiguous; 64 rows, D=128, 16 keys, 8 warps: 568
+#   B, a default's build, though the fit had every gathered 8-warp build at 512 keep its registers:
+#   rebuilt with today's kernel, it does not). Two 8-warp, 16-key, D=128 builds spill 8-24 B at
+#   48-64 registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count
+#   predicts; no default picks them.
+# Rebuilt with today's kernel (the rule's pass region, 952 + 166 builds, benchmarks/RESULTS.md),
+# 3.9 spills in 16 builds the rule passes: 4-24 B at 48-168 registers, such choices of ptxas, and
+# one at 255 registers (bf16 on pages holding whole tiles, D=128, 16 rows, 128 keys, 4 warps: 12 B;
+# whole-tile pages were not in the fit, and no default picks it).
 # Triton 3.6 (ptxas 12.8 for both; the builds of the rule's pass region, benchmarks/RESULTS.md)
-# spills where 3.9 does not, at 255 registers, in three places, which its profile prunes:
+# spills where 3.9 does not, at 255 registers or close, in three places, which its profile prunes:
 # - fp32 over a paged cache at 512 multiply-adds with fewer than 16 warps, whole tiles per page as
 #   well as gathered (16 rows, D=128, 32 keys, 4 warps, pages of 32 or 256 tokens: 356 B; 3.9:
 #   107 registers), so the paged bound is 256 for both;
@@ -228,14 +233,14 @@ def stage1_smem_bytes(
 #   registers; 8 warps, 32 keys on sm_89: 32 B), so 256 there too, below 16 warps;
 # - fp16/bf16 with 64 rows at D=256, 32 keys, 4 warps, state 144, on sm_89 (4 B, 20 B gathered;
 #   8 B with 3 stages), so the 16-bit bound is fp8's 144.
-# Its ptxas also spills a few bytes at 56-128 registers where no count predicts it (D=128, 16
+# Its ptxas also spills a few bytes at 64-128 registers where no count predicts it (D=128, 16
 # rows, 16 keys, 4 warps, contiguous: 12-16 B on sm_90, one local load per tile): the bounds above
 # leave those alone, but no default of the compile test's launches picks one.
 MAX_MMA_STATE_PER_THREAD = 160
 MAX_MMA_STATE_PER_THREAD_FP8 = 144
 MAX_FMA_PER_THREAD = 512
 MAX_FMA_PER_THREAD_GATHERED = 256  # with fewer than GATHER_WIDE_WARPS warps
-GATHER_WIDE_WARPS = 8
+GATHER_WIDE_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -246,9 +251,12 @@ class SpillProfile:
     gathered key by key, ``fma_paged`` for whole tiles of a paged cache, ``fma_wide_head`` for a
     head dim above 128 (the smallest that applies).
 
-    ``exact``: fitted to that compiler's builds, so ptxas spills exactly where the rule prunes (the
-    compile test checks both ways); otherwise the bounds are conservative: no build they pass
-    spills at the register limit, and they prune every build a fitted profile prunes, and more.
+    ``exact``: fitted to that compiler's builds: on the compile test's builds ptxas spills exactly
+    where the rule prunes (the test checks both ways); over the whole tuning space some builds it
+    passes still spill a few bytes where no count predicts it. Otherwise the bounds are
+    conservative: no build of the sweep they pass spills at the register limit, and they prune
+    every build a fitted profile prunes, and more (the compile test checks that no build they pass
+    spills).
     """
 
     name: str
@@ -264,7 +272,7 @@ class SpillProfile:
 
 TRITON_3_9 = SpillProfile("triton 3.9", exact=True)
 TRITON_3_6 = SpillProfile("triton 3.6", exact=False, mma=MAX_MMA_STATE_PER_THREAD_FP8, fma_paged=256,
-                          fma_wide_head=256, wide_warps=16)
+                          fma_wide_head=256)
 # (major, minor) -> profile. Any other Triton gets the smallest bounds of all (UNFITTED), which
 # benchmarks/spill_sweep.py checks against that Triton's ptxas; fit a profile from its output.
 SPILL_PROFILES = {(3, 9): TRITON_3_9, (3, 6): TRITON_3_6}
@@ -291,14 +299,20 @@ def spill_profile(version: str | None = None) -> SpillProfile:
     return SPILL_PROFILES.get(key, UNFITTED)
 
 
+# The distributions that install the ``triton`` module: PyPI's, and PyTorch's nightly / ROCm builds.
+_TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm")
+
+
 @functools.lru_cache(maxsize=1)
 def _installed_triton() -> str:
     from importlib import metadata
 
-    try:
-        return metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        return ""
+    for name in _TRITON_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 def spill_free(
