@@ -79,6 +79,7 @@ def grid(kinds: list[str], targets: list[str], stages: int) -> dict[str, tuple[s
 def _predict(point: tuple[str, str, tuple], profile=None) -> bool:
     """What ``stage1_spill_free`` says of a grid point (``profile``: None = the installed Triton's)."""
     from kernel_aot_compile import _DTYPES
+
     from tree_attn.kernels.config import stage1_spill_free
     from tree_attn.kernels.shapes import DecodeShape
 

@@ -31,7 +31,12 @@ pytest.importorskip("triton")
 from kernel_aot_compile import CASES, Launch, Merge
 
 from tree_attn.kernels.config import (
-    DecodeConfig, dot_math, group_block, spill_profile, stage1_smem_bytes, stage1_spill_free,
+    DecodeConfig,
+    dot_math,
+    group_block,
+    spill_profile,
+    stage1_smem_bytes,
+    stage1_spill_free,
 )
 from tree_attn.kernels.shapes import DecodeShape
 
