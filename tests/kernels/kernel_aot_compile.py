@@ -6,8 +6,8 @@ interpreted, so compiling in the same process as interpreter tests is not possib
 object: case id -> the launch's config and, per kernel it launches, the build's facts (shared
 memory bytes; for NVIDIA targets whether the PTX has scalar 2-byte or 1-byte global loads, how
 many one-byte shared-memory reads it has, whether K/V go through 16-byte cp.async, and the
-registers and spill bytes ptxas reported; for AMD ones the hardware fp8 conversions and vector
-instructions in the code), or the error.
+registers and spill bytes ptxas reported and its release; for AMD ones the hardware fp8 conversions
+and vector instructions in the code), or the error.
 
 Every case is a real launch: CPU tensors with the shapes, dtypes and strides of the call, planned
 by the launcher itself (``TritonDecodeLaunch(..., backend=...)``, or the merge's own views) and
@@ -83,8 +83,10 @@ def cfg(**kw) -> tuple:
     return tuple(sorted(kw.items()))
 
 
-# id -> (target, launch). Ids ending in "-spills" are builds ptxas spills registers on, which the
-# spill rule (kernels.config.spill_free) must prune; every other build must keep its registers.
+# id -> (target, launch). Ids ending in "-spills" are builds that Triton 3.9's ptxas spills registers
+# on, which the spill rule (kernels.config.spill_free) prunes under every Triton's profile; under 3.9
+# every other build keeps its registers (an older Triton's ptxas keeps some of the "-spills" ones,
+# and spills on rtx4090-bf16-d256-mqa-bn32-s3, which its profile prunes).
 LLAMA = dict(hq=32, hkv=8, d=128)  # Llama-3 8B/70B per-GPU heads: GQA 4
 CASES: dict[str, tuple[str, Launch | Merge]] = {
     # Defaults on Llama shapes: many splits (batch 1, long cache) and one split (batch 64), which
@@ -118,6 +120,8 @@ CASES: dict[str, tuple[str, Launch | Merge]] = {
     "h100-fp32-d128-g32": ("h100", Launch("fp32", "fp32", 1, 32, 1, 128, 8192)),
     "h100-fp32-d256-g64": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 8192)),
     "h100-fp32-d256-g64-paged1": ("h100", Launch("fp32", "fp32", 1, 64, 1, 256, 2048, page=1)),
+    # 64 query heads per KV head over 2 KV heads, gathered: 8 warps spilled 568 B (1 KV head: none).
+    "h100-fp32-d128-g64-kv2-paged1": ("h100", Launch("fp32", "fp32", 1, 128, 2, 128, 2048, page=1)),
     "rtx4090-fp32-d128-g32-paged3": ("rtx4090", Launch("fp32", "fp32", 2, 32, 1, 128, 2049, page=3)),
     # Paged: block sizes that hold whole tiles (one block id per tile) and others (a per-key gather).
     "h100-bf16-paged16": ("h100", Launch("bf16", "bf16", 4, n=8192, page=16, **LLAMA)),
@@ -326,6 +330,7 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
         if buf.getvalue():
             _PTXAS[compiled.hash] = _ptxas_facts(buf.getvalue())
         facts.update(_PTXAS.get(compiled.hash, {"ptxas_error": "no ptxas log for this build"}))
+        facts["ptxas"] = _ptxas_version(target[1])
     else:
         gcn = compiled.asm["amdgcn"]
         # CDNA3's fp8 conversions (its "fnuz" formats) and the vector instructions in all.
@@ -335,6 +340,18 @@ def compile_facts(kernel, grid, args, kwargs, target) -> dict:
 
 
 _PTXAS: dict[str, dict] = {}  # build hash -> its ptxas facts
+
+
+def _ptxas_version(arch: int) -> str:
+    """The release of the ptxas Triton runs for ``arch`` (its bundled one unless TRITON_PTXAS_PATH
+    or TRITON_PTXAS_BLACKWELL_PATH names another), e.g. "12.8"."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    try:
+        found = re.search(r"Build cuda_(\d+\.\d+)", get_ptxas_version(arch))
+    except Exception as exc:  # noqa: BLE001 - a fact for messages, not a check
+        return f"unknown ({type(exc).__name__})"
+    return found.group(1) if found else "unknown"
 
 
 def run_case(cid: str, drivers: dict) -> dict:

@@ -16,6 +16,20 @@ from tree_attn.kernels.shapes import DecodeShape
 
 H100 = KNOWN_DEVICES["h100-sxm"]
 MI300X = KNOWN_DEVICES["mi300x"]
+PROFILES = [kc.TRITON_3_9, kc.TRITON_3_6, kc.UNFITTED]
+_spill_profile = kc.spill_profile
+
+
+def use_profile(monkeypatch, profile: kc.SpillProfile) -> None:
+    """Make the spill rule (and the defaults it shapes) use ``profile``, whatever Triton is installed."""
+    monkeypatch.setattr(kc, "spill_profile", lambda version=None: profile)
+
+
+@pytest.fixture(autouse=True)
+def _fitted_profile(monkeypatch):
+    """The configs these tests state are Triton 3.9's (the fitted profile), whatever Triton is
+    installed; a test about another profile sets it with use_profile."""
+    use_profile(monkeypatch, kc.TRITON_3_9)
 
 
 def llama(batch: int, n: int) -> DecodeShape:
@@ -134,10 +148,14 @@ FP8 = "float8_e4m3fn"
 @pytest.mark.parametrize("q_dtype,dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("fp16", "bf16"),
                                            ("fp32", "bf16"), ("bf16", "fp16"), ("bf16", FP8), ("fp16", FP8),
                                            ("fp32", FP8)])
-def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype):
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name.split(" (")[0])
+def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype, profile, monkeypatch):
     """On every device, for every dtype mix, head dim, group and paged layout, the default config is
-    one the spill rule passes (tests/kernels/test_triton_compile.py checks the rule against ptxas)."""
+    one the spill rule passes, under every compiler's profile (tests/kernels/test_triton_compile.py
+    checks the installed Triton's rule against ptxas)."""
     from tree_attn.dtypes import itemsize
+
+    use_profile(monkeypatch, profile)
 
     elem, parts = kc.dot_math(q_dtype, dtype)
     kv = itemsize(dtype)
@@ -163,17 +181,49 @@ def test_default_config_never_spills_nor_overflows_shared_memory(q_dtype, dtype)
             assert spec is MI300X or (parts == 3 and kc.group_block(group) == 64), where
 
 
-def test_default_tiles_by_dtype_and_head_dim():
-    """bf16 keeps the usual Flash-Decoding tiles; fp32 (FMA dots) takes half-size tiles."""
+def test_default_tiles_by_dtype_and_head_dim(monkeypatch):
+    """bf16 keeps the usual Flash-Decoding tiles; fp32 (FMA dots) takes half-size tiles (Triton 3.9;
+    3.6 gives D=256 8 warps, and a paged fp32 cache 16-key tiles)."""
     for d, bf16_bn, fp32_bn in ((64, 128, 64), (128, 64, 32), (256, 32, 16)):
         shape = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=d, kv_len=65536)
         assert kc.default_config(shape, "bf16", H100).block_n == bf16_bn
         assert kc.default_config(shape, "fp32", H100).block_n == fp32_bn
+    paged = DecodeShape(batch=4, q_heads=32, kv_heads=8, head_dim=128, kv_len=8192, block_size=32, num_blocks=128)
+    mha256 = DecodeShape(batch=1, q_heads=8, kv_heads=8, head_dim=256, kv_len=8192)
+    mqa256 = DecodeShape(batch=1, q_heads=64, kv_heads=1, head_dim=256, kv_len=32768)
+
+    def tile(shape, dtype):
+        c = kc.default_config(shape, dtype, H100)
+        return c.block_n, c.num_warps
+
+    assert (tile(paged, "fp32"), tile(mha256, "fp32"), tile(mqa256, "bf16")) == ((32, 4), (16, 4), (32, 4))
+    use_profile(monkeypatch, kc.TRITON_3_6)
+    assert (tile(paged, "fp32"), tile(mha256, "fp32"), tile(mqa256, "bf16")) == ((16, 4), (16, 8), (16, 4))
+    llama_fp32 = DecodeShape(batch=1, q_heads=32, kv_heads=8, head_dim=128, kv_len=16384)
+    assert tile(llama_fp32, "fp32") == (32, 4)  # contiguous, D <= 128: as 3.9
+
+
+def test_spill_profiles_by_triton_version():
+    """Each fitted Triton gets its profile; any other (or none) the smallest bounds of all. A
+    conservative profile prunes every build the fitted one prunes, so its defaults and candidates
+    are a subset."""
+    assert _spill_profile("3.9.0") is kc.TRITON_3_9 and _spill_profile("3.6.0+git1234") is kc.TRITON_3_6
+    assert _spill_profile("3.10.0") is _spill_profile("3.5.1") is _spill_profile("") is kc.UNFITTED
+    assert kc.TRITON_3_9.exact and not kc.TRITON_3_6.exact and not kc.UNFITTED.exact
+    for profile in (kc.TRITON_3_6, kc.UNFITTED):
+        for d, rows, bn, warps, elem, parts, kv, gather, paged in itertools.product(
+            (64, 128, 256), (16, 32, 64), (16, 32, 64, 128), (2, 4, 8, 16), (2, 4), (1, 2, 3), (None, 1),
+            (False, True), (False, True),
+        ):
+            kw = dict(gather=gather and paged, paged=paged, dot_parts=parts, kv_bytes=kv)
+            if kc.spill_free(bn, warps, d, elem, rows, profile=profile, **kw):
+                assert kc.spill_free(bn, warps, d, elem, rows, profile=kc.TRITON_3_9, **kw), (profile.name, kw)
 
 
 def test_spill_rule_boundaries():
     # Builds measured with ptxas -v (Triton 3.9, sm_90; see the comment above MAX_MMA_STATE_PER_THREAD);
-    # tests/kernels/test_triton_compile.py re-checks such points on real launches.
+    # tests/kernels/test_triton_compile.py re-checks such points on real launches. (The autouse
+    # fixture makes the rule Triton 3.9's.)
     assert kc.spill_free(64, 4, 128, 2, 16)  # the bf16 default: 133 registers
     assert not kc.spill_free(64, 2, 128, 2, 16)  # 4 B spilled
     assert not kc.spill_free(128, 2, 128, 2, 16)  # 220 B spilled
@@ -187,6 +237,9 @@ def test_spill_rule_boundaries():
     assert not kc.spill_free(32, 4, 128, 4, 32) and kc.spill_free(16, 4, 128, 4, 32)
     assert kc.spill_free(32, 4, 128, 4, 16) and not kc.spill_free(32, 4, 128, 4, 16, gather=True)  # paged gather: 524 B
     assert kc.spill_free(16, 4, 128, 4, 16, gather=True)  # 72 registers
+    # Gathered, 64 rows (2 KV heads), 16 keys: 8 warps 568 B at 255 registers, 16 warps 66 registers.
+    assert not kc.spill_free(16, 8, 128, 4, 64, gather=True, paged=True)
+    assert kc.spill_free(16, 16, 128, 4, 64, gather=True, paged=True)
     # fp8 caches (tiles widened to fp16): a lower bound than 16-bit caches' (sm_90, bf16 query),
     # conservative since V's widening stays in place (registers of the current builds).
     assert kc.spill_free(64, 4, 128, 2, 16, kv_bytes=1)  # the fp8 tile and warps of the default: 122 registers
@@ -196,6 +249,29 @@ def test_spill_rule_boundaries():
     assert not kc.spill_free(64, 2, 128, 2, 32, kv_bytes=1)  # fp16 query, 32 rows: 8 B spilled
     assert kc.spill_free(64, 4, 128, 2, 64, kv_bytes=1)  # 64 rows (wgmma)
     assert kc.spill_free(64, 4, 128, 2, 16, dot_parts=3, kv_bytes=1)  # fp32 query's 3 parts: 142 registers
+
+
+def test_spill_rule_boundaries_triton_3_6():
+    # Triton 3.6's builds (ptxas 12.8) where 3.9's rule passes and they spill at 255 registers, and
+    # their neighbours that keep their registers (benchmarks/RESULTS.md).
+    p = kc.TRITON_3_6
+    # fp32, D=128, 16 rows, 32 keys, 4 warps: contiguous 80 registers; pages of 32 / 256 tokens
+    # (whole tiles, one block id per tile) 356 B; 16 keys paged: 80 registers.
+    assert kc.spill_free(32, 4, 128, 4, 16, profile=p) and kc.spill_free(32, 4, 128, 4, 16, profile=kc.TRITON_3_9)
+    assert not kc.spill_free(32, 4, 128, 4, 16, paged=True, profile=p)
+    assert kc.spill_free(32, 4, 128, 4, 16, paged=True, profile=kc.TRITON_3_9)  # 107 registers under 3.9
+    assert kc.spill_free(16, 4, 128, 4, 16, paged=True, profile=p)
+    assert not kc.spill_free(64, 8, 128, 4, 16, paged=True, profile=p)  # 344 B with 8 warps too
+    assert not kc.spill_free(16, 8, 128, 4, 64, gather=True, paged=True, profile=p)  # 536 B gathered
+    # fp32 D=256, 16 rows, 16 keys: 4 warps 4 B spilled (96 registers), 8 warps 80 registers; 64
+    # rows with 16 warps keep theirs (104 registers).
+    assert not kc.spill_free(16, 4, 256, 4, 16, profile=p) and kc.spill_free(16, 8, 256, 4, 16, profile=p)
+    assert kc.spill_free(16, 16, 256, 4, 64, profile=p)
+    # 16-bit, 64 rows, D=256, 32 keys, 4 warps: 255 registers and 4 B spilled on sm_89 (8 B with 3
+    # stages); 16 keys fit.
+    assert not kc.spill_free(32, 4, 256, 2, 64, profile=p) and kc.spill_free(32, 4, 256, 2, 64, profile=kc.TRITON_3_9)
+    assert kc.spill_free(16, 4, 256, 2, 64, profile=p)
+    assert kc.spill_free(64, 4, 128, 2, 16, profile=p)  # the bf16 default: 128 registers
 
 
 def test_dot_math_and_paged_gather():

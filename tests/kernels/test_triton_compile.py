@@ -8,8 +8,10 @@ specialisations a launch derives from them) in fresh processes without the inter
 tests check what matters for bandwidth: no scalar 2-byte (fp8: 1-byte) global loads, no fp8
 tile read back from shared memory one byte at a time, K/V pipelined through 16-byte cp.async when
 num_stages > 1, shared memory under the estimate that filters tuning candidates, (ptxas -v)
-register spills exactly where the rule that prunes tuning candidates says (never in a default
-config), and on MI300 an fp8 cache widened by the hardware's conversions where it has them.
+register spills never where the rule that prunes tuning candidates passes a build (nor in a default
+config), and exactly where it says for the Triton it was fitted to (the rule keeps bounds per Triton
+release, ``kernels.config.SpillProfile``), and on MI300 an fp8 cache widened by the hardware's
+conversions where it has them.
 
 These are compile-time facts of the installed Triton; none of these builds runs here.
 """
@@ -29,7 +31,14 @@ pytest.importorskip("triton")
 
 from kernel_aot_compile import CASES, Launch, Merge
 
-from tree_attn.kernels.config import DecodeConfig, dot_math, group_block, stage1_smem_bytes, stage1_spill_free
+from tree_attn.kernels.config import (
+    DecodeConfig,
+    dot_math,
+    group_block,
+    spill_profile,
+    stage1_smem_bytes,
+    stage1_spill_free,
+)
 from tree_attn.kernels.shapes import DecodeShape
 
 _SCRIPT = Path(__file__).resolve().parent / "kernel_aot_compile.py"
@@ -110,23 +119,32 @@ def test_launch_builds(compiled, cid):
 
 @pytest.mark.parametrize("cid", CUDA_LAUNCHES)
 def test_spills_exactly_where_the_rule_says(compiled, cid):
-    """ptxas spills stage one's registers iff :func:`stage1_spill_free` says so; never in a default."""
+    """ptxas never spills stage one's registers where :func:`stage1_spill_free` (for the Triton that
+    built it) says it does not, nor in a default; and, for the Triton the rule was fitted to
+    (``SpillProfile.exact``), spills wherever it says so. A conservative profile (an older Triton's)
+    prunes a superset: every build the fitted rule prunes, and more."""
     result = _ok(compiled[cid])
     _target, launch = CASES[cid]
     facts = result["stage1"]
     if "spill_store_bytes" not in facts:
         pytest.fail(f"no ptxas report: {facts.get('ptxas_error')}")
     cfg = DecodeConfig.from_dict(result["config"])
+    profile = spill_profile(facts["triton"])
     predicted = stage1_spill_free(
-        cfg.block_n, cfg.num_warps, _shape(launch), _DTYPE[launch.kv], _WARP["cuda"], q_dtype=_DTYPE[launch.q]
+        cfg.block_n, cfg.num_warps, _shape(launch), _DTYPE[launch.kv], _WARP["cuda"], q_dtype=_DTYPE[launch.q],
+        profile=profile,
     )
-    assert predicted == (facts["spill_store_bytes"] == 0), (
-        f"spill rule says {'no spill' if predicted else 'spills'}; ptxas: {facts['registers']} registers, "
-        f"{facts['spill_store_bytes']} B spilled ({cfg.describe()})"
-    )
-    assert predicted == (not cid.endswith("-spills")), "case name and rule disagree"
+    spilled = facts["spill_store_bytes"] > 0
+    why = (f"spill rule ({profile.name}) says {'no spill' if predicted else 'spills'}; ptxas {facts['ptxas']}: "
+           f"{facts['registers']} registers, {facts['spill_store_bytes']} B spilled ({cfg.describe()})")
+    assert not (predicted and spilled), why
+    if profile.exact:
+        assert predicted == (not spilled), why
+        assert predicted == (not cid.endswith("-spills")), "case name and rule disagree"
+    elif cid.endswith("-spills"):
+        assert not predicted, "a conservative profile passes a build the fitted rule prunes"
     if launch.config is None:
-        assert facts["spill_store_bytes"] == 0, "a default config spills"
+        assert not spilled, "a default config spills"
 
 
 def test_amd_fp8_formats(compiled):

@@ -9,6 +9,7 @@ into a profile; without one, :func:`default_config` picks a config from the shap
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -196,10 +197,12 @@ def stage1_smem_bytes(
     return max(mma, wgmma) + 1024
 
 
-# Registers. ptxas -v on the builds of real launches (Triton 3.9, sm_89 and sm_90; the sweep of
-# 972 builds is in benchmarks/RESULTS.md) puts the spill boundary of a stage-one program, in
-# per-thread counts (threads = warps x warp size) of its accumulator ``acc = rows x D``, its K/V tile
-# ``kv = block_n x D`` and its scores ``s = rows x block_n``, at:
+# Registers. ptxas -v on the builds of real launches puts the spill boundary of a stage-one
+# program, in per-thread counts (threads = warps x warp size) of its accumulator ``acc = rows x D``,
+# its K/V tile ``kv = block_n x D`` and its scores ``s = rows x block_n``, where the bounds of a
+# :class:`SpillProfile` say. Where the boundary lies depends on the compiler: Triton's code
+# generation and the ptxas it runs (its bundled one). The bounds of Triton 3.9 (ptxas 12.9 for sm_89,
+# 13.4 for sm_90; fitted to 972 builds, sm_89 and sm_90, in benchmarks/RESULTS.md):
 # - fp16/bf16 (tensor-core dots): ``acc / 2 + kv + s < 160``. A mixed-dtype launch's query and
 #   weights in 2 or 3 parts (dot_math; fitted over bf16 caches) add ``1.5 acc + 2 s``; one part (a
 #   bf16 query over fp16) and a per-key paged gather add nothing. No build the rule passes spills;
@@ -218,21 +221,111 @@ def stage1_smem_bytes(
 #   D=64, 32 keys: 88 registers with 4 warps, 170 with 8), and what bounds it is the dots' multiply-
 #   adds per thread and tile, ``rows x block_n x D / threads``: the contiguous builds at <= 512 keep
 #   their registers (but one, below), at 1,024 more than half spill (D=128, 16 rows, 64 keys, 2
-#   warps: 15 KB). A per-key paged gather with 4 warps or fewer halves the bound (16 rows, D=128, 32
-#   keys, 4 warps: 524 B gathered, 107 registers contiguous); with 8 or more it does not (every
-#   gathered 8-warp build at 512 fits). Two 8-warp, 16-key, D=128 builds spill 8-24 B at 48-64
-#   registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count predicts; no
-#   default picks them.
+#   warps: 15 KB). A per-key paged gather below 16 warps halves the bound (16 rows, D=128, 32
+#   keys, 4 warps: 524 B gathered, 107 registers contiguous; 64 rows, D=128, 16 keys, 8 warps: 568
+#   B, a default's build, though the fit had every gathered 8-warp build at 512 keep its registers:
+#   rebuilt with today's kernel, it does not). Two 8-warp, 16-key, D=128 builds spill 8-24 B at
+#   48-64 registers (sm_89 with 32 rows; sm_90 gathered, 16 rows): a ptxas choice no count
+#   predicts; no default picks them.
+# Rebuilt with today's kernel (the rule's pass region, 952 + 166 builds, benchmarks/RESULTS.md),
+# 3.9 spills in 16 builds the rule passes: 4-24 B at 48-168 registers, such choices of ptxas, and
+# one at 255 registers (bf16 on pages holding whole tiles, D=128, 16 rows, 128 keys, 4 warps: 12 B;
+# whole-tile pages were not in the fit, and no default picks it).
+# Triton 3.6 (ptxas 12.8 for both; the builds of the rule's pass region, benchmarks/RESULTS.md)
+# spills where 3.9 does not, at 255 registers or close, in three places, which its profile prunes:
+# - fp32 over a paged cache at 512 multiply-adds with fewer than 16 warps, whole tiles per page as
+#   well as gathered (16 rows, D=128, 32 keys, 4 warps, pages of 32 or 256 tokens: 356 B; 3.9:
+#   107 registers), so the paged bound is 256 for both;
+# - fp32 at D=256 and 512 (16 rows, 16 keys, 4 warps, one query head per KV head: 4 B at 96
+#   registers; 8 warps, 32 keys on sm_89: 32 B), so 256 there too, below 16 warps;
+# - fp16/bf16 with 64 rows at D=256, 32 keys, 4 warps, state 144, on sm_89 (4 B, 20 B gathered;
+#   8 B with 3 stages), so the 16-bit bound is fp8's 144.
+# Its ptxas also spills a few bytes at 64-128 registers where no count predicts it (D=128, 16
+# rows, 16 keys, 4 warps, contiguous: 12-16 B on sm_90, one local load per tile): the bounds above
+# leave those alone, but no default of the compile test's launches picks one.
 MAX_MMA_STATE_PER_THREAD = 160
 MAX_MMA_STATE_PER_THREAD_FP8 = 144
 MAX_FMA_PER_THREAD = 512
 MAX_FMA_PER_THREAD_GATHERED = 256  # with fewer than GATHER_WIDE_WARPS warps
-GATHER_WIDE_WARPS = 8
+GATHER_WIDE_WARPS = 16
+
+
+@dataclass(frozen=True)
+class SpillProfile:
+    """The spill rule's bounds for one compiler (see the comment above): tensor-core dots'
+    ``acc / 2 + kv + s`` below ``mma`` (``mma_fp8`` over an fp8 cache); fp32's multiply-adds per
+    thread at most ``fma``, and below ``wide_warps`` warps at most ``fma_gathered`` for tiles
+    gathered key by key, ``fma_paged`` for whole tiles of a paged cache, ``fma_wide_head`` for a
+    head dim above 128 (the smallest that applies).
+
+    ``exact``: fitted to that compiler's builds: on the compile test's builds ptxas spills exactly
+    where the rule prunes (the test checks both ways); over the whole tuning space some builds it
+    passes still spill a few bytes where no count predicts it. Otherwise the bounds are
+    conservative: no build of the sweep they pass spills at the register limit, and they prune
+    every build a fitted profile prunes, and more (the compile test checks that no build they pass
+    spills).
+    """
+
+    name: str
+    exact: bool
+    mma: int = MAX_MMA_STATE_PER_THREAD
+    mma_fp8: int = MAX_MMA_STATE_PER_THREAD_FP8
+    fma: int = MAX_FMA_PER_THREAD
+    fma_gathered: int = MAX_FMA_PER_THREAD_GATHERED
+    fma_paged: int = MAX_FMA_PER_THREAD
+    fma_wide_head: int = MAX_FMA_PER_THREAD
+    wide_warps: int = GATHER_WIDE_WARPS
+
+
+TRITON_3_9 = SpillProfile("triton 3.9", exact=True)
+TRITON_3_6 = SpillProfile("triton 3.6", exact=False, mma=MAX_MMA_STATE_PER_THREAD_FP8, fma_paged=256,
+                          fma_wide_head=256)
+# (major, minor) -> profile. Any other Triton gets the smallest bounds of all (UNFITTED), which
+# benchmarks/spill_sweep.py checks against that Triton's ptxas; fit a profile from its output.
+SPILL_PROFILES = {(3, 9): TRITON_3_9, (3, 6): TRITON_3_6}
+UNFITTED = SpillProfile(
+    "unfitted Triton (every profile's smallest bounds)", exact=False,
+    mma=min(p.mma for p in SPILL_PROFILES.values()), mma_fp8=min(p.mma_fp8 for p in SPILL_PROFILES.values()),
+    fma=min(p.fma for p in SPILL_PROFILES.values()),
+    fma_gathered=min(p.fma_gathered for p in SPILL_PROFILES.values()),
+    fma_paged=min(p.fma_paged for p in SPILL_PROFILES.values()),
+    fma_wide_head=min(p.fma_wide_head for p in SPILL_PROFILES.values()),
+    wide_warps=max(p.wide_warps for p in SPILL_PROFILES.values()),
+)
+
+
+def spill_profile(version: str | None = None) -> SpillProfile:
+    """The :class:`SpillProfile` of Triton ``version`` ("3.6.0"; ``None``: the installed Triton,
+    read from its package metadata without importing it; not installed: :data:`UNFITTED`)."""
+    if version is None:
+        version = _installed_triton()
+    try:
+        key = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return UNFITTED
+    return SPILL_PROFILES.get(key, UNFITTED)
+
+
+# The distributions that install the ``triton`` module: PyPI's, and PyTorch's nightly / ROCm builds.
+_TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm")
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_triton() -> str:
+    from importlib import metadata
+
+    for name in _TRITON_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 def spill_free(
     block_n: int, num_warps: int, head_dim: int, elem_bytes: int, group_rows: int = 16, warp_size: int = 32,
-    *, gather: bool = False, dot_parts: int = 1, kv_bytes: int | None = None,
+    *, gather: bool = False, paged: bool = False, dot_parts: int = 1, kv_bytes: int | None = None,
+    profile: SpillProfile | None = None,
 ) -> bool:
     """Whether a stage-one program keeps its state in registers (see ``MAX_MMA_STATE_PER_THREAD``).
 
@@ -243,41 +336,54 @@ def spill_free(
         group_rows: the padded query rows per program (:func:`group_block`).
         warp_size: threads per warp (32 NVIDIA, 64 AMD CDNA).
         gather: the tiles are gathered key by key from a paged cache (:func:`paged_gather`).
+        paged: the cache is paged (whole tiles per page unless ``gather``).
         dot_parts: q and p enter the dots in this many parts (:func:`dot_math`).
         kv_bytes: the cache's element size if it differs from ``elem_bytes`` (1: fp8, widened).
+        profile: the compiler's bounds (``None``: :func:`spill_profile` of the installed Triton).
     """
+    p = spill_profile() if profile is None else profile
     d = padded_head_dim(head_dim)
     threads = num_warps * warp_size
     if elem_bytes == 4:
-        limit = MAX_FMA_PER_THREAD_GATHERED if gather and num_warps < GATHER_WIDE_WARPS else MAX_FMA_PER_THREAD
+        limit = p.fma
+        if num_warps < p.wide_warps:
+            if gather:
+                limit = min(limit, p.fma_gathered)
+            elif paged:
+                limit = min(limit, p.fma_paged)
+            if d > 128:
+                limit = min(limit, p.fma_wide_head)
         return group_rows * block_n * d <= limit * threads
     acc, kv, scores = group_rows * d, block_n * d, group_rows * block_n
     state = acc / 2 + kv + scores
     if dot_parts > 1:
         state += 1.5 * acc + 2 * scores
-    limit = MAX_MMA_STATE_PER_THREAD_FP8 if kv_bytes == 1 else MAX_MMA_STATE_PER_THREAD
+    limit = p.mma_fp8 if kv_bytes == 1 else p.mma
     return state < limit * threads
+
+
+def stage1_spill_free(
+    block_n: int, num_warps: int, shape: DecodeShape, dtype: Any, warp_size: int = 32, *, q_dtype: Any = None,
+    profile: SpillProfile | None = None,
+) -> bool:
+    """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
+    query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
+    query rows and whether the cache is paged and its tiles gathered key by key
+    (:func:`paged_gather`); ``profile``: the compiler's bounds (``None``: the installed Triton's)."""
+    from .. import dtypes as _dtypes
+
+    elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
+    return spill_free(
+        block_n, num_warps, shape.head_dim, elem, group_block(shape.query_rows), warp_size,
+        gather=paged_gather(shape.block_size, block_n), paged=shape.block_size > 0, dot_parts=parts,
+        kv_bytes=_dtypes.itemsize(dtype), profile=profile,
+    )
 
 
 def paged_gather(block_size: int, block_n: int) -> bool:
     """Whether a paged launch gathers its tiles key by key: pages that do not hold whole tiles
     (``block_size % block_n != 0``; see ``triton_decode``). False for a contiguous cache (0)."""
     return block_size > 0 and block_size % block_n != 0
-
-
-def stage1_spill_free(
-    block_n: int, num_warps: int, shape: DecodeShape, dtype: Any, warp_size: int = 32, *, q_dtype: Any = None
-) -> bool:
-    """:func:`spill_free` for a launch of ``shape`` over a ``dtype`` cache with a ``q_dtype``
-    query (``None``: the same): the dots' operand size and parts (:func:`dot_math`), the padded
-    query rows and whether the tiles are gathered key by key (:func:`paged_gather`)."""
-    from .. import dtypes as _dtypes
-
-    elem, parts = dot_math(dtype if q_dtype is None else q_dtype, dtype)
-    return spill_free(
-        block_n, num_warps, shape.head_dim, elem, group_block(shape.query_rows), warp_size,
-        gather=paged_gather(shape.block_size, block_n), dot_parts=parts, kv_bytes=_dtypes.itemsize(dtype),
-    )
 
 
 def split_len(kv_len: int, num_splits: int, block_n: int) -> int:
