@@ -440,9 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal {name}: " + ("met" if g["met"] else f"NOT met at {g['missed_at']}"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-        tmp.replace(args.out)
+        from tree_attn.files import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
         _log(f"wrote {args.out}")
     return 0
 

@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
               + ("met" if not missed else f"NOT met at {missed}"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-        tmp.replace(args.out)
+        from tree_attn.files import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return 0
 
 

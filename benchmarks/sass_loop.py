@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "shape": {"batch": 1, "kv_len": 65536, **llama, "q": "bfloat16"}}
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-        tmp.replace(args.out)
+        from tree_attn.files import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return 0
 
 
