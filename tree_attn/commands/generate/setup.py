@@ -34,7 +34,7 @@ class GenerateOptions(PlanOptions):
     dtype is the weights' and the KV cache's), the model, the prompt. These are the defaults of
     ``tree-attn generate`` and of :class:`~.decode.GenerateSpec`. ``kv_dtype``: the KV pools'
     (None: the dtype's; fp8 = float8_e4m3fn, quantized as written with per-layer, per-KV-head
-    scales fixed by each rank's prefill)."""
+    scales the ranks take together from the whole prompt at prefill)."""
 
     model: str | None = None
     preset: str = DEFAULT_PRESET
