@@ -40,20 +40,11 @@ for _p in (_ROOT, _AOT):
         sys.path.insert(0, str(_p))
 
 # kind -> (q dtype, KV dtype, page size: 0 contiguous, 1 gathered key by key, 256 whole tiles)
-KINDS = {
-    "bf16": ("bf16", "bf16", 0),
-    "bf16-gather": ("bf16", "bf16", 1),
-    "bf16-paged": ("bf16", "bf16", 256),
-    "fp32": ("fp32", "fp32", 0),
-    "fp32-gather": ("fp32", "fp32", 1),
-    "fp32-paged": ("fp32", "fp32", 256),
-    "q-fp16-kv-bf16": ("fp16", "bf16", 0),
-    "q-fp32-kv-bf16": ("fp32", "bf16", 0),
-    "fp8": ("bf16", "fp8", 0),
-    "fp8-gather": ("bf16", "fp8", 1),
-    "q-fp16-fp8": ("fp16", "fp8", 0),
-    "q-fp32-fp8": ("fp32", "fp8", 0),
-}
+_LAYOUTS = {"": 0, "-gather": 1, "-paged": 256}
+KINDS = {f"{d}{layout}": (d, d, page) for d in ("bf16", "fp32") for layout, page in _LAYOUTS.items()}
+KINDS |= {f"q-{q}-kv-bf16": (q, "bf16", 0) for q in ("fp16", "fp32")}
+KINDS |= {"fp8": ("bf16", "fp8", 0), "fp8-gather": ("bf16", "fp8", 1)}
+KINDS |= {f"q-{q}-fp8": (q, "fp8", 0) for q in ("fp16", "fp32")}
 HEAD_DIMS = (64, 128, 256)
 ROWS = (16, 32, 64)
 WARPS = (2, 4, 8)

@@ -3,6 +3,7 @@ broken dumps fail with the line named."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,25 @@ from tree_attn.errors import TopologyError
 from tree_attn.topology import LinkKind, P2PStatus, detect_format, load_dump, load_dumps, parse_dump
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
+
+
+# fixture file name -> its checks, registered by @fixture beside them; the GPU count is the name's.
+EXPECTED = {}
+
+
+def fixture(name):
+    """Register the decorated function as the checks of the recorded dump ``name``."""
+
+    def register(check):
+        EXPECTED[name] = check
+        return check
+
+    return register
+
+
+def gpu_count(name):
+    """The GPUs a fixture's file name says it holds (``..._8gpu_...``)."""
+    return int(re.search(r"(\d+)gpu", name).group(1))
 
 
 def groups(topo):
@@ -29,6 +49,7 @@ def test_every_fixture_is_covered_and_starts_with_a_source_line():
         assert name in EXPECTED, f"{name} has no per-fixture assertions"
 
 
+@fixture("a100_dgx_8gpu_12nic_nvidia-smi_topo_m.txt")
 def _a100(t):
     assert t.source == "dump:nvidia-smi-topo-m"
     assert all(l.kind is LinkKind.NVLINK and l.nvlinks == 12 for l in t.links)
@@ -39,6 +60,7 @@ def _a100(t):
     assert any("mlx5_11" in n for n in t.notes)  # 12 NICs recognised, not taken as GPUs
 
 
+@fixture("dgx1_v100_8gpu_nvidia-smi_topo_mp.txt")
 def _dgx1(t):
     # topo -mp: PCIe classes only (the NVLinks of a DGX-1 are not shown by -mp).
     assert t.link(0, 1).kind is LinkKind.PIX and t.link(2, 3).kind is LinkKind.PIX
@@ -54,6 +76,7 @@ def _dgx1(t):
     assert all(l.p2p is P2PStatus.UNKNOWN for l in t.links)
 
 
+@fixture("geforce_rtx4090_mixed_4gpu_phb_nvidia-smi_topo_m_aikitoria1.txt")
 def _aikitoria(t):
     assert all(l.kind is LinkKind.PHB for l in t.links)
     assert [d.numa_node for d in t.devices] == [0] * 4
@@ -62,6 +85,7 @@ def _aikitoria(t):
     assert groups(t) == [("phb", [[0, 1, 2, 3]])]
 
 
+@fixture("geforce_rtx4090_rtx5090_mixed_5gpu_nvidia-smi_topo_m_club3090_46.txt")
 def _club46(t):
     k = kinds(t)
     assert k[(0, 1)] == "SYS" and k[(1, 2)] == "PHB" and k[(1, 3)] == "NODE" and k[(3, 4)] == "PHB"
@@ -70,6 +94,7 @@ def _club46(t):
     assert groups(t) == [("phb", [[0], [1, 2], [3, 4]]), ("node", [[0], [1, 2, 3, 4]]), ("sys", [[0, 1, 2, 3, 4]])]
 
 
+@fixture("geforce_rtx5090_2gpu_nvidia-smi_topo_p2p_rw_gns.txt")
 def _p2p_gns(t):
     assert t.source == "dump:nvidia-smi-topo-p2p"
     l = t.link(0, 1)
@@ -86,23 +111,27 @@ def _h100_nvswitch(t):
     assert t.link(3, 4).bandwidth_gbps == 450.0
 
 
+@fixture("h100_8gpu_nonic_nvidia-smi_topo_m_thunderkittens167.txt")
 def _tk167(t):
     _h100_nvswitch(t)
     assert t.devices[0].cpu_affinity == "0-47,96-143" and t.devices[7].cpu_affinity == "48-95,144-191"
 
 
+@fixture("h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt")
 def _vm(t):
     _h100_nvswitch(t)
     assert t.devices[0].cpu_affinity == "0-103" and t.devices[4].cpu_affinity == "104-207"
     assert any("NIC0" in n for n in t.notes)
 
 
+@fixture("h200_hgx_8gpu_12nic_nvidia-smi_topo_m.txt")
 def _h200(t):
     _h100_nvswitch(t)
     assert t.devices[5].cpu_affinity == "56-111,168-223"
     assert any("NIC11" in n for n in t.notes)
 
 
+@fixture("mi300x_8gpu_amd-smi_topology.txt")
 def _mi300x_topology(t):
     assert t.source == "dump:amd-smi-topology"
     assert [d.pci_bus_id for d in t.devices][:2] == ["0000:0c:00.0", "0000:22:00.0"]
@@ -112,6 +141,7 @@ def _mi300x_topology(t):
     assert groups(t) == [("xgmi", [list(range(8))])]
 
 
+@fixture("mi300x_8gpu_amd-smi_xgmi.txt")
 def _mi300x_xgmi(t):
     assert t.source == "dump:amd-smi-xgmi"
     assert t.devices[7].pci_bus_id == "0000:df:00.0"
@@ -119,6 +149,7 @@ def _mi300x_xgmi(t):
     assert groups(t) == [("xgmi", [list(range(8))])]
 
 
+@fixture("mi300x_8gpu_rocm-smi_showtopo.txt")
 def _mi300x_rocm(t):
     assert t.source == "dump:rocm-smi-showtopo"
     assert all(l.kind is LinkKind.XGMI and l.weight == 15 and l.hops == 1 for l in t.links)
@@ -126,6 +157,7 @@ def _mi300x_rocm(t):
     assert groups(t) == [("xgmi", [list(range(8))])]
 
 
+@fixture("rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt")
 def _rtx4090_8(t):
     assert len(t) == 8  # NIC0-NIC2 rows and the cut NIC3 row are not GPUs
     assert all(l.kind is LinkKind.SYS for l in t.links)
@@ -134,25 +166,9 @@ def _rtx4090_8(t):
     assert groups(t) == [("sys", [list(range(8))])]
 
 
-EXPECTED = {
-    "a100_dgx_8gpu_12nic_nvidia-smi_topo_m.txt": (8, _a100),
-    "dgx1_v100_8gpu_nvidia-smi_topo_mp.txt": (8, _dgx1),
-    "geforce_rtx4090_mixed_4gpu_phb_nvidia-smi_topo_m_aikitoria1.txt": (4, _aikitoria),
-    "geforce_rtx4090_rtx5090_mixed_5gpu_nvidia-smi_topo_m_club3090_46.txt": (5, _club46),
-    "geforce_rtx5090_2gpu_nvidia-smi_topo_p2p_rw_gns.txt": (2, _p2p_gns),
-    "h100_8gpu_nonic_nvidia-smi_topo_m_thunderkittens167.txt": (8, _tk167),
-    "h100_sxm5_8gpu_1nic_vm_nvidia-smi_topo_m.txt": (8, _vm),
-    "h200_hgx_8gpu_12nic_nvidia-smi_topo_m.txt": (8, _h200),
-    "mi300x_8gpu_amd-smi_topology.txt": (8, _mi300x_topology),
-    "mi300x_8gpu_amd-smi_xgmi.txt": (8, _mi300x_xgmi),
-    "mi300x_8gpu_rocm-smi_showtopo.txt": (8, _mi300x_rocm),
-    "rtx4090_8gpu_dual_epyc7542_nvidia-smi_topo_m_whitespace_collapsed.txt": (8, _rtx4090_8),
-}
-
-
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_parses(name):
-    n, check = EXPECTED[name]
+    n, check = gpu_count(name), EXPECTED[name]
     t = load_dump(FIX / name)
     assert len(t) == n == t.world_size
     assert len(t.links) == n * (n - 1) // 2

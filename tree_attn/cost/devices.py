@@ -119,21 +119,24 @@ _ADA = dict(vendor="nvidia", l2_bytes=72 * MiB, smem_per_sm_bytes=100 * KiB, max
 _AMPERE = dict(vendor="nvidia", l2_bytes=40 * MiB, smem_per_sm_bytes=164 * KiB, max_warps_per_sm=64,
                mem_latency_ns=600.0, launch_gap_us=2.5)
 
+
+def _nvidia(arch: dict, name: str, sms: int, gbps: float, tflops: float, sm_gbps: float, mib: int) -> DeviceSpec:
+    return DeviceSpec(**arch, name=name, sm_count=sms, mem_bandwidth_gbps=gbps, tensor_tflops=tflops,
+                      per_sm_bandwidth_gbps=sm_gbps, memory_bytes=mib * MiB)
+
+
+# key: (architecture, name, SMs, DRAM GB/s, dense bf16 TFLOPS, GB/s one SM pulls, MiB the driver reports)
+_NVIDIA_CARDS = {
+    "h100-sxm": (_HOPPER, "NVIDIA H100 SXM5 80GB", 132, 3350.0, 989.0, 55.0, 81_559),
+    "h100-pcie": (_HOPPER, "NVIDIA H100 PCIe 80GB", 114, 2000.0, 756.0, 40.0, 81_559),
+    "h100-nvl": (_HOPPER, "NVIDIA H100 NVL 94GB", 132, 3900.0, 835.0, 60.0, 95_830),
+    "h200": (_HOPPER, "NVIDIA H200 SXM 141GB", 132, 4800.0, 989.0, 60.0, 143_771),
+    "rtx4090": (_ADA, "NVIDIA GeForce RTX 4090", 128, 1008.0, 165.0, 40.0, 24_564),
+    "a100-sxm-80gb": (_AMPERE, "NVIDIA A100-SXM4-80GB", 108, 2039.0, 312.0, 40.0, 81_920),
+    "a100-40gb": (_AMPERE, "NVIDIA A100-SXM4-40GB", 108, 1555.0, 312.0, 35.0, 40_960),
+}
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
-    "h100-sxm": DeviceSpec(**_HOPPER, name="NVIDIA H100 SXM5 80GB", sm_count=132, mem_bandwidth_gbps=3350.0,
-                           tensor_tflops=989.0, per_sm_bandwidth_gbps=55.0, memory_bytes=81_559 * MiB),
-    "h100-pcie": DeviceSpec(**_HOPPER, name="NVIDIA H100 PCIe 80GB", sm_count=114, mem_bandwidth_gbps=2000.0,
-                            tensor_tflops=756.0, per_sm_bandwidth_gbps=40.0, memory_bytes=81_559 * MiB),
-    "h100-nvl": DeviceSpec(**_HOPPER, name="NVIDIA H100 NVL 94GB", sm_count=132, mem_bandwidth_gbps=3900.0,
-                           tensor_tflops=835.0, per_sm_bandwidth_gbps=60.0, memory_bytes=95_830 * MiB),
-    "h200": DeviceSpec(**_HOPPER, name="NVIDIA H200 SXM 141GB", sm_count=132, mem_bandwidth_gbps=4800.0,
-                       tensor_tflops=989.0, per_sm_bandwidth_gbps=60.0, memory_bytes=143_771 * MiB),
-    "rtx4090": DeviceSpec(**_ADA, name="NVIDIA GeForce RTX 4090", sm_count=128, mem_bandwidth_gbps=1008.0,
-                          tensor_tflops=165.0, per_sm_bandwidth_gbps=40.0, memory_bytes=24_564 * MiB),
-    "a100-sxm-80gb": DeviceSpec(**_AMPERE, name="NVIDIA A100-SXM4-80GB", sm_count=108, mem_bandwidth_gbps=2039.0,
-                                tensor_tflops=312.0, per_sm_bandwidth_gbps=40.0, memory_bytes=81_920 * MiB),
-    "a100-40gb": DeviceSpec(**_AMPERE, name="NVIDIA A100-SXM4-40GB", sm_count=108, mem_bandwidth_gbps=1555.0,
-                            tensor_tflops=312.0, per_sm_bandwidth_gbps=35.0, memory_bytes=40_960 * MiB),
+    **{key: _nvidia(*card) for key, card in _NVIDIA_CARDS.items()},
     "mi300x": DeviceSpec(
         name="AMD Instinct MI300X", vendor="amd", sm_count=304, mem_bandwidth_gbps=5300.0,
         l2_bytes=32 * MiB, smem_per_sm_bytes=64 * KiB, max_warps_per_sm=32, warp_size=64,
