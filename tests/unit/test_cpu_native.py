@@ -4,7 +4,7 @@ Against the float64 truth, out and lse, with awkward shapes: N not a multiple of
 256-token chunk, rows of length 0 and partial rows, GQA 1/4/8, head sizes with and without a
 specialised instance (64, 128, 256 / 80, 48), B > 1, caches that are slices or transposes of bigger
 tensors, paged caches, several query tokens per row (causal or not, rows shorter than Sq), fp32/
-bf16/fp16 caches, large logits, NaN, and keys split over threads. Then
+bf16/fp16 caches, large logits, NaN, and keys split over threads (merged in C). Then
 the build: the cache, the off switch, processes starting together, and a compiler that does not
 work.
 
@@ -131,6 +131,47 @@ def test_keys_split_over_threads(monkeypatch):
         torch.testing.assert_close(out, one[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse, one[1], rtol=1e-5, atol=1e-6)
         assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads):
+    # The C side starts the threads and merges their states: a NaN key in the second range (row
+    # 0, KV head 1), an inf key in the first (row 1, KV head 0: a NaN row for the query heads whose
+    # score is +inf, exp(inf - inf), and an ordinary one where it is -inf), rows
+    # whose keys end in the first range (the later ranges' empty states) or are none at all; both
+    # through the prepared step's plan (paged) and the one-off call, against one thread.
+    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    from tree_attn.kernels.prepared import DecodeStep
+
+    q, k, v = random_decode_inputs(4, 8, 2, 64, 390, seed=11)
+    k[0, 300, 1, 5] = float("nan")
+    k[1, 7, 0, 0] = float("inf")
+    lens = torch.tensor([390, 390, 100, 0])
+    kc, vc, kp, vp, table = to_paged(k, v, lens.tolist(), 16, seed=3)
+    with torch_threads(1):
+        one_out, one_lse = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
+    assert one_out[0, 4:].isnan().all() and not one_out[0, :4].isnan().any()
+    assert one_out[1, :4].isnan().any() and not one_out[1, :4].isnan().all()  # +inf and -inf scores
+    with torch_threads(threads):
+        out, lse = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
+        step = DecodeStep(q.clone(), kp, vp, lens, block_table=table, cuda_graph=False)
+        step_out, step_lse = step()
+        step.close()
+    for got_out, got_lse in ((out, lse), (step_out, step_lse)):
+        assert torch.equal(got_out.isnan(), one_out.isnan()) and torch.equal(got_lse.isnan(), one_lse.isnan())
+        ok = ~one_lse.isnan()
+        torch.testing.assert_close(got_out[ok], one_out[ok], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_lse[ok], one_lse[ok], rtol=1e-5, atol=1e-6)
+        assert (got_out[3] == 0).all() and torch.isneginf(got_lse[3]).all()
+
+
+@needs_kernel
+def test_parts_outside_the_c_limit_are_refused():
+    kernel = cpu_native.native_kernel()
+    outs, lses = torch.zeros(1), torch.zeros(1)
+    with pytest.raises(RuntimeError, match="returned -4 .65 parts"):
+        kernel.run((0, *([0] * 21)), 1000, 65, outs, lses)
 
 
 @needs_kernel

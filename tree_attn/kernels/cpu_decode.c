@@ -24,6 +24,7 @@
  * -inf start of the running max and NaN propagation must keep their IEEE meaning.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -558,4 +559,87 @@ int tree_attn_cpu_decode(int dt, DECODE_ARGS) {
     case DT_E4M3FNUZ: return decode_e4m3fnuz(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse);
     default: return -2;
     }
+}
+
+/* The exact merge of two softmax states of disjoint key ranges, in place into (o0, l0):
+ * rows x d outputs and rows lses, float32. What reduce/state.py's merge gives for two: an empty
+ * state (lse -inf, out 0) is the identity, two empty ones give out 0 and lse -inf, and a NaN (or
+ * +inf, from infinite data) lse makes the row NaN. */
+static void merge_into(float *restrict o0, float *restrict l0, const float *restrict o1, const float *restrict l1,
+                       int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float a = l0[r], b = l1[r];
+        float m = a > b ? a : b; /* a NaN lse reaches the row through its weight, exp(NaN) */
+        if (m == -INFINITY) /* both empty: shift by 0, so the weights are 0, not NaN */
+            m = 0.0f;
+        const float w0 = expf(a - m), w1 = expf(b - m), den = w0 + w1;
+        const float inv = 1.0f / (den > 0.0f ? den : 1.0f); /* both empty: out stays 0; NaN stays NaN */
+        float *restrict o = o0 + r * d;
+        const float *restrict p = o1 + r * d;
+        for (int64_t i = 0; i < d; i++)
+            o[i] = (o[i] * w0 + p[i] * w1) * inv;
+        l0[r] = m + logf(den); /* log(0) = -inf for two empty states */
+    }
+}
+
+/* One contiguous range of keys, for one thread of tree_attn_cpu_decode_parts. */
+typedef struct {
+    int dt;
+    const float *q;
+    const void *k, *v;
+    const int64_t *lens, *table;
+    int64_t table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1;
+    float *out, *lse;
+    int rc;
+} part_t;
+
+static void *run_part(void *arg) {
+    part_t *p = arg;
+    p->rc = tree_attn_cpu_decode(p->dt, p->q, p->k, p->v, p->lens, p->table, p->table_stride, p->bs, p->sq,
+                                 p->causal, p->b, p->hkv, p->g, p->d, p->ksb, p->ksn, p->ksh, p->vsb, p->vsn, p->vsh,
+                                 p->t0, p->t1, p->out, p->lse);
+    return NULL;
+}
+
+#define MAX_PARTS 64
+
+/* tree_attn_cpu_decode over keys [0, longest) split into `parts` contiguous ranges, one per
+ * thread (the calling thread runs the first; a thread that cannot be started runs its range in
+ * the caller instead), their states merged exactly into the first: outs [parts, b, hkv * g, d]
+ * and lses [parts, b, hkv * g] float32 are scratch, and on return outs[0], lses[0] hold the
+ * result. Threads are started per call: about 20-40 us against a Python pool's hand-off and a
+ * merge in torch ops, several times that. Returns 0, -1 (scratch memory), -2 (dtype), -4 (parts
+ * outside 1..64). */
+int tree_attn_cpu_decode_parts(int dt, const float *q, const void *k, const void *v, const int64_t *lens,
+                               const int64_t *table, int64_t table_stride, int64_t bs, int64_t sq, int64_t causal,
+                               int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t ksb, int64_t ksn, int64_t ksh,
+                               int64_t vsb, int64_t vsn, int64_t vsh, int64_t longest, int64_t parts, float *outs,
+                               float *lses) {
+    if (parts < 1 || parts > MAX_PARTS)
+        return -4;
+    const int64_t rows = b * hkv * g;
+    part_t job[MAX_PARTS];
+    pthread_t tid[MAX_PARTS];
+    int started[MAX_PARTS] = {0};
+    for (int64_t i = 0; i < parts; i++) {
+        job[i] = (part_t){dt, q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, d, ksb, ksn, ksh, vsb,
+                          vsn, vsh, i * longest / parts, (i + 1) * longest / parts, outs + i * rows * d,
+                          lses + i * rows, 0};
+    }
+    for (int64_t i = 1; i < parts; i++)
+        started[i] = pthread_create(&tid[i], NULL, run_part, &job[i]) == 0;
+    run_part(&job[0]);
+    int rc = job[0].rc;
+    for (int64_t i = 1; i < parts; i++) {
+        if (started[i])
+            pthread_join(tid[i], NULL);
+        else
+            run_part(&job[i]);
+        rc = rc ? rc : job[i].rc;
+    }
+    if (rc)
+        return rc;
+    for (int64_t i = 1; i < parts; i++)
+        merge_into(outs, lses, outs + i * rows * d, lses + i * rows, rows, d);
+    return 0;
 }

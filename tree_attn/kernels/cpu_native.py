@@ -37,13 +37,10 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from ..reduce.state import merge_states
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 ENV_SWITCH = "TREE_ATTN_CPU_KERNEL"
@@ -56,12 +53,13 @@ BASE_FLAGS = (
     "-fno-trapping-math",
     "-fassociative-math",
     "-fno-signed-zeros",
+    "-pthread",
 )
 BUILD_TIMEOUT_S = 180
 
 # Threads split the keys of each row into contiguous ranges (each streams its own part of the
-# cache; their states are merged exactly), but only ranges of at least this many tokens: shorter
-# ones cost more in thread hand-off and merging than they save. Measured at MHA 8 x 128 fp32, 65,536
+# cache; their states are merged exactly, in C), but only ranges of at least this many tokens:
+# shorter ones cost more in starting a thread and merging than they save. Measured at MHA 8 x 128 fp32, 65,536
 # tokens, 2 threads on 2 cores: two token halves 24.8 ms against 39.6 ms on one thread; splitting
 # by KV heads instead (each thread reading 2 KiB of every 4 KiB token) was slower than one thread.
 MIN_TOKENS_PER_THREAD = 2048
@@ -81,6 +79,22 @@ class NativeKernel:
     function: ctypes._CFuncPtr  # tree_attn_cpu_decode
     widen_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen (the tests check it on every code)
     widen_fp8_fast_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_fp8_fast (AVX2 + F16C path)
+    parts_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_decode_parts (one call, several threads)
+
+    def run(self, args: tuple, longest: int, parts: int, outs: torch.Tensor, lses: torch.Tensor) -> None:
+        """The kernel over keys ``[0, longest)`` of every row on ``parts`` threads: ``args`` are
+        the call's arguments up to the V strides; ``outs [parts, B, R, D]`` and ``lses [parts, B,
+        R]`` float32 contiguous are scratch, and ``outs[0]``, ``lses[0]`` get the result (with
+        several parts the C side starts the threads and merges their states exactly, see
+        ``tree_attn_cpu_decode_parts``)."""
+        if parts == 1:
+            code = self.function(*args, 0, longest, outs.data_ptr(), lses.data_ptr())
+        else:
+            code = self.parts_function(*args, longest, parts, outs.data_ptr(), lses.data_ptr())
+        if code == -1:
+            raise MemoryError("the C decode kernel could not allocate its scratch memory")
+        if code != 0:
+            raise RuntimeError(f"the C decode kernel returned {code} ({parts} parts)")
 
     def widen(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a CPU tensor of one of :attr:`dtypes`) as float32 with the kernel's own widening."""
@@ -117,7 +131,6 @@ class NativeStatus:
 _lock = threading.Lock()
 _kernel: NativeKernel | None = None
 _status: NativeStatus | None = None
-_pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def native_kernel() -> NativeKernel | None:
@@ -180,7 +193,7 @@ def _load() -> NativeKernel:
             errors.append(f"loading {path.name}: {e}")
             continue
         return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib),
-                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"))
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"), _bind_parts(lib))
     raise _Unavailable("; ".join(errors))
 
 
@@ -275,20 +288,21 @@ def _bind(lib: ctypes.CDLL):
     return fn
 
 
+def _bind_parts(lib: ctypes.CDLL):
+    fn = lib.tree_attn_cpu_decode_parts
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    # dt; q, k, v, lens, table; table_stride, bs, sq, causal, b, hkv, g, d, 3 + 3 strides, longest, parts; outs, lses
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 16), ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
     fn = getattr(lib, name, None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         fn.restype = ctypes.c_int
     return fn
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    with _lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="tree-attn-cpu")
-        return pool
 
 
 def decode_native(
@@ -321,9 +335,9 @@ def decode_native(
     Returns:
         ``out`` (q's shape) float32 and ``lse`` (q's shape without D) float32, natural log; query
         tokens that see no key give out 0 and lse -inf. With ``torch.get_num_threads() > 1`` and
-        long rows, each row's keys are split into contiguous ranges, one per thread (the call
-        releases the GIL), and the ranges' states merged exactly
-        (:func:`tree_attn.reduce.state.merge_states`).
+        long rows, each row's keys are split into contiguous ranges, one per thread (started by
+        the C side in one call, which releases the GIL), and the ranges' states merged exactly
+        there (the merge of :func:`tree_attn.reduce.state.merge_states`).
     """
     b, sq, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     hkv = k.shape[2]
@@ -344,16 +358,8 @@ def decode_native(
         k.shape[1] if table is not None else 0, sq, int(causal),
         b, hkv, sq * g, d, *k.stride()[:3], *v.stride()[:3],
     )  # fmt: skip
-    cuts = [round(i * longest / parts) for i in range(parts + 1)]
-    cuts[-1] = max(cuts[-1], longest)
-
-    def run(i: int) -> int:
-        return kernel.function(*args, cuts[i], cuts[i + 1], outs[i].data_ptr(), lses[i].data_ptr())
-
-    codes = [run(0)] if parts == 1 else list(_pool(parts).map(run, range(parts)))
-    if any(c != 0 for c in codes):
-        raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
-    out, lse = (outs[0], lses[0]) if parts == 1 else merge_states(outs, lses)
+    kernel.run(args, longest, parts, outs, lses)
+    out, lse = outs[0], lses[0]
     if v_scale is not None:
         out = out.view(b, hkv, sq * g, d).mul_(v_scale.view(1, hkv, 1, 1))
     # Back to q's layout: [B, Hkv, Sq, G, (D)] -> [B, Sq, Hkv * G, (D)].
@@ -371,9 +377,7 @@ class NativeDecodePlan:
     pointers: it copies q (scaled) and the lengths in, runs the kernel on one or more threads, and
     writes ``out``/``lse`` in place (any layout with q's shape: a packed message's views too). The
     caller guarantees what :func:`decode_native` leaves to its caller: lengths 0..N and block-table
-    entries inside the pool (checked once by the prepared object that builds this plan). Two
-    threads' states are merged by :func:`merge_two_into`, a handful of small ops instead of the
-    general merge.
+    entries inside the pool (checked once by the prepared object that builds this plan).
     """
 
     def __init__(self, kernel: NativeKernel, *, batch: int, q_len: int, q_heads: int, kv_heads: int,
@@ -417,41 +421,11 @@ class NativeDecodePlan:
         parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
         outs, lses = self._buffers(parts)
         args = (*self._head, k.data_ptr(), v.data_ptr(), *self._mid, *k.stride()[:3], *v.stride()[:3])
-        fn = self.kernel.function
-        if parts == 1:
-            codes = [fn(*args, 0, longest, outs[0].data_ptr(), lses[0].data_ptr())]
-        else:
-            cuts = [round(i * longest / parts) for i in range(parts + 1)]
-            codes = list(_pool(parts).map(
-                lambda i: fn(*args, cuts[i], cuts[i + 1], outs[i].data_ptr(), lses[i].data_ptr()), range(parts)))
-        if any(c != 0 for c in codes):
-            raise MemoryError(f"the C decode kernel could not allocate its scratch memory (codes {codes})")
-        if parts == 1:
-            o, l = outs[0], lses[0]
-        elif parts == 2:
-            o, l = merge_two_into(outs[0], lses[0], outs[1], lses[1])
-        else:
-            o, l = merge_states(outs[:parts], lses[:parts])
+        self.kernel.run(args, longest, parts, outs, lses)
+        o, l = outs[0], lses[0]
         if sq == 1:  # [B, Hkv * G, (D)] is q's [B, (1,) Hq, (D)]
             out.copy_(o.view(out.shape))
             lse.copy_(l.view(lse.shape))
         else:  # [B, Hkv, Sq, G, (D)] -> [B, Sq, Hkv, G, (D)]
             out.unflatten(-2, (hkv, g)).copy_(o.view(b, hkv, sq, g, d).transpose(1, 2))
             lse.unflatten(-1, (hkv, g)).copy_(l.view(b, hkv, sq, g).transpose(1, 2))
-
-
-def merge_two_into(o0: torch.Tensor, l0: torch.Tensor, o1: torch.Tensor,
-                   l1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact merge of two of the C kernel's states ``(o [..., D], lse [...])`` float32, as
-    :func:`tree_attn.reduce.state.merge_states` gives for them: an empty state (lse -inf, o 0) is
-    the identity, both empty give o 0 and lse -inf, and a NaN (or +inf, from inf data) lse makes
-    the row NaN. A handful of small ops (the general merge's masks cost ~0.2 ms a call on CPU)."""
-    m = torch.maximum(l0, l1)  # NaN if either is NaN
-    m = torch.where(m == float("-inf"), 0.0, m)  # both empty: shift by 0, so exp gives 0, not NaN
-    w0 = torch.exp(l0 - m)  # 0 for an empty state; NaN where m is +inf
-    w1 = torch.exp(l1 - m)
-    den = w0 + w1
-    o = torch.addcmul(o0 * w0.unsqueeze(-1), o1, w1.unsqueeze(-1))
-    o.div_(torch.where(den > 0, den, 1.0).unsqueeze(-1))  # both empty: o stays 0; NaN stays NaN
-    return o, m + torch.log(den)  # log(0) = -inf for both empty
-
