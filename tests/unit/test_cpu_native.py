@@ -148,7 +148,7 @@ def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads):
     k[0, 300, 1, 5] = float("nan")
     k[1, 7, 0, 0] = float("inf")
     lens = torch.tensor([390, 390, 100, 0])
-    kc, vc, kp, vp, table = to_paged(k, v, lens.tolist(), 16, seed=3)
+    k, v, kp, vp, table = to_paged(k, v, lens.tolist(), 16, seed=3)  # k, v: the truth, unchanged
     with torch_threads(1):
         one_out, one_lse = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
     assert one_out[0, 4:].isnan().all() and not one_out[0, :4].isnan().any()
