@@ -166,6 +166,17 @@ def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads):
         assert (got_out[3] == 0).all() and torch.isneginf(got_lse[3]).all()
 
 
+def test_thread_parts_stay_within_the_c_limit(monkeypatch):
+    # One range per torch thread, each of at least MIN_TOKENS_PER_THREAD keys, never more than the
+    # C side takes (a 128-thread machine at 1M tokens would otherwise ask for 128 and be refused).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 128)
+    assert cpu_native.thread_parts(1 << 20) == cpu_native.MAX_PARTS == 64
+    assert cpu_native.thread_parts(3 * cpu_native.MIN_TOKENS_PER_THREAD + 5) == 3
+    assert cpu_native.thread_parts(0) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert cpu_native.thread_parts(1 << 20) == 2
+
+
 @needs_kernel
 def test_parts_outside_the_c_limit_are_refused():
     kernel = cpu_native.native_kernel()

@@ -59,10 +59,21 @@ BUILD_TIMEOUT_S = 180
 
 # Threads split the keys of each row into contiguous ranges (each streams its own part of the
 # cache; their states are merged exactly, in C), but only ranges of at least this many tokens:
-# shorter ones cost more in starting a thread and merging than they save. Measured at MHA 8 x 128 fp32, 65,536
-# tokens, 2 threads on 2 cores: two token halves 24.8 ms against 39.6 ms on one thread; splitting
+# shorter ones cost more in starting a thread (about 55 us on the 2-core development VM) and
+# merging than they save. Measured at MHA 8 x 128 fp32, 65,536 tokens, 2 threads on 2 cores: two
+# token halves 24.8 ms against 39.6 ms on one thread; splitting
 # by KV heads instead (each thread reading 2 KiB of every 4 KiB token) was slower than one thread.
 MIN_TOKENS_PER_THREAD = 2048
+# The most ranges one call splits into (cpu_decode.c's MAX_PARTS): a machine with more threads
+# than this uses this many.
+MAX_PARTS = 64
+
+
+def thread_parts(longest: int) -> int:
+    """Key ranges (threads) for rows of at most ``longest`` keys: one per torch intra-op thread,
+    each at least :data:`MIN_TOKENS_PER_THREAD` tokens, at most :data:`MAX_PARTS`, at least 1."""
+    return max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD, MAX_PARTS))
+
 
 # The C enum's codes.
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e4m3fnuz: 4}
@@ -348,7 +359,7 @@ def decode_native(
         qs = qs * k_scale.view(1, hkv, 1, 1)
     qs = qs.reshape(b, hkv * sq * g, d).contiguous()
     longest = int(lens.max()) if b else 0
-    parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
+    parts = thread_parts(longest)
     outs = torch.empty(parts, b, hkv * sq * g, d, dtype=torch.float32)
     lses = torch.empty(parts, b, hkv * sq * g, dtype=torch.float32)
     table = None if block_table is None else block_table.to(torch.int64).contiguous()
@@ -418,7 +429,7 @@ class NativeDecodePlan:
         if self.table is not None:
             self.table.copy_(block_table)
         longest = int(self.lens.max()) if b else 0
-        parts = max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD))
+        parts = thread_parts(longest)
         outs, lses = self._buffers(parts)
         args = (*self._head, k.data_ptr(), v.data_ptr(), *self._mid, *k.stride()[:3], *v.stride()[:3])
         self.kernel.run(args, longest, parts, outs, lses)
