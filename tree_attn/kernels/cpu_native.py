@@ -204,7 +204,7 @@ def _load() -> NativeKernel:
             errors.append(f"loading {path.name}: {e}")
             continue
         return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib),
-                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"), _bind_parts(lib))
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"), _bind(lib, "tree_attn_cpu_decode_parts"))
     raise _Unavailable("; ".join(errors))
 
 
@@ -290,19 +290,12 @@ def _dtypes(lib: ctypes.CDLL) -> frozenset[torch.dtype]:
     return frozenset(dt for dt, code in _DTYPE_CODES.items() if bits & (1 << code))
 
 
-def _bind(lib: ctypes.CDLL):
-    fn = lib.tree_attn_cpu_decode
+def _bind(lib: ctypes.CDLL, name: str = "tree_attn_cpu_decode"):
+    """The decode entry point, or ``tree_attn_cpu_decode_parts`` (the same arguments, the last two
+    numbers ``longest, parts`` in place of ``t0, t1`` and the outputs the parts' scratch)."""
+    fn = getattr(lib, name)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     # dt; q, k, v, lens, table; table_stride, bs, sq, causal, b, hkv, g, d, 3 + 3 strides, t0, t1; out, lse
-    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 16), ptr, ptr]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _bind_parts(lib: ctypes.CDLL):
-    fn = lib.tree_attn_cpu_decode_parts
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    # dt; q, k, v, lens, table; table_stride, bs, sq, causal, b, hkv, g, d, 3 + 3 strides, longest, parts; outs, lses
     fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *([i64] * 16), ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
