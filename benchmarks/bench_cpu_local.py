@@ -63,7 +63,8 @@ from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
-SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128)}  # (Hq, Hkv, D): MHA 8 x 128; Llama-3.1-8B
+# (Hq, Hkv, D): MHA 8 x 128; Llama-3.1-8B's attention; a layer of generate's small preset
+SHAPES = {"mha": (8, 8, 128), "gqa": (32, 8, 128), "small": (8, 2, 64)}
 
 
 def cpu_model() -> str:
@@ -250,7 +251,7 @@ def fp8_ratios(rows: list[dict]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16384,65536", help="KV tokens per rank, comma-separated")
-    ap.add_argument("--shapes", default="mha,gqa", help="mha (8 x 128) and/or gqa (32/8 x 128)")
+    ap.add_argument("--shapes", default="mha,gqa", help="mha (8 x 128), gqa (32/8 x 128), small (8/2 x 64)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16, fp8 (float8_e4m3fn, from bf16)")
     ap.add_argument("--threads", default="1", help="intra-op threads, comma-separated (e.g. 1,2)")
     ap.add_argument("--repeats", type=int, default=9)
