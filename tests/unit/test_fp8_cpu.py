@@ -129,6 +129,26 @@ def test_paged_fp8_matches_float64(block_size):
     assert_decode_close(out[:, None], lse[:, None], o64, l64, TOL, what="decode_attention paged")
 
 
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fp8_keys_split_over_threads(monkeypatch, threads):
+    """The C kernel's key ranges on several threads (merged in C) over an fp8 paged pool, GQA 4,
+    rows ending inside the first range and empty: against float64 on the dequantized cache."""
+    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    q, k8, v8, ks, vs, k64, v64 = _case(3, 1, 8, 2, 64, 400, seed=threads)
+    lens = torch.tensor([400, 90, 0], dtype=torch.int32)
+    _, _, kp, vp, table = to_paged(k8, v8, lens.tolist(), 16, seed=threads)
+    o64, l64 = _truth(q, k64, v64, lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = decode_attention_cpu(q, kp, vp, seq_lens=lens, block_table=table, native=True, k_scale=ks,
+                                        v_scale=vs)
+    finally:
+        torch.set_num_threads(before)
+    assert_decode_close(out, lse, o64, l64, TOL, what=f"fp8 paged on {threads} threads")
+
+
 @pytest.mark.parametrize("form", ["tensor_hkv", "tensor_scalar", "python_float", "float64_tensor"])
 def test_decode_attention_scale_forms(form):
     """decode_attention takes a scale per KV head, a 0-d tensor, a Python number or another float
