@@ -61,8 +61,8 @@ BUILD_TIMEOUT_S = 180
 # cache; their states are merged exactly, in C), but only ranges of at least this many tokens:
 # shorter ones cost more in starting a thread (about 55 us on the 2-core development VM) and
 # merging than they save. Measured at MHA 8 x 128 fp32, 65,536 tokens, 2 threads on 2 cores: two
-# token halves 24.8 ms against 39.6 ms on one thread; splitting
-# by KV heads instead (each thread reading 2 KiB of every 4 KiB token) was slower than one thread.
+# token halves 24.8 ms against 39.6 ms on one thread; splitting by KV heads instead (each thread
+# reading 2 KiB of every 4 KiB token) was slower than one thread.
 MIN_TOKENS_PER_THREAD = 2048
 # The most ranges one call splits into (cpu_decode.c's MAX_PARTS): a machine with more threads
 # than this uses this many.
@@ -88,9 +88,9 @@ class NativeKernel:
     flags: tuple[str, ...]
     dtypes: frozenset[torch.dtype]
     function: ctypes._CFuncPtr  # tree_attn_cpu_decode
+    parts_function: ctypes._CFuncPtr  # tree_attn_cpu_decode_parts (one call, several threads)
     widen_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen (the tests check it on every code)
     widen_fp8_fast_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_fp8_fast (AVX2 + F16C path)
-    parts_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_decode_parts (one call, several threads)
 
     def run(self, args: tuple, longest: int, parts: int, outs: torch.Tensor, lses: torch.Tensor) -> None:
         """The kernel over keys ``[0, longest)`` of every row on ``parts`` threads: ``args`` are
@@ -203,8 +203,9 @@ def _load() -> NativeKernel:
         except OSError as e:
             errors.append(f"loading {path.name}: {e}")
             continue
-        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib), _bind_widen(lib),
-                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"), _bind(lib, "tree_attn_cpu_decode_parts"))
+        return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib),
+                            _bind(lib, "tree_attn_cpu_decode_parts"), _bind_widen(lib),
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"))
     raise _Unavailable("; ".join(errors))
 
 
