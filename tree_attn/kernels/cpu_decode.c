@@ -259,6 +259,213 @@ INLINE const void *at(const void *base, int64_t i, int dt) {
 }
 
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define WIDE 1
+/* The 512-bit path (AVX-512 F, BW and VBMI: Intel since Ice Lake, AMD since Zen 4), for a head
+ * dimension that is a multiple of 64 and 1, 2, 4 or 8 query rows per KV head. 64 elements of K or
+ * V are widened to four float32 vectors in registers, in an order of the dtype's own (widen64):
+ * the query rows are put in that order once per row (wide_order) and out is summed in it and put
+ * back at the end, so no element is ever moved to match. fp8 is widened exactly by two 128-entry
+ * byte tables (VPERMI2B: the high and low byte of each code's bfloat16 value, NaN codes' included,
+ * so there is no NaN check), the sign OR'ed in, then bfloat16 to float32 by interleaving zero
+ * bytes; bf16 by interleaving zero words; f16 by VCVTPH2PS; f32 as is. */
+typedef struct {
+    __m512i hi0, hi1, lo0, lo1; /* e4m3 code & 0x7f -> bf16 value's high / low byte, codes 0-63, 64-127 */
+} fp8_tables_t;
+
+INLINE void fp8_tables(fp8_tables_t *t, int dt) {
+    uint8_t hi[128], lo[128];
+    for (int c = 0; c < 128; c++) {
+        const float f = load_fp8(c, dt == DT_E4M3FNUZ);
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        hi[c] = (uint8_t)(u >> 24);
+        lo[c] = (uint8_t)(u >> 16);
+    }
+    t->hi0 = _mm512_loadu_si512(hi);
+    t->hi1 = _mm512_loadu_si512(hi + 64);
+    t->lo0 = _mm512_loadu_si512(lo);
+    t->lo1 = _mm512_loadu_si512(lo + 64);
+}
+
+/* Element of a 64-element block that position p (0-63) of widen64's four vectors holds. */
+INLINE int64_t wide_src(int64_t p, int dt) {
+    const int64_t v = p >> 4, j = (p >> 2) & 3, i = p & 3; /* vector, 128-bit lane, element in lane */
+    if (IS_FP8(dt))
+        return 16 * j + 4 * v + i;
+    if (dt == DT_BF16)
+        return 32 * (v >> 1) + 8 * j + 4 * (v & 1) + i;
+    return p;
+}
+
+/* x[0 .. d) as float32, in widen64's order */
+INLINE void widen64(const void *x, __m512 w[4], int dt, const fp8_tables_t *t) {
+    if (dt == DT_F32) {
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm512_loadu_ps((const float *)x + 16 * v);
+    } else if (dt == DT_F16) {
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + 16 * v)));
+    } else if (dt == DT_BF16) {
+        const __m512i z = _mm512_setzero_si512();
+        const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512((const uint16_t *)x + 32);
+        w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, a));
+        w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, a));
+        w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b));
+        w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b));
+    } else {
+        const __m512i c = _mm512_loadu_si512(x);
+        __m512i hi = _mm512_permutex2var_epi8(t->hi0, c, t->hi1); /* the code's low 7 bits index */
+        __m512i lo = _mm512_permutex2var_epi8(t->lo0, c, t->lo1);
+        hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (c & 0x80) */
+        if (dt == DT_E4M3FNUZ) { /* 0x80 is NaN (the table gave -0) */
+            const __mmask64 nan = _mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8((char)0x80));
+            hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7f));
+            lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8((char)0xc0));
+        }
+        const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi); /* bf16 */
+        const __m512i z = _mm512_setzero_si512();
+        w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, a));
+        w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, a));
+        w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b));
+        w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b));
+    }
+}
+
+/* dst[0 .. d) = src[0 .. d) put in (to = 1) or taken out of (to = 0) widen64's order. */
+INLINE void wide_order(float *restrict dst, const float *restrict src, int64_t d, int dt, int to) {
+    for (int64_t b = 0; b < d; b += 64)
+        for (int64_t p = 0; p < 64; p++) {
+            const int64_t e = b + wide_src(p, dt);
+            if (to)
+                dst[b + p] = src[e];
+            else
+                dst[e] = src[b + p];
+        }
+}
+
+/* The sums of four vectors' lanes: {sum a, sum b, sum c, sum d} (13 operations, not 4 x 8). */
+INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* per 128 bits: a, b, a, b */
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee)); /* a, b, c, d */
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+/* The G dot products qp[r] . k (r < G; qp rows d apart, in widen64's order) as G vectors whose
+ * lanes sum to them. */
+INLINE void dots_wide(const float *qp, const void *k, int64_t G, int64_t d, __m512 *acc, int dt,
+                      const fp8_tables_t *tb) {
+    __m512 a[8][2];
+    for (int64_t r = 0; r < G; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < d; b += 64) {
+        __m512 w[4];
+        widen64(at(k, b, dt), w, dt, tb);
+        for (int64_t r = 0; r < G; r++) {
+            const float *qr = qp + r * d + b;
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(qr), w[0], a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16), w[1], a[r][1]);
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 32), w[2], a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 48), w[3], a[r][1]);
+        }
+    }
+    for (int64_t r = 0; r < G; r++)
+        acc[r] = _mm512_add_ps(a[r][0], a[r][1]);
+}
+
+/* s[r * CHUNK + t] = qp[r] . k[t] for the chunk's n tokens and every query row r (G per KV head):
+ * four rows' sums at a time (the G rows of a KV head, or the rows of 4 / G heads). */
+INLINE void scores_wide(const float *qp, const void *k, const int64_t *ko, int64_t n, int64_t hn, int64_t G,
+                        int64_t d, int64_t ksh, float *s, int dt, const fp8_tables_t *tb) {
+    const int64_t HG = G >= 4 ? 1 : 4 / G; /* heads per group of 4 rows (G >= 4: one head, G / 4 groups) */
+    const int64_t grouped = hn - hn % HG;
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t h = 0; h < grouped; h += HG) {
+            __m512 acc[8];
+            for (int64_t j = 0; j < HG; j++)
+                dots_wide(qp + (h + j) * G * d, at(k, ko[t] + (h + j) * ksh, dt), G, d, acc + j * G, dt, tb);
+            for (int64_t r = 0; r < HG * G; r += 4) {
+                float x[4];
+                _mm_storeu_ps(x, sum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3]));
+                for (int64_t i = 0; i < 4; i++)
+                    s[(h * G + r + i) * CHUNK + t] = x[i];
+            }
+        }
+        for (int64_t h = grouped; h < hn; h++) {
+            __m512 acc[8];
+            dots_wide(qp + h * G * d, at(k, ko[t] + h * ksh, dt), G, d, acc, dt, tb);
+            for (int64_t r = 0; r < G; r++)
+                s[(h * G + r) * CHUNK + t] = _mm512_reduce_add_ps(acc[r]);
+        }
+    }
+}
+
+#define WIDE_TOKENS 16 /* tokens per update of out in values_wide (8: 1.1x slower at 4 rows, 64: 1.05x) */
+
+/* out[r] += sum over the chunk's tokens t of s[r * CHUNK + t] * v[t] (out in widen64's order), for
+ * 4 or 8 rows per KV head: for each block of WIDE_TOKENS tokens, KV head and 64 elements, 4 rows'
+ * sums stay in registers (one load and store of out per block, not per token). */
+INLINE void values_wide(float *out, const float *s, const void *v, const int64_t *vo, int64_t n, int64_t hn,
+                        int64_t G, int64_t d, int64_t vsh, int dt, const fp8_tables_t *tb) {
+    const int64_t RG = G < 4 ? G : 4;
+    for (int64_t t0 = 0; t0 < n; t0 += WIDE_TOKENS) {
+        const int64_t t1 = t0 + WIDE_TOKENS < n ? t0 + WIDE_TOKENS : n;
+        for (int64_t h = 0; h < hn; h++) {
+            for (int64_t b = 0; b < d; b += 64) {
+                for (int64_t r0 = 0; r0 < G; r0 += RG) {
+                    __m512 acc[4][4];
+                    for (int64_t r = 0; r < RG; r++)
+                        for (int v4 = 0; v4 < 4; v4++)
+                            acc[r][v4] = _mm512_setzero_ps();
+                    for (int64_t t = t0; t < t1; t++) {
+                        __m512 w[4];
+                        widen64(at(v, vo[t] + h * vsh + b, dt), w, dt, tb);
+                        for (int64_t r = 0; r < RG; r++) {
+                            const __m512 p = _mm512_set1_ps(s[(h * G + r0 + r) * CHUNK + t]);
+                            for (int v4 = 0; v4 < 4; v4++)
+                                acc[r][v4] = _mm512_fmadd_ps(p, w[v4], acc[r][v4]);
+                        }
+                    }
+                    for (int64_t r = 0; r < RG; r++) {
+                        float *o = out + (h * G + r0 + r) * d + b;
+                        for (int v4 = 0; v4 < 4; v4++)
+                            _mm512_storeu_ps(o + 16 * v4, _mm512_add_ps(_mm512_loadu_ps(o + 16 * v4), acc[r][v4]));
+                    }
+                }
+            }
+        }
+    }
+}
+/* values_wide for 1 or 2 rows per KV head: token by token, out loaded and stored per token, so V
+ * is read in memory order (in blocks of tokens, 1.3-1.4x slower at 1 row: each head's slice of a
+ * block is then a stream of its own). */
+INLINE void values_wide_seq(float *out, const float *s, const void *v, const int64_t *vo, int64_t n, int64_t hn,
+                            int64_t G, int64_t d, int64_t vsh, int dt, const fp8_tables_t *tb) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < hn; h++)
+            for (int64_t b = 0; b < d; b += 64) {
+                __m512 w[4];
+                widen64(at(v, vo[t] + h * vsh + b, dt), w, dt, tb);
+                for (int64_t r = 0; r < G; r++) {
+                    const __m512 p = _mm512_set1_ps(s[(h * G + r) * CHUNK + t]);
+                    float *o = out + (h * G + r) * d + b;
+                    for (int v4 = 0; v4 < 4; v4++)
+                        _mm512_storeu_ps(o + 16 * v4, _mm512_fmadd_ps(p, w[v4], _mm512_loadu_ps(o + 16 * v4)));
+                }
+            }
+}
+#else
+#define WIDE 0
+#endif
+
+/* Whether decode calls take the 512-bit path where it applies (1, the default; the tests turn it
+ * off to check the other paths on the same machine). */
+static int wide_on = WIDE;
+
+
 /* Below this, exp is taken at EXP_LO: exp(-87.3) ~ 1.2e-38 instead of a smaller number or 0. Every
  * sum such a term joins holds a term 1 (the max's), so float32 cannot tell the difference; and the
  * one exp of -inf (the first chunk's rescale) multiplies sums that are still 0. */
@@ -330,7 +537,7 @@ INLINE int64_t token_at(const tokens_t *tk, int64_t t) {
 INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const void *v, const tokens_t *vt,
                        int64_t first, int64_t len, int64_t row_len, int64_t sq, int64_t causal, int64_t hn,
                        int64_t g, int64_t d, int64_t ksh, int64_t vsh, float *out, float *lse, float *s, float *m,
-                       float *l, int64_t *ko, int64_t *vo, float *vw, int dt) {
+                       float *l, int64_t *ko, int64_t *vo, float *vw, float *qp, const void *tables, int dt) {
     const int64_t heads_per_token = g / sq;
     const int64_t hq = hn * g;
     for (int64_t r = 0; r < hq; r++) {
@@ -338,6 +545,17 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
         l[r] = 0.0f;
     }
     memset(out, 0, sizeof(float) * (size_t)(hq * d));
+#if WIDE
+    /* bf16 with 1-2 rows per KV head keeps the paths below: the 512-bit one was 5-13% slower there */
+    const int wide = wide_on && d % 64 == 0 && (g == 1 || g == 2 || g == 4 || g == 8) && (dt != DT_BF16 || g >= 4);
+    const fp8_tables_t *tb = tables;
+    if (wide)
+        for (int64_t r = 0; r < hq; r++)
+            wide_order(qp + r * d, q + r * d, d, dt, 1);
+#else
+    (void)qp;
+    (void)tables;
+#endif
     if (len == 0) {
         for (int64_t r = 0; r < hq; r++)
             lse[r] = -INFINITY;
@@ -349,6 +567,16 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
             ko[t] = token_at(kt, first + c + t);
             vo[t] = token_at(vt, first + c + t);
         }
+#if WIDE
+        if (wide)
+            switch (g) {
+            case 1: scores_wide(qp, k, ko, n, hn, 1, d, ksh, s, dt, tb); break;
+            case 2: scores_wide(qp, k, ko, n, hn, 2, d, ksh, s, dt, tb); break;
+            case 4: scores_wide(qp, k, ko, n, hn, 4, d, ksh, s, dt, tb); break;
+            default: scores_wide(qp, k, ko, n, hn, 8, d, ksh, s, dt, tb); break;
+            }
+        else
+#endif
         for (int64_t t = 0; t < n; t++) {
             for (int64_t h = 0; h < hn; h++) {
                 dots(q + h * g * d, at(k, ko[t] + h * ksh, dt), d, g, s + h * g * CHUNK + t, dt);
@@ -389,6 +617,17 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
             l[r] += sum;
             m[r] = mc;
         }
+#if WIDE
+        if (wide) {
+            switch (g) {
+            case 1: values_wide_seq(out, s, v, vo, n, hn, 1, d, vsh, dt, tb); break;
+            case 2: values_wide_seq(out, s, v, vo, n, hn, 2, d, vsh, dt, tb); break;
+            case 4: values_wide(out, s, v, vo, n, hn, 4, d, vsh, dt, tb); break;
+            default: values_wide(out, s, v, vo, n, hn, 8, d, vsh, dt, tb); break;
+            }
+            continue;
+        }
+#endif
         /* Four tokens per update of out: float32 caches, and half-float ones with at least 8 query
          * rows per KV head (compute-bound: one widening serves them all; 9-13% faster at 8 rows).
          * With fewer rows, half-float caches stay token by token: four tokens at a time, with the
@@ -448,6 +687,13 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
             o[i] *= inv;
         lse[r] = m[r] + logf(l[r]);
     }
+#if WIDE
+    if (wide)
+        for (int64_t r = 0; r < hq; r++) {
+            memcpy(vw, out + r * d, sizeof(float) * (size_t)d);
+            wide_order(out + r * d, vw, d, dt, 0);
+        }
+#endif
 }
 
 /* All rows, all heads, keys [t0, t1) of each row (clipped to the row's length): the softmax state
@@ -459,18 +705,26 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
                        int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,
                        float *out, float *lse, int dt) {
     const int64_t hq = hkv * g;
-    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2) + 4 * d) + sizeof(int64_t) * 2 * CHUNK);
+    float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2 + d) + 4 * d) + sizeof(int64_t) * 2 * CHUNK);
     if (!scratch)
         return -1;
     int64_t *ko = (int64_t *)scratch, *vo = ko + CHUNK; /* first: int64 alignment */
-    float *s = (float *)(vo + CHUNK), *m = s + hq * CHUNK, *l = m + hq, *vw = l + hq;
+    float *s = (float *)(vo + CHUNK), *m = s + hq * CHUNK, *l = m + hq, *vw = l + hq, *qp = vw + 4 * d;
+#if WIDE
+    fp8_tables_t tables;
+    if (IS_FP8(dt))
+        fp8_tables(&tables, dt);
+    const void *tb = &tables;
+#else
+    const void *tb = NULL;
+#endif
     for (int64_t row = 0; row < b; row++) {
         const int64_t first = t0 < lens[row] ? t0 : lens[row];
         const int64_t end = t1 < lens[row] ? t1 : lens[row];
         const int64_t *pages = table ? table + row * table_stride : NULL;
         const tokens_t kt = {pages, bs, row * ksb, ksb, ksn}, vt = {pages, bs, row * vsb, vsb, vsn};
         decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, lens[row], sq, causal, hkv, g, d, ksh, vsh,
-                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, vw, dt);
+                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, vw, qp, tb, dt);
     }
     free(scratch);
     return 0;
@@ -530,6 +784,42 @@ int tree_attn_cpu_widen_fp8_fast(int dt, const void *restrict x, int64_t n, floa
     if (n % 16)
         return -3;
     widen_fp8(out, x, n, FP8_UNIT(dt));
+    return 0;
+#else
+    (void)x;
+    (void)n;
+    (void)out;
+    return -3;
+#endif
+}
+
+/* Turns the 512-bit path on (1) or off (0) for the calls that follow; returns whether this build
+ * has it (1) or not (0). For the tests, which run the other paths on the same machine too. */
+int tree_attn_cpu_wide(int on) {
+    wide_on = WIDE && on;
+    return WIDE;
+}
+
+/* out[0 .. n) = x[0 .. n) of dtype dt as float32 through the 512-bit path's widening (widen64, then
+ * back to element order). Returns 0; -2 for an unknown dtype; -3 when this build has no such path
+ * or n is not a multiple of 64. For the tests. */
+int tree_attn_cpu_widen_wide(int dt, const void *restrict x, int64_t n, float *restrict out) {
+    if (dt < DT_F32 || dt > DT_E4M3FNUZ)
+        return -2;
+#if WIDE
+    if (n % 64)
+        return -3;
+    fp8_tables_t tb;
+    if (IS_FP8(dt))
+        fp8_tables(&tb, dt);
+    for (int64_t b = 0; b < n; b += 64) {
+        __m512 w[4];
+        float tmp[64];
+        widen64(at(x, b, dt), w, dt, &tb);
+        for (int v = 0; v < 4; v++)
+            _mm512_storeu_ps(tmp + 16 * v, w[v]);
+        wide_order(out + b, tmp, 64, dt, 0);
+    }
     return 0;
 #else
     (void)x;

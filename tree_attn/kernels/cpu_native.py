@@ -91,6 +91,8 @@ class NativeKernel:
     parts_function: ctypes._CFuncPtr  # tree_attn_cpu_decode_parts (one call, several threads)
     widen_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen (the tests check it on every code)
     widen_fp8_fast_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_fp8_fast (AVX2 + F16C path)
+    widen_wide_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_widen_wide (the 512-bit path)
+    wide_function: ctypes._CFuncPtr | None = None  # tree_attn_cpu_wide (the 512-bit path on or off)
 
     def run(self, args: tuple, longest: int, parts: int, outs: torch.Tensor, lses: torch.Tensor) -> None:
         """The kernel over keys ``[0, longest)`` of every row on ``parts`` threads: ``args`` are
@@ -117,14 +119,28 @@ class NativeKernel:
         return out.view(x.shape)
 
     def widen_fp8_fast(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` (fp8, a multiple of 16 elements) as float32 through the decode loops' fast fp8
-        path (AVX2 + F16C builds), NaN codes as that path alone would read them; None when this
-        build has no such path."""
-        src = x.contiguous().reshape(-1)
-        out = torch.empty(src.shape, dtype=torch.float32)
-        fn = self.widen_fp8_fast_function
-        code = -3 if fn is None else fn(_DTYPE_CODES[x.dtype], src.data_ptr(), src.numel(), out.data_ptr())
-        return out.view(x.shape) if code == 0 else None
+        """``x`` (fp8, a multiple of 16 elements) as float32 through the decode loops' AVX2 + F16C
+        fp8 path, NaN codes as that path alone would read them; None when this build has no such
+        path."""
+        return _widen_through(self.widen_fp8_fast_function, x)
+
+    def widen_wide(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` (a multiple of 64 elements) as float32 through the 512-bit path's widening (AVX-512
+        F, BW and VBMI builds; fp8 by byte tables, NaN codes included); None when this build has no
+        such path."""
+        return _widen_through(self.widen_wide_function, x)
+
+    def use_wide(self, on: bool) -> bool:
+        """Turn the 512-bit decode path on (the default) or off for the calls that follow, in this
+        process (the tests run the other paths too); returns whether this build has it."""
+        return bool(self.wide_function(int(on))) if self.wide_function is not None else False
+
+
+def _widen_through(fn: ctypes._CFuncPtr | None, x: torch.Tensor) -> torch.Tensor | None:
+    src = x.contiguous().reshape(-1)
+    out = torch.empty(src.shape, dtype=torch.float32)
+    code = -3 if fn is None else fn(_DTYPE_CODES[x.dtype], src.data_ptr(), src.numel(), out.data_ptr())
+    return out.view(x.shape) if code == 0 else None
 
 
 @dataclass(frozen=True)
@@ -205,7 +221,8 @@ def _load() -> NativeKernel:
             continue
         return NativeKernel(path, " ".join(compiler), flags, _dtypes(lib), _bind(lib),
                             _bind(lib, "tree_attn_cpu_decode_parts"), _bind_widen(lib),
-                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"))
+                            _bind_widen(lib, "tree_attn_cpu_widen_fp8_fast"),
+                            _bind_widen(lib, "tree_attn_cpu_widen_wide"), _bind_switch(lib, "tree_attn_cpu_wide"))
     raise _Unavailable("; ".join(errors))
 
 
@@ -306,6 +323,14 @@ def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
     fn = getattr(lib, name, None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def _bind_switch(lib: ctypes.CDLL, name: str):
+    fn = getattr(lib, name, None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int]
         fn.restype = ctypes.c_int
     return fn
 
