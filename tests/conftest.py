@@ -128,6 +128,26 @@ def device() -> torch.device:
 _INTERPRETER_NUMPY_BREAK = "only 0-dimensional arrays can be converted to Python scalars"
 
 
+@pytest.fixture(params=["wide", "other"])
+def c_kernel_path(request):
+    """Which of the C kernel's paths the test's calls take: its 512-bit path ("wide", on AVX-512 F,
+    BW and VBMI builds, where it applies: the default there) or the others ("other": AVX2 + F16C
+    fp8, compiler-vectorised loops), so that one machine checks both. "wide" skips, saying why,
+    where the build has no such path; the path is back on after the test."""
+    from tree_attn.kernels import cpu_native
+
+    kernel = cpu_native.native_kernel()
+    if kernel is None:
+        pytest.skip(f"the C kernel is not built here: {cpu_native.native_status().detail}")
+    has_wide = kernel.use_wide(request.param == "wide")
+    try:
+        if request.param == "wide" and not has_wide:
+            pytest.skip("this build of the C kernel has no 512-bit path (needs AVX-512 F, BW and VBMI)")
+        yield request.param
+    finally:
+        kernel.use_wide(True)
+
+
 @pytest.fixture
 def interpreter_subprocess():
     """Run Python ``code`` in a fresh process that sees no GPU and runs Triton's interpreter;

@@ -50,7 +50,7 @@ def _check(q, k, v, seq_lens=None, dtype=torch.float32, large_logits=False, **kw
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
 @pytest.mark.parametrize("d", [64, 80, 128])  # 80: the instance without a constant head size
-def test_matches_float64(dtype, hq, hkv, d):
+def test_matches_float64(dtype, hq, hkv, d, c_kernel_path):
     n = 600  # 2 x 256 + 88
     q, k, v = random_decode_inputs(3, hq, hkv, d, n, dtype=dtype, seed=hq + hkv + d)
     _check(q, k, v, torch.tensor([n, 0, 257]), dtype)  # full, empty, one past a chunk
@@ -58,7 +58,7 @@ def test_matches_float64(dtype, hq, hkv, d):
 
 @needs_kernel
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 513])
-def test_lengths_around_the_chunk(n):
+def test_lengths_around_the_chunk(n, c_kernel_path):
     q, k, v = random_decode_inputs(2, 8, 8, 256, n, seed=n)
     _check(q, k, v)
     _check(q, k, v, torch.tensor([n, max(0, n - 1)]))
@@ -117,7 +117,33 @@ def test_nan_and_inf_stay_in_their_head():
 
 
 @needs_kernel
-def test_keys_split_over_threads(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq", [2, 8])  # 1 and 4 query rows per KV head
+def test_nan_and_inf_stay_in_their_head_at_64_wide(dtype, hq, c_kernel_path):
+    """The same at a head size of 64 (the 512-bit path where the build has it), a NaN value too:
+    NaN in a key makes its KV head's rows NaN, +inf in a key makes them NaN (inf - inf), a NaN in
+    a value makes that element of its head's rows NaN; every other row and element is exact."""
+    q, k, v = random_decode_inputs(2, hq, 2, 64, 600, dtype=dtype, seed=hq)
+    g = hq // 2
+    k[0, 300, 1, 3] = float("nan")  # KV head 1 of row 0
+    k[1, 10, 0, 0] = float("inf")  # KV head 0 of row 1 (its rows' q[0] > 0: a score of +inf)
+    q[1, :g, 0] = q[1, :g, 0].abs() + 0.1
+    v[1, 599, 1, 17] = float("nan")  # KV head 1 of row 1: element 17 (in the last chunk's tail)
+    out, lse = decode_attention_cpu(q, k, v, native=True)
+    torch_out, torch_lse = decode_attention_cpu(q, k, v, native=False)
+    assert torch.equal(out.isnan(), torch_out.isnan()) and torch.equal(lse.isnan(), torch_lse.isnan())
+    assert out[0, g:].isnan().all() and out[1, :g].isnan().all() and out[1, g:, 17].isnan().all()
+    assert int(out.isnan().sum()) == 2 * g * 64 + g and int(lse.isnan().sum()) == 2 * g
+    ok = torch.zeros(2, hq, dtype=torch.bool)
+    ok[0, :g] = True
+    ref_out, ref_lse = decode_attention_float64(q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0))
+    assert_state_close(out[ok], lse[ok], ref_out[ok], ref_lse[ok], dtype)
+    fin = ~out[1, g:].isnan()
+    assert (out[1, g:][fin].double() - ref_out[1, g:][fin]).abs().max() < 1e-2
+
+
+@needs_kernel
+def test_keys_split_over_threads(monkeypatch, c_kernel_path):
     # Each row's keys in contiguous ranges, one per thread, merged exactly: ranges of 200, 134 or
     # 100 tokens (400 keys over 2, 3 and 4 threads), a row of one key (empty states in the later
     # ranges), an empty row, GQA 3.
@@ -135,7 +161,7 @@ def test_keys_split_over_threads(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [2, 3])
-def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads):
+def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads, c_kernel_path):
     # The C side starts the threads and merges their states: a NaN key in the second range (row
     # 0, KV head 1), an inf key in the first (row 1, KV head 0: a NaN row for the query heads whose
     # score is +inf, exp(inf - inf), and an ordinary one where it is -inf), rows
@@ -270,7 +296,7 @@ def test_processes_starting_together_build_once(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 48])  # 48: not a power of two, not a chunk divisor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_caches(block_size, dtype):
+def test_paged_caches(block_size, dtype, c_kernel_path):
     # Pages shuffled in the pool, two rows sharing their first page, spare blocks and everything a
     # kernel must not read set to NaN (a wrong page or a read past a row's length gives NaN).
     q, k, v = random_decode_inputs(3, 16, 4, 64, 600, dtype=dtype, seed=block_size)
@@ -284,7 +310,7 @@ def test_paged_caches(block_size, dtype):
 
 
 @needs_kernel
-def test_paged_cache_split_over_threads(monkeypatch):
+def test_paged_cache_split_over_threads(monkeypatch, c_kernel_path):
     monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
     q, k, v = random_decode_inputs(2, 8, 2, 128, 500, seed=12)
     lens = torch.tensor([500, 130])
@@ -299,7 +325,7 @@ def test_paged_cache_split_over_threads(monkeypatch):
 @pytest.mark.parametrize("sq", [2, 3, 4, 16])  # 8, 12, 16, 64 query rows per KV head
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
-def test_several_query_tokens(sq, causal, paged):
+def test_several_query_tokens(sq, causal, paged, c_kernel_path):
     # Rows of 600 (the new tokens across a chunk boundary when 600 - sq < 512), 257, sq - 1 (under
     # causal its first token sees no key: out 0, lse -inf) and 0.
     _, k, v = random_decode_inputs(4, 8, 2, 64, 600, seed=sq)

@@ -56,7 +56,8 @@ def test_c_widening_is_exact_for_every_code(fmt):
 @pytest.mark.parametrize("fmt", [FN, FNUZ], ids=["e4m3fn", "e4m3fnuz"])
 def test_c_fast_fp8_path_is_exact_for_every_finite_code(fmt):
     """The decode loops' AVX2 + F16C widening (half-float bits and a power of two) on every code
-    but the NaN ones, which the loops send to the exact path (test_nan_codes_... below)."""
+    but the NaN ones, which the loops send to the exact path (test_nan_codes_... below). The 512-bit
+    path's widening: test_c_wide_widening_is_exact_for_every_code."""
     fast = cpu_native.native_kernel().widen_fp8_fast
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
     if fast(codes) is None:
@@ -64,6 +65,27 @@ def test_c_fast_fp8_path_is_exact_for_every_finite_code(fmt):
     finite = codes[~torch.isnan(codes.float())]
     finite = torch.cat([finite, finite[: (-finite.numel()) % 16]])  # a multiple of 16
     assert torch.equal(_bits(fast(finite)), _bits(finite.float()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [FN, FNUZ, torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_c_wide_widening_is_exact_for_every_code(dtype):
+    """The 512-bit path's widening (fp8: two byte tables and the sign; bf16, fp16: every 16-bit
+    code) equals torch's conversion bit for bit, NaN codes as NaN, element order restored."""
+    kernel = cpu_native.native_kernel()
+    bits = 8 if dtype in (FN, FNUZ) else 16 if dtype != torch.float32 else 32
+    if bits == 32:
+        codes = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e30
+        codes[7], codes[100] = float("inf"), float("nan")
+    else:
+        codes = torch.arange(2**bits, dtype=torch.int32).to(torch.uint8 if bits == 8 else torch.int16).view(dtype)
+    ours = kernel.widen_wide(codes)
+    if ours is None:
+        pytest.skip("this build of the C kernel has no 512-bit path (needs AVX-512 F, BW and VBMI)")
+    torchs = codes.float()
+    nan = torch.isnan(torchs)
+    assert torch.equal(torch.isnan(ours), nan) and int(nan.sum()) >= 1
+    assert torch.equal(_bits(ours)[~nan], _bits(torchs)[~nan])
 
 
 def _case(b, sq, hq, hkv, d, n, *, q_dtype=torch.bfloat16, fmt=FN, seed=0, per_head=True, gains=None):
@@ -93,11 +115,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["native", "torch_ops", "chunked"])
+@pytest.mark.parametrize("path", ["torch_ops", "chunked"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_cpu_paths_match_float64_on_dequantized_cache(case, path):
-    if path == "native" and not STATUS.available:
-        pytest.skip(STATUS.detail)
+    _check_case(case, path)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_c_kernel_matches_float64_on_dequantized_cache(case, c_kernel_path):
+    _check_case(case, "native")
+
+
+def _check_case(case, path):
     b, sq, hq, hkv, d, n, lens, causal = CASES[case]
     for fmt in (FN, FNUZ):
         q, k8, v8, ks, vs, k64, v64 = _case(b, sq, hq, hkv, d, n, fmt=fmt, seed=len(case),
@@ -114,7 +144,7 @@ def test_cpu_paths_match_float64_on_dequantized_cache(case, path):
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 37])
-def test_paged_fp8_matches_float64(block_size):
+def test_paged_fp8_matches_float64(block_size, c_kernel_path):
     """A paged fp8 pool (pages shuffled, NaN codes in every slot no row may read)."""
     q, k8, v8, ks, vs, k64, v64 = _case(3, 1, 8, 2, 64, 150, seed=block_size)
     lens = torch.tensor([150, 0, 77], dtype=torch.int32)
@@ -131,7 +161,7 @@ def test_paged_fp8_matches_float64(block_size):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [2, 3])
-def test_fp8_keys_split_over_threads(monkeypatch, threads):
+def test_fp8_keys_split_over_threads(monkeypatch, threads, c_kernel_path):
     """The C kernel's key ranges on several threads (merged in C) over an fp8 paged pool, GQA 4,
     rows ending inside the first range and empty: against float64 on the dequantized cache."""
     monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
@@ -329,7 +359,7 @@ def test_paged_kv_shard_in_fp8_quantizes_as_it_writes():
 
 @pytest.mark.parametrize("fmt", [FN, FNUZ], ids=["e4m3fn", "e4m3fnuz"])
 @pytest.mark.parametrize("g", [1, 4, 8])
-def test_nan_codes_propagate_as_in_the_float64_truth(fmt, g):
+def test_nan_codes_propagate_as_in_the_float64_truth(fmt, g, c_kernel_path):
     """NaN codes in the cache (e4m3fn 0x7f/0xff, fnuz 0x80): a NaN key element makes its KV head's
     rows NaN, a NaN value element makes that output element NaN; everything else is unchanged. The
     C kernel's fast path checks each token's head vector for NaN codes and takes the exact path for
