@@ -806,9 +806,9 @@ int tree_attn_cpu_wide(int on) {
 int tree_attn_cpu_widen_wide(int dt, const void *restrict x, int64_t n, float *restrict out) {
     if (dt < DT_F32 || dt > DT_E4M3FNUZ)
         return -2;
-#if WIDE
-    if (n % 64)
+    if (!WIDE || n % 64)
         return -3;
+#if WIDE
     fp8_tables_t tb;
     if (IS_FP8(dt))
         fp8_tables(&tb, dt);
@@ -820,13 +820,11 @@ int tree_attn_cpu_widen_wide(int dt, const void *restrict x, int64_t n, float *r
             _mm512_storeu_ps(tmp + 16 * v, w[v]);
         wide_order(out + b, tmp, 64, dt, 0);
     }
-    return 0;
 #else
     (void)x;
-    (void)n;
     (void)out;
-    return -3;
 #endif
+    return 0;
 }
 
 /* The entry point: decode attention of sq query tokens per row over keys [t0, t1) of every row.
