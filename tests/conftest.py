@@ -18,7 +18,7 @@
 3. GPU tests are marked ``gpu``, use the GPUs that are there and skip with a reason naming what
    is missing ("needs a GPU", "needs 2 GPUs"). A CPU test is never skipped on a GPU machine.
 4. The CPU C kernel (``tree_attn.kernels.cpu_native``) is built, or found in the cache, once here
-   before any test runs: its first build (~10 s) then happens in no test's timing or output, and
+   before any test runs: its first build (~30 s) then happens in no test's timing or output, and
    not in several spawned ranks at once.
 """
 

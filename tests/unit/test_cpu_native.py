@@ -48,7 +48,7 @@ def _check(q, k, v, seq_lens=None, dtype=torch.float32, large_logits=False, **kw
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2), (12, 2), (16, 2)])  # GQA 1, 3, 4, 6, 8
 @pytest.mark.parametrize("d", [64, 80, 128])  # 80: the instance without a constant head size
 def test_matches_float64(dtype, hq, hkv, d, c_kernel_path):
     n = 600  # 2 x 256 + 88
@@ -118,7 +118,7 @@ def test_nan_and_inf_stay_in_their_head():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq", [2, 8])  # 1 and 4 query rows per KV head
+@pytest.mark.parametrize("hq", [2, 6, 8, 14])  # 1, 3, 4 and 7 query rows per KV head
 def test_nan_and_inf_stay_in_their_head_at_64_wide(dtype, hq, c_kernel_path):
     """The same at a head size of 64 (the 512-bit path where the build has it), a NaN value too:
     NaN in a key makes its KV head's rows NaN, +inf in a key makes them NaN (inf - inf), a NaN in

@@ -105,12 +105,17 @@ def _truth(q, k64, v64, lens, causal=False):
     return float64_over_shards(q.double(), [(k64, v64, lens)], causal)
 
 
-# (B, Sq, Hq, Hkv, D, N, lens or None, causal)
+# (B, Sq, Hq, Hkv, D, N, lens or None, causal[, q dtype: bf16 unless given])
 CASES = {
     "mha_n_not_multiple_of_chunk": (2, 1, 4, 4, 64, 300, None, False),
     "gqa4_short_and_empty_rows": (3, 1, 8, 2, 128, 517, [517, 0, 19], False),
     "gqa8_d80_two_tokens_causal": (2, 2, 8, 1, 80, 70, [70, 33], True),
     "gqa2_sq4": (1, 4, 4, 2, 64, 40, [40], False),
+    # fp32 queries, so out is not rounded to bf16: these seeds give |out| > 8, where bf16's rounding
+    # alone (half an ulp: 0.03) is beyond the bf16 row's atol
+    "gqa3_d128": (2, 1, 6, 2, 128, 300, [300, 2], False, torch.float32),
+    "gqa3_three_tokens_causal": (2, 3, 6, 2, 64, 300, [300, 2], True, torch.float32),  # 9 rows: not 512-bit
+    "gqa5_d128": (2, 1, 10, 2, 128, 280, [280, 129], False),
     "gqa2_d40_no_fast_path": (2, 1, 4, 2, 40, 77, [77, 5], False),  # D not a multiple of 16: load_fp8
 }
 
@@ -128,9 +133,9 @@ def test_c_kernel_matches_float64_on_dequantized_cache(case, c_kernel_path):
 
 
 def _check_case(case, path):
-    b, sq, hq, hkv, d, n, lens, causal = CASES[case]
+    b, sq, hq, hkv, d, n, lens, causal, *q_dtype = CASES[case]
     for fmt in (FN, FNUZ):
-        q, k8, v8, ks, vs, k64, v64 = _case(b, sq, hq, hkv, d, n, fmt=fmt, seed=len(case),
+        q, k8, v8, ks, vs, k64, v64 = _case(b, sq, hq, hkv, d, n, fmt=fmt, seed=len(case), q_dtype=(*q_dtype, torch.bfloat16)[0],
                                              gains=([0.01, 1.0, 3.0, 0.5][:hkv], [5.0, 1.0, 0.02, 2.0][:hkv]))
         sl = torch.tensor(lens if lens is not None else [n] * b, dtype=torch.int32)
         kw = dict(seq_lens=None if lens is None else sl, causal=causal, k_scale=ks, v_scale=vs)

@@ -261,8 +261,9 @@ INLINE const void *at(const void *base, int64_t i, int dt) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define WIDE 1
-/* The 512-bit path (AVX-512 F, BW and VBMI: Intel since Ice Lake, AMD since Zen 4), for a head
- * dimension that is a multiple of 64 and 1, 2, 4 or 8 query rows per KV head. 64 elements of K or
+/* The 512-bit path (AVX-512 F, BW and VBMI: Intel since Ice Lake, AMD since Zen 4), for head
+ * sizes 64, 128 and 256 (the instances with a constant head size) and 1-8 query rows per KV head
+ * (bf16: 3-8, see BF16_WIDE_ROWS). 64 elements of K or
  * V are widened to four float32 vectors in registers, in an order of the dtype's own (widen64):
  * the query rows are put in that order once per row (wide_order) and out is summed in it and put
  * back at the end, so no element is ever moved to match. fp8 is widened exactly by two 128-entry
@@ -377,10 +378,12 @@ INLINE void dots_wide(const float *qp, const void *k, int64_t G, int64_t d, __m5
 }
 
 /* s[r * CHUNK + t] = qp[r] . k[t] for the chunk's n tokens and every query row r (G per KV head):
- * four rows' sums at a time (the G rows of a KV head, or the rows of 4 / G heads). */
+ * four rows' sums at a time (the rows of 4 / G heads for G = 1, 2; else a head's rows by fours,
+ * its last 1-3 with zero vectors beside them). */
 INLINE void scores_wide(const float *qp, const void *k, const int64_t *ko, int64_t n, int64_t hn, int64_t G,
                         int64_t d, int64_t ksh, float *s, int dt, const fp8_tables_t *tb) {
-    const int64_t HG = G >= 4 ? 1 : 4 / G; /* heads per group of 4 rows (G >= 4: one head, G / 4 groups) */
+    const int64_t HG = G < 4 && 4 % G == 0 ? 4 / G : 1; /* heads per group of rows */
+    const __m512 z = _mm512_setzero_ps();
     const int64_t grouped = hn - hn % HG;
     for (int64_t t = 0; t < n; t++) {
         for (int64_t h = 0; h < grouped; h += HG) {
@@ -388,9 +391,10 @@ INLINE void scores_wide(const float *qp, const void *k, const int64_t *ko, int64
             for (int64_t j = 0; j < HG; j++)
                 dots_wide(qp + (h + j) * G * d, at(k, ko[t] + (h + j) * ksh, dt), G, d, acc + j * G, dt, tb);
             for (int64_t r = 0; r < HG * G; r += 4) {
+                const int64_t m = HG * G - r < 4 ? HG * G - r : 4; /* rows in this sum */
                 float x[4];
-                _mm_storeu_ps(x, sum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3]));
-                for (int64_t i = 0; i < 4; i++)
+                _mm_storeu_ps(x, sum4(acc[r], m > 1 ? acc[r + 1] : z, m > 2 ? acc[r + 2] : z, m > 3 ? acc[r + 3] : z));
+                for (int64_t i = 0; i < m; i++)
                     s[(h * G + r + i) * CHUNK + t] = x[i];
             }
         }
@@ -403,42 +407,54 @@ INLINE void scores_wide(const float *qp, const void *k, const int64_t *ko, int64
     }
 }
 
+/* out[r] += sum over tokens [t0, t1) of s[r * CHUNK + t] * v[t] for rows r0 .. r0 + R of KV head h,
+ * elements b .. b + 64 (out in widen64's order; R <= 4): the sums stay in registers over the tokens. */
+INLINE void values_wide_rows(float *out, const float *s, const void *v, const int64_t *vo, int64_t t0, int64_t t1,
+                             int64_t h, int64_t b, int64_t r0, int64_t R, int64_t G, int64_t d, int64_t vsh, int dt,
+                             const fp8_tables_t *tb) {
+    __m512 acc[4][4];
+    for (int64_t r = 0; r < R; r++)
+        for (int v4 = 0; v4 < 4; v4++)
+            acc[r][v4] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; t++) {
+        __m512 w[4];
+        widen64(at(v, vo[t] + h * vsh + b, dt), w, dt, tb);
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 p = _mm512_set1_ps(s[(h * G + r0 + r) * CHUNK + t]);
+            for (int v4 = 0; v4 < 4; v4++)
+                acc[r][v4] = _mm512_fmadd_ps(p, w[v4], acc[r][v4]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *o = out + (h * G + r0 + r) * d + b;
+        for (int v4 = 0; v4 < 4; v4++)
+            _mm512_storeu_ps(o + 16 * v4, _mm512_add_ps(_mm512_loadu_ps(o + 16 * v4), acc[r][v4]));
+    }
+}
+
+/* bf16 with fewer rows per KV head keeps the other paths: the 512-bit one was 5-13% slower there */
+#ifndef BF16_WIDE_ROWS
+#define BF16_WIDE_ROWS 3
+#endif
+
 #define WIDE_TOKENS 16 /* tokens per update of out in values_wide (8: 1.1x slower at 4 rows, 64: 1.05x) */
 
 /* out[r] += sum over the chunk's tokens t of s[r * CHUNK + t] * v[t] (out in widen64's order), for
- * 4 or 8 rows per KV head: for each block of WIDE_TOKENS tokens, KV head and 64 elements, 4 rows'
- * sums stay in registers (one load and store of out per block, not per token). */
+ * 3-8 rows per KV head: for each block of WIDE_TOKENS tokens, KV head and 64 elements, up to 4
+ * rows' sums stay in registers (one load and store of out per block, not per token). */
 INLINE void values_wide(float *out, const float *s, const void *v, const int64_t *vo, int64_t n, int64_t hn,
                         int64_t G, int64_t d, int64_t vsh, int dt, const fp8_tables_t *tb) {
-    const int64_t RG = G < 4 ? G : 4;
     for (int64_t t0 = 0; t0 < n; t0 += WIDE_TOKENS) {
         const int64_t t1 = t0 + WIDE_TOKENS < n ? t0 + WIDE_TOKENS : n;
-        for (int64_t h = 0; h < hn; h++) {
+        for (int64_t h = 0; h < hn; h++)
             for (int64_t b = 0; b < d; b += 64) {
-                for (int64_t r0 = 0; r0 < G; r0 += RG) {
-                    __m512 acc[4][4];
-                    for (int64_t r = 0; r < RG; r++)
-                        for (int v4 = 0; v4 < 4; v4++)
-                            acc[r][v4] = _mm512_setzero_ps();
-                    for (int64_t t = t0; t < t1; t++) {
-                        __m512 w[4];
-                        widen64(at(v, vo[t] + h * vsh + b, dt), w, dt, tb);
-                        for (int64_t r = 0; r < RG; r++) {
-                            const __m512 p = _mm512_set1_ps(s[(h * G + r0 + r) * CHUNK + t]);
-                            for (int v4 = 0; v4 < 4; v4++)
-                                acc[r][v4] = _mm512_fmadd_ps(p, w[v4], acc[r][v4]);
-                        }
-                    }
-                    for (int64_t r = 0; r < RG; r++) {
-                        float *o = out + (h * G + r0 + r) * d + b;
-                        for (int v4 = 0; v4 < 4; v4++)
-                            _mm512_storeu_ps(o + 16 * v4, _mm512_add_ps(_mm512_loadu_ps(o + 16 * v4), acc[r][v4]));
-                    }
-                }
+                values_wide_rows(out, s, v, vo, t0, t1, h, b, 0, G < 4 ? G : 4, G, d, vsh, dt, tb);
+                if (G > 4)
+                    values_wide_rows(out, s, v, vo, t0, t1, h, b, 4, G - 4, G, d, vsh, dt, tb);
             }
-        }
     }
 }
+
 /* values_wide for 1 or 2 rows per KV head: token by token, out loaded and stored per token, so V
  * is read in memory order (in blocks of tokens, 1.3-1.4x slower at 1 row: each head's slice of a
  * block is then a stream of its own). */
@@ -537,7 +553,8 @@ INLINE int64_t token_at(const tokens_t *tk, int64_t t) {
 INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const void *v, const tokens_t *vt,
                        int64_t first, int64_t len, int64_t row_len, int64_t sq, int64_t causal, int64_t hn,
                        int64_t g, int64_t d, int64_t ksh, int64_t vsh, float *out, float *lse, float *s, float *m,
-                       float *l, int64_t *ko, int64_t *vo, float *vw, float *qp, const void *tables, int dt) {
+                       float *l, int64_t *ko, int64_t *vo, float *vw, float *qp, const void *tables, int dt,
+                       int wide_d) {
     const int64_t heads_per_token = g / sq;
     const int64_t hq = hn * g;
     for (int64_t r = 0; r < hq; r++) {
@@ -546,8 +563,7 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
     }
     memset(out, 0, sizeof(float) * (size_t)(hq * d));
 #if WIDE
-    /* bf16 with 1-2 rows per KV head keeps the paths below: the 512-bit one was 5-13% slower there */
-    const int wide = wide_on && d % 64 == 0 && (g == 1 || g == 2 || g == 4 || g == 8) && (dt != DT_BF16 || g >= 4);
+    const int wide = wide_on && wide_d && g <= 8 && (dt != DT_BF16 || g >= BF16_WIDE_ROWS);
     const fp8_tables_t *tb = tables;
     if (wide)
         for (int64_t r = 0; r < hq; r++)
@@ -569,10 +585,14 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
         }
 #if WIDE
         if (wide)
-            switch (g) {
+            switch (g) { /* G a constant in each */
             case 1: scores_wide(qp, k, ko, n, hn, 1, d, ksh, s, dt, tb); break;
             case 2: scores_wide(qp, k, ko, n, hn, 2, d, ksh, s, dt, tb); break;
+            case 3: scores_wide(qp, k, ko, n, hn, 3, d, ksh, s, dt, tb); break;
             case 4: scores_wide(qp, k, ko, n, hn, 4, d, ksh, s, dt, tb); break;
+            case 5: scores_wide(qp, k, ko, n, hn, 5, d, ksh, s, dt, tb); break;
+            case 6: scores_wide(qp, k, ko, n, hn, 6, d, ksh, s, dt, tb); break;
+            case 7: scores_wide(qp, k, ko, n, hn, 7, d, ksh, s, dt, tb); break;
             default: scores_wide(qp, k, ko, n, hn, 8, d, ksh, s, dt, tb); break;
             }
         else
@@ -622,7 +642,11 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
             switch (g) {
             case 1: values_wide_seq(out, s, v, vo, n, hn, 1, d, vsh, dt, tb); break;
             case 2: values_wide_seq(out, s, v, vo, n, hn, 2, d, vsh, dt, tb); break;
+            case 3: values_wide(out, s, v, vo, n, hn, 3, d, vsh, dt, tb); break;
             case 4: values_wide(out, s, v, vo, n, hn, 4, d, vsh, dt, tb); break;
+            case 5: values_wide(out, s, v, vo, n, hn, 5, d, vsh, dt, tb); break;
+            case 6: values_wide(out, s, v, vo, n, hn, 6, d, vsh, dt, tb); break;
+            case 7: values_wide(out, s, v, vo, n, hn, 7, d, vsh, dt, tb); break;
             default: values_wide(out, s, v, vo, n, hn, 8, d, vsh, dt, tb); break;
             }
             continue;
@@ -703,7 +727,7 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
 INLINE int decode_rows(const float *q, const void *k, const void *v, const int64_t *lens, const int64_t *table,
                        int64_t table_stride, int64_t bs, int64_t sq, int64_t causal, int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t ksb,
                        int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,
-                       float *out, float *lse, int dt) {
+                       float *out, float *lse, int dt, int wide_d) {
     const int64_t hq = hkv * g;
     float *scratch = malloc(sizeof(float) * (size_t)(hq * (CHUNK + 2 + d) + 4 * d) + sizeof(int64_t) * 2 * CHUNK);
     if (!scratch)
@@ -724,7 +748,7 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
         const int64_t *pages = table ? table + row * table_stride : NULL;
         const tokens_t kt = {pages, bs, row * ksb, ksb, ksn}, vt = {pages, bs, row * vsb, vsb, vsn};
         decode_row(q + row * hq * d, k, &kt, v, &vt, first, end - first, lens[row], sq, causal, hkv, g, d, ksh, vsh,
-                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, vw, qp, tb, dt);
+                   out + row * hq * d, lse + row * hq, s, m, l, ko, vo, vw, qp, tb, dt, wide_d);
     }
     free(scratch);
     return 0;
@@ -735,18 +759,19 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
         int64_t bs, int64_t sq, int64_t causal, int64_t b, int64_t hkv, int64_t g, int64_t d,                      \
         int64_t ksb, int64_t ksn, int64_t ksh, int64_t vsb, int64_t vsn, int64_t vsh, int64_t t0, int64_t t1,    \
         float *out, float *lse
-#define PASS(D, DT) decode_rows(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT)
+#define PASS(D, DT, W) decode_rows(q, k, v, lens, table, table_stride, bs, sq, causal, b, hkv, g, D, ksb, ksn, ksh, vsb, vsn, vsh, t0, t1, out, lse, DT, W)
 
 /* One instance per dtype, with the usual head sizes as constants (a constant d lets the compiler
  * unroll and vectorise the dot products fully: 96% of the read bandwidth against 65-76% with a
- * runtime d, measured at 8 x 128 fp32). */
+ * runtime d, measured at 8 x 128 fp32). W: whether the instance has the 512-bit path (those with
+ * a constant head size: in the runtime one too it would add a third to the build's ~30 s). */
 #define DEFINE_DECODE(NAME, DT)                                                                               \
     static int NAME(DECODE_ARGS) {                                                                            \
         switch (d) {                                                                                          \
-        case 64: return PASS(64, DT);                                                                         \
-        case 128: return PASS(128, DT);                                                                       \
-        case 256: return PASS(256, DT);                                                                       \
-        default: return PASS(d, DT);                                                                          \
+        case 64: return PASS(64, DT, 1);                                                                      \
+        case 128: return PASS(128, DT, 1);                                                                    \
+        case 256: return PASS(256, DT, 1);                                                                    \
+        default: return PASS(d, DT, 0);                                                                       \
         }                                                                                                     \
     }
 DEFINE_DECODE(decode_f32, DT_F32)

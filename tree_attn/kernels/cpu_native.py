@@ -14,7 +14,7 @@ The build:
   CPU (model and feature flags), so an upgrade or another machine sharing a home directory builds
   its own; one process builds while the others wait on a lock, and the library is written to a
   temporary file and renamed, so no process ever loads half a file;
-* the build says so on stderr (one line; it takes about 10 s with gcc at -O3);
+* the build says so on stderr (one line; it takes about 30 s with gcc at -O3 on 2 cores);
 * ``TREE_ATTN_CPU_KERNEL=torch`` turns it off (the torch path everywhere).
 
 Why a C kernel and not a dependency: it is one ~370-line file with no headers beyond libc's, it
@@ -161,7 +161,7 @@ _status: NativeStatus | None = None
 
 
 def native_kernel() -> NativeKernel | None:
-    """The C kernel, built on the first call of this process (about 10 s, once per machine) or
+    """The C kernel, built on the first call of this process (about 30 s, once per machine) or
     loaded from the cache; None when it is turned off or cannot be built (:func:`native_status`
     says why)."""
     global _kernel, _status
@@ -208,7 +208,7 @@ def _load() -> NativeKernel:
         try:
             with _build_lock(cache):  # ranks starting together: one builds, the others wait for it
                 if not path.exists():
-                    print(f"tree-attn: building the CPU decode kernel for this machine, once (about 10 s): {path}",
+                    print(f"tree-attn: building the CPU decode kernel for this machine, once (about 30 s): {path}",
                           file=sys.stderr, flush=True)
                     _build(compiler, flags, path)
         except _Unavailable as e:
