@@ -134,8 +134,9 @@ def test_c_kernel_matches_float64_on_dequantized_cache(case, c_kernel_path):
 
 def _check_case(case, path):
     b, sq, hq, hkv, d, n, lens, causal, *q_dtype = CASES[case]
+    q_dtype = q_dtype[0] if q_dtype else torch.bfloat16
     for fmt in (FN, FNUZ):
-        q, k8, v8, ks, vs, k64, v64 = _case(b, sq, hq, hkv, d, n, fmt=fmt, seed=len(case), q_dtype=(*q_dtype, torch.bfloat16)[0],
+        q, k8, v8, ks, vs, k64, v64 = _case(b, sq, hq, hkv, d, n, fmt=fmt, seed=len(case), q_dtype=q_dtype,
                                              gains=([0.01, 1.0, 3.0, 0.5][:hkv], [5.0, 1.0, 0.02, 2.0][:hkv]))
         sl = torch.tensor(lens if lens is not None else [n] * b, dtype=torch.int32)
         kw = dict(seq_lens=None if lens is None else sl, causal=causal, k_scale=ks, v_scale=vs)
