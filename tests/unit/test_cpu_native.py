@@ -236,8 +236,11 @@ def test_the_default_path_is_the_kernel_when_built():
 @needs_kernel
 def test_build_cache_and_switch(tmp_path, monkeypatch, capsys):
     # A fresh cache folder: the library is built there, named by its key, with no temporary left,
-    # and the build says so on stderr (once: not when it is loaded from the cache).
+    # and the build says so on stderr (once: not when it is loaded from the cache). Built at -O0
+    # (the last -O wins; ~3 s, not ~30): the caching is under test here, and the session's real
+    # build (tests/conftest.py) is the -O3 one.
     monkeypatch.setenv("TREE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "BASE_FLAGS", (*cpu_native.BASE_FLAGS, "-O0"))
     kernel = cpu_native._load()
     assert capsys.readouterr().err.count("building the CPU decode kernel") == 1
     built = sorted(p.name for p in (tmp_path / "native").iterdir() if p.name != ".build.lock")
@@ -283,7 +286,8 @@ def test_processes_starting_together_build_once(tmp_path):
     import subprocess
     import sys
 
-    code = "from tree_attn.kernels import cpu_native as c; s = c.native_status(); print(s.available, s.detail)"
+    code = ("from tree_attn.kernels import cpu_native as c; c.BASE_FLAGS += ('-O0',); "  # -O0: a quick build
+            "s = c.native_status(); print(s.available, s.detail)")
     env = {**__import__("os").environ, "TREE_ATTN_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
