@@ -299,7 +299,16 @@ INLINE int64_t wide_src(int64_t p, int dt) {
     return p;
 }
 
-/* x[0 .. d) as float32, in widen64's order */
+/* 64 bfloat16 values (a: the first 32, b: the last 32) as float32 in w: zero words interleaved. */
+INLINE void bf16x64(__m512i a, __m512i b, __m512 w[4]) {
+    const __m512i z = _mm512_setzero_si512();
+    w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, a));
+    w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, a));
+    w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b));
+    w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b));
+}
+
+/* x[0 .. 64) as float32, in widen64's order */
 INLINE void widen64(const void *x, __m512 w[4], int dt, const fp8_tables_t *t) {
     if (dt == DT_F32) {
         for (int v = 0; v < 4; v++)
@@ -308,12 +317,7 @@ INLINE void widen64(const void *x, __m512 w[4], int dt, const fp8_tables_t *t) {
         for (int v = 0; v < 4; v++)
             w[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + 16 * v)));
     } else if (dt == DT_BF16) {
-        const __m512i z = _mm512_setzero_si512();
-        const __m512i a = _mm512_loadu_si512(x), b = _mm512_loadu_si512((const uint16_t *)x + 32);
-        w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, a));
-        w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, a));
-        w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b));
-        w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b));
+        bf16x64(_mm512_loadu_si512(x), _mm512_loadu_si512((const uint16_t *)x + 32), w);
     } else {
         const __m512i c = _mm512_loadu_si512(x);
         __m512i hi = _mm512_permutex2var_epi8(t->hi0, c, t->hi1); /* the code's low 7 bits index */
@@ -324,12 +328,7 @@ INLINE void widen64(const void *x, __m512 w[4], int dt, const fp8_tables_t *t) {
             hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7f));
             lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8((char)0xc0));
         }
-        const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi); /* bf16 */
-        const __m512i z = _mm512_setzero_si512();
-        w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, a));
-        w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, a));
-        w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b));
-        w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b));
+        bf16x64(_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi), w); /* per 128 bits: 0-7, 8-15 */
     }
 }
 
@@ -433,11 +432,9 @@ INLINE void values_wide_rows(float *out, const float *s, const void *v, const in
 }
 
 /* bf16 with fewer rows per KV head keeps the other paths: the 512-bit one was 5-13% slower there */
-#ifndef BF16_WIDE_ROWS
 #define BF16_WIDE_ROWS 3
-#endif
 
-#define WIDE_TOKENS 16 /* tokens per update of out in values_wide (8: 1.1x slower at 4 rows, 64: 1.05x) */
+#define WIDE_TOKENS 16 /* tokens per update of out in values_wide (at 4 rows, 8: fp8 1.10x the time, 64: bf16 1.09x) */
 
 /* out[r] += sum over the chunk's tokens t of s[r * CHUNK + t] * v[t] (out in widen64's order), for
  * 3-8 rows per KV head: for each block of WIDE_TOKENS tokens, KV head and 64 elements, up to 4
@@ -456,8 +453,8 @@ INLINE void values_wide(float *out, const float *s, const void *v, const int64_t
 }
 
 /* values_wide for 1 or 2 rows per KV head: token by token, out loaded and stored per token, so V
- * is read in memory order (in blocks of tokens, 1.3-1.4x slower at 1 row: each head's slice of a
- * block is then a stream of its own). */
+ * is read in memory order (in blocks of tokens: 1.1-1.5x the time at 1-2 rows, each head's slice of
+ * a block then a stream of its own; 2 or 4 tokens per update of out: 1.1-1.5x too). */
 INLINE void values_wide_seq(float *out, const float *s, const void *v, const int64_t *vo, int64_t n, int64_t hn,
                             int64_t G, int64_t d, int64_t vsh, int dt, const fp8_tables_t *tb) {
     for (int64_t t = 0; t < n; t++)
@@ -571,6 +568,7 @@ INLINE void decode_row(const float *q, const void *k, const tokens_t *kt, const 
 #else
     (void)qp;
     (void)tables;
+    (void)wide_d;
 #endif
     if (len == 0) {
         for (int64_t r = 0; r < hq; r++)
