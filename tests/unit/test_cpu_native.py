@@ -17,6 +17,7 @@ import contextlib
 import pytest
 import torch
 
+from tests.fp8_inputs import quantize
 from tests.paged_inputs import to_paged
 from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn.kernels import cpu_native
@@ -231,6 +232,35 @@ def test_the_default_path_is_the_kernel_when_built():
     out, lse = decode_attention_cpu(q, k, v)
     other = decode_attention_cpu(q, k, v, native=STATUS.available)
     assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+
+
+@needs_kernel
+def test_the_path_switch_reaches_every_dtypes_part():
+    # The library is linked from parts compiled apart (one per dtype, one for the entry points):
+    # the switch the tests use to run the other paths must reach each dtype's instances. The two
+    # paths sum in different orders, so their states (out or lse) differ in the last bits (fixed
+    # inputs: the same bits on every run of a build) while they agree (each path's exactness is
+    # the other tests' subject).
+    kernel = cpu_native.native_kernel()
+    if not kernel.use_wide(True):
+        pytest.skip("this build of the C kernel has no 512-bit path (needs AVX-512 F, BW and VBMI)")
+    q, k, v = random_decode_inputs(2, 8, 2, 128, 700, seed=5)  # 4 rows per KV head
+    for kv_dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        if kv_dtype.itemsize == 1:
+            (k_, ks), (v_, vs) = quantize(k, kv_dtype), quantize(v, kv_dtype)
+            kw = dict(k_scale=ks, v_scale=vs)
+        else:
+            k_, v_, kw = k.to(kv_dtype), v.to(kv_dtype), {}
+        states = []
+        for wide in (False, True):
+            kernel.use_wide(wide)
+            try:
+                states.append(decode_attention_cpu(q, k_, v_, native=True, **kw))
+            finally:
+                kernel.use_wide(True)
+        (out0, lse0), (out1, lse1) = states
+        assert_state_close(out1, lse1, out0.double(), lse0.double(), torch.float32)
+        assert not (torch.equal(out0, out1) and torch.equal(lse0, lse1)), kv_dtype
 
 
 @needs_kernel

@@ -41,6 +41,17 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E4M3FNUZ = 4 };
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Parts, for a parallel build (cpu_native.py compiles this file once per part, at once, and links
+ * the objects into one library): -DTREE_ATTN_PART=P with P a dtype code (0-4) compiles that dtype's
+ * decode instances only, P = -1 everything else (the entry points, the threads, the merge). Without
+ * TREE_ATTN_PART the one compile holds every part. The parts share decode_<dtype> and wide_on,
+ * hidden: the library exports the entry points only. */
+#ifndef TREE_ATTN_PART
+#define TREE_ATTN_PART -2
+#endif
+#define PART(p) (TREE_ATTN_PART == -2 || TREE_ATTN_PART == (p))
+#define HIDDEN __attribute__((visibility("hidden")))
+
 /* An fp8 byte as float32, exactly, with integer and float arithmetic and one select (no table: a
  * 256-entry gather does not vectorise). e4m3fn (OCP): sign, 4 exponent bits of bias 7, 3 mantissa
  * bits; NaN at 0x7f and 0xff, no infinity. e4m3fnuz (AMD CDNA3): bias 8, NaN at 0x80 only (no -0).
@@ -475,8 +486,8 @@ INLINE void values_wide_seq(float *out, const float *s, const void *v, const int
 #endif
 
 /* Whether decode calls take the 512-bit path where it applies (1, the default; the tests turn it
- * off to check the other paths on the same machine). */
-static int wide_on = WIDE;
+ * off to check the other paths on the same machine). Defined in the entry points' part. */
+extern HIDDEN int wide_on;
 
 
 /* Below this, exp is taken at EXP_LO: exp(-87.3) ~ 1.2e-38 instead of a smaller number or 0. Every
@@ -762,9 +773,9 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
 /* One instance per dtype, with the usual head sizes as constants (a constant d lets the compiler
  * unroll and vectorise the dot products fully: 96% of the read bandwidth against 65-76% with a
  * runtime d, measured at 8 x 128 fp32). W: whether the instance has the 512-bit path (those with
- * a constant head size: in the runtime one too it would add a third to the build's ~30 s). */
+ * a constant head size: in the runtime one too it would add a third to the build's ~30 s of compiler time). */
 #define DEFINE_DECODE(NAME, DT)                                                                               \
-    static int NAME(DECODE_ARGS) {                                                                            \
+    HIDDEN int NAME(DECODE_ARGS) {                                                                            \
         switch (d) {                                                                                          \
         case 64: return PASS(64, DT, 1);                                                                      \
         case 128: return PASS(128, DT, 1);                                                                    \
@@ -772,11 +783,30 @@ INLINE int decode_rows(const float *q, const void *k, const void *v, const int64
         default: return PASS(d, DT, 0);                                                                       \
         }                                                                                                     \
     }
+HIDDEN int decode_f32(DECODE_ARGS);
+HIDDEN int decode_bf16(DECODE_ARGS);
+HIDDEN int decode_f16(DECODE_ARGS);
+HIDDEN int decode_e4m3(DECODE_ARGS);
+HIDDEN int decode_e4m3fnuz(DECODE_ARGS);
+#if PART(0) /* the parts' numbers are the dtype codes */
 DEFINE_DECODE(decode_f32, DT_F32)
+#endif
+#if PART(1)
 DEFINE_DECODE(decode_bf16, DT_BF16)
+#endif
+#if PART(2)
 DEFINE_DECODE(decode_f16, DT_F16)
+#endif
+#if PART(3)
 DEFINE_DECODE(decode_e4m3, DT_E4M3)
+#endif
+#if PART(4)
 DEFINE_DECODE(decode_e4m3fnuz, DT_E4M3FNUZ)
+#endif
+
+#if PART(-1) /* the entry points */
+HIDDEN int wide_on = WIDE;
+
 
 /* Which dtypes this build supports: bit DT set for each. */
 int tree_attn_cpu_dtypes(void) {
@@ -954,3 +984,4 @@ int tree_attn_cpu_decode_parts(int dt, const float *q, const void *k, const void
         merge_into(outs, lses, outs + i * rows * d, lses + i * rows, rows, d);
     return 0;
 }
+#endif /* PART(-1) */
