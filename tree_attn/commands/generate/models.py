@@ -8,6 +8,7 @@ checkpoints load with ``local_files_only``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -215,12 +216,31 @@ def build_model(source: ModelSource, *, dtype, device) -> Any:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.path, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
-            )
+            with _no_progress_bars():
+                model = AutoModelForCausalLM.from_pretrained(
+                    source.path, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+                )
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"--model {source.path}: the checkpoint did not load: {exc}") from exc
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off inside the block (as they were after it). Each rank and the
+    reference's child load the checkpoint: their "Loading weights" bars would interleave on
+    stderr beside the ranks' own "loading" lines, and the first bar of a process creates tqdm's
+    multiprocessing lock, which a spawned process never frees: Python's resource tracker then
+    ends the command with a warning of one "leaked semaphore" per process."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:
