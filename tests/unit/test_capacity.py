@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tree_attn.cli.app import main
-from tree_attn.commands.fit import MODEL_CONFIGS, FitOptions, fit, parse_memory
+from tree_attn.commands.fit import MODEL_CONFIGS, FitOptions, catalogue_key, fit, parse_memory
 from tree_attn.commands.generate.memory import Budget, JobShape, check_job_fits, choose_rows, estimate_generate
 from tree_attn.cost.capacity import GiB, MiB, ModelDims, largest_prompt, rank_memory
 from tree_attn.errors import ConfigError
@@ -161,6 +161,8 @@ def test_fit_on_cpu_ranks_and_a_config_file(tmp_path, capsys):
     (["fit", "--gpu", "rtx4090"], "give one of --preset"),
     (["fit", "--preset", "nope", "--gpu", "rtx4090"], "unknown --preset 'nope'"),
     (["fit", "--preset", "llama-3.1-8b", "--gpu", "gtx480"], "unknown --gpu 'gtx480'"),
+    (["fit", "--preset", "llama-3.1-8b", "--gpu", "H100"],
+     "unknown --gpu 'H100'; did you mean h100-nvl, h100-pcie, h100-sxm?"),
     (["fit", "--preset", "llama-3.1-8b"], "give --gpu NAME"),
     (["fit", "--preset", "llama-3.1-8b", "--memory", "24XB"], "--memory '24XB'"),
     (["fit", "--preset", "llama-3.1-8b", "--memory", "-3GiB"], "expected a size"),
@@ -173,6 +175,13 @@ def test_fit_on_cpu_ranks_and_a_config_file(tmp_path, capsys):
 def test_fit_bad_input_is_one_line(argv, text, capsys):
     assert main(argv) == 1
     assert text in _one_error_line(capsys)
+
+
+def test_fit_takes_a_catalogue_name_as_people_write_it(capsys):
+    assert catalogue_key("RTX 4090") == catalogue_key("rtx-4090") == catalogue_key(" RTX_4090 ") == "rtx4090"
+    assert catalogue_key("H100 SXM") == "h100-sxm" and catalogue_key("MI300X") == "mi300x"
+    assert main(["fit", "--preset", "llama-3.1-8b", "--gpu", "RTX-4090", "-g", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_bytes"] == 24_564 * MiB
 
 
 def test_parse_memory():

@@ -32,7 +32,7 @@ def fit_command(
         "--config", help="A model's config.json (or a checkpoint folder with one).")] = DEFAULTS.config,
     gpu: Annotated[str | None, typer.Option(
         "--gpu", help="A GPU of the device catalogue: rtx4090, h100-sxm, h100-pcie, h100-nvl, h200, a100-sxm-80gb, "
-        "a100-40gb, mi300x.")] = DEFAULTS.gpu,
+        "a100-40gb, mi300x (case, spaces, - and _ aside: 'RTX 4090' is rtx4090).")] = DEFAULTS.gpu,
     gpus: Annotated[int, typer.Option("--gpus", "-g", help="Ranks (GPUs, or CPU ranks on the host).")] = DEFAULTS.gpus,
     memory: Annotated[str | None, typer.Option(
         "--memory", help="Memory per GPU (or the host's, with --device cpu): 24GiB, 80GB, 512MiB; replaces "

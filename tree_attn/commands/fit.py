@@ -137,6 +137,22 @@ def _model(options: FitOptions) -> tuple[str, dict[str, Any]]:
     return str(options.config), config
 
 
+def catalogue_key(name: str) -> str:
+    """The device catalogue's key for ``name``: the key itself, case, spaces, '-' and '_' aside
+    ('RTX 4090', 'rtx-4090', 'H100_SXM'). Anything else is a ConfigError that lists the keys, with
+    the ones ``name`` is part of first ('h100': h100-nvl, h100-pcie, h100-sxm); it never guesses
+    between them, since their memory sizes differ."""
+    squash = "".join(ch for ch in name.lower() if ch not in " \t-_")
+    keys = sorted(KNOWN_DEVICES)
+    same = [k for k in keys if k.replace("-", "") == squash]
+    if len(same) == 1:
+        return same[0]
+    near = [k for k in keys if squash and squash in k.replace("-", "")]
+    hint = f"did you mean {', '.join(near)}? " if near else ""
+    raise ConfigError(f"unknown --gpu {name!r}; {hint}the catalogue has {', '.join(keys)} "
+                      "(or give --memory SIZE per GPU)")
+
+
 def _machine(options: FitOptions) -> tuple[str, int, str]:
     """(device name, bytes per GPU or per host, where that figure comes from)."""
     if options.device not in DEVICE_KINDS:
@@ -151,11 +167,8 @@ def _machine(options: FitOptions) -> tuple[str, int, str]:
         if options.memory is None:
             raise ConfigError(f"give --gpu NAME ({', '.join(sorted(KNOWN_DEVICES))}) or --memory SIZE per GPU")
         return "GPU", parse_memory(options.memory), "--memory"
-    key = options.gpu.strip().lower()
-    spec = KNOWN_DEVICES.get(key)
-    if spec is None:
-        raise ConfigError(f"unknown --gpu {options.gpu!r}; the catalogue has {', '.join(sorted(KNOWN_DEVICES))} "
-                          "(or give --memory SIZE per GPU)")
+    key = catalogue_key(options.gpu)
+    spec = KNOWN_DEVICES[key]
     if options.memory is not None:
         return spec.name, parse_memory(options.memory), "--memory"
     if spec.memory_bytes is None:
@@ -226,4 +239,4 @@ def _budget(kind: str, memory: int):
                                                                                        source="given")
 
 
-__all__ = ["MODEL_CONFIGS", "FitOptions", "FitResult", "FitRow", "fit", "parse_memory"]
+__all__ = ["MODEL_CONFIGS", "FitOptions", "FitResult", "FitRow", "catalogue_key", "fit", "parse_memory"]
