@@ -26,7 +26,11 @@
 #          (`run --kv-dtype fp8` beside `--dtype bf16`: both error columns, ring bytes),
 #          generate-fp8 (`generate --kv-dtype fp8`: every strategy, ring included, on fp8 pools)
 # With no group or step named, every group runs in turn (about 40 minutes).
+# GPU_CHECKS_DRY_RUN=1 runs nothing: it prints each selected step's name, limit and command
+# (fields ended by \x1f, records by \x1e), so that tests/test_gpu_checks.py checks on any machine
+# that every command parses (a renamed flag would otherwise surface only on a GPU).
 set -u
+dry=${GPU_CHECKS_DRY_RUN:-0}
 usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|fp8|short|STEP ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=$(realpath -m "$1"); shift  # absolute before the cd below
@@ -39,7 +43,7 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
+all_steps=(gpu-tests replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
            bench-generate-short sass-loop)
@@ -58,7 +62,7 @@ for arg in "${@:-tests bench cli fp8}"; do
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
         selected+=("$word") ;;
-      *) echo "unknown group or step '$word'; the steps: gpu-tests ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
+      *) echo "unknown group or step '$word'; the steps: ${all_steps[*]}" >&2; echo "$usage" >&2; exit 2 ;;
     esac
   done
 done
@@ -66,6 +70,7 @@ done
 step() {  # step NAME TIMEOUT_S COMMAND...: runs only when NAME was selected
   local name=$1 limit=$2; shift 2
   [[ " ${selected[*]} " == *" $name "* ]] || return 0
+  if [ "$dry" = 1 ]; then printf '%s\x1f' "$name" "$limit" "$@"; printf '\x1e'; return 0; fi
   local t0=$SECONDS
   export TREE_ATTN_FAILURE_LOG="$out/$name.failures"
   # -k: a step blocked in a hung CUDA or NCCL call cannot run its SIGTERM handler; kill it 15 s later.
@@ -74,11 +79,11 @@ step() {  # step NAME TIMEOUT_S COMMAND...: runs only when NAME was selected
   printf '%-20s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$summary"
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
+[ "$dry" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+[ "$dry" = 1 ] || python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" >> "$out/gpu.txt" 2>&1
 # generate and its tests need the models extra's transformers (>= 5.24): say so first when the
 # machine's is older (a GPU image's own, say), instead of a failure in every generate step.
-python3 - <<'PY' 2>&1 | tee -a "$summary"
+[ "$dry" = 1 ] || python3 - <<'PY' 2>&1 | tee -a "$summary"
 from importlib.metadata import PackageNotFoundError, version
 try:
     have = version("transformers")
@@ -172,4 +177,4 @@ step simulate-calibrated 30 "${cli[@]}" simulate --params "$out/costmodel_params
 # The rest of the README's tests (everything not marked gpu), over the CPU cores with pytest-xdist
 # when it is installed; last, so that nothing it runs shares the GPU with a timed step.
 step cpu-suite "$(( short ? 120 : 300 ))" python3 -m pytest -q -m "not gpu" "${pytest_opts[@]}" "${xdist[@]}"
-cat "$summary"
+[ "$dry" = 1 ] || cat "$summary"
