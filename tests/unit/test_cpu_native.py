@@ -148,7 +148,7 @@ def test_keys_split_over_threads(monkeypatch, c_kernel_path):
     # Each row's keys in contiguous ranges, one per thread, merged exactly: ranges of 200, 134 or
     # 100 tokens (400 keys over 2, 3 and 4 threads), a row of one key (empty states in the later
     # ranges), an empty row, GQA 3.
-    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_native, "MIN_WORK_PER_THREAD", 1)  # every thread takes a range
     q, k, v = random_decode_inputs(3, 15, 5, 64, 400, seed=8)
     lens = torch.tensor([400, 1, 0])
     one = decode_attention_cpu(q, k, v, seq_lens=lens, native=True)
@@ -168,7 +168,7 @@ def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads, c_ker
     # score is +inf, exp(inf - inf), and an ordinary one where it is -inf), rows
     # whose keys end in the first range (the later ranges' empty states) or are none at all; both
     # through the prepared step's plan (paged) and the one-off call, against one thread.
-    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_native, "MIN_WORK_PER_THREAD", 1)  # every thread takes a range
     from tree_attn.kernels.prepared import DecodeStep
 
     q, k, v = random_decode_inputs(4, 8, 2, 64, 390, seed=11)
@@ -194,14 +194,28 @@ def test_threads_merge_nan_inf_and_empty_ranges_in_c(monkeypatch, threads, c_ker
 
 
 def test_thread_parts_stay_within_the_c_limit(monkeypatch):
-    # One range per torch thread, each of at least MIN_TOKENS_PER_THREAD keys, never more than the
-    # C side takes (a 128-thread machine at 1M tokens would otherwise ask for 128 and be refused).
+    # One range per torch thread, each worth at least MIN_WORK_PER_THREAD and at least one key,
+    # never more than the C side takes (a 128-thread machine at 1M tokens would otherwise ask for
+    # 128 and be refused).
     monkeypatch.setattr(torch, "get_num_threads", lambda: 128)
-    assert cpu_native.thread_parts(1 << 20) == cpu_native.MAX_PARTS == 64
-    assert cpu_native.thread_parts(3 * cpu_native.MIN_TOKENS_PER_THREAD + 5) == 3
-    assert cpu_native.thread_parts(0) == 1
+    unit = cpu_native.MIN_WORK_PER_THREAD
+    assert cpu_native.thread_parts(1 << 20, unit) == cpu_native.MAX_PARTS == 64
+    assert cpu_native.thread_parts(3, unit) == 3 and cpu_native.thread_parts(12, unit // 4) == 3
+    assert cpu_native.thread_parts(0, unit) == 1 and cpu_native.thread_parts(7, unit // 4) == 1
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert cpu_native.thread_parts(1 << 20) == 2
+    assert cpu_native.thread_parts(1 << 20, unit) == 2
+
+
+def test_threads_follow_the_work_not_the_key_count():
+    # Llama-3.1-8B's heads (32 query / 8 KV x 128, bf16) split at 2,048 keys; a small model's
+    # (8 / 2 x 64) only past 4,096, where the second thread stopped paying on the machine the
+    # rule was fitted on (RESULTS.md, "Threads per call"); 4 query tokens per row count 4x the rows.
+    big = cpu_native.work_per_key(1, 8, 32, 128, 2)
+    small = cpu_native.work_per_key(1, 2, 8, 64, 2)
+    assert big == 128 * (2 * 8 * 2 + 4 * 32) and small == 64 * (2 * 2 * 2 + 4 * 8)
+    limit = cpu_native.MIN_WORK_PER_THREAD
+    assert 2048 * big // limit >= 2 and 4096 * small // limit < 2 <= 8192 * small // limit
+    assert cpu_native.work_per_key(1, 2, 4 * 8, 64, 2) > 3 * small
 
 
 @needs_kernel
@@ -345,7 +359,7 @@ def test_paged_caches(block_size, dtype, c_kernel_path):
 
 @needs_kernel
 def test_paged_cache_split_over_threads(monkeypatch, c_kernel_path):
-    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_native, "MIN_WORK_PER_THREAD", 1)  # every thread takes a range
     q, k, v = random_decode_inputs(2, 8, 2, 128, 500, seed=12)
     lens = torch.tensor([500, 130])
     k, v, k_pool, v_pool, table = to_paged(k, v, lens, 16, seed=3, pad=-1)
@@ -379,7 +393,7 @@ def test_several_query_tokens(sq, causal, paged, c_kernel_path):
 
 @needs_kernel
 def test_several_query_tokens_split_over_threads(monkeypatch):
-    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_native, "MIN_WORK_PER_THREAD", 1)  # every thread takes a range
     _, k, v = random_decode_inputs(2, 8, 2, 64, 400, seed=21)
     q = torch.randn(2, 4, 8, 64, generator=torch.Generator().manual_seed(21))
     lens = torch.tensor([400, 130])  # the new tokens all in the last range

@@ -170,7 +170,7 @@ def test_paged_fp8_matches_float64(block_size, c_kernel_path):
 def test_fp8_keys_split_over_threads(monkeypatch, threads, c_kernel_path):
     """The C kernel's key ranges on several threads (merged in C) over an fp8 paged pool, GQA 4,
     rows ending inside the first range and empty: against float64 on the dequantized cache."""
-    monkeypatch.setattr(cpu_native, "MIN_TOKENS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_native, "MIN_WORK_PER_THREAD", 1)  # every thread takes a range
     q, k8, v8, ks, vs, k64, v64 = _case(3, 1, 8, 2, 64, 400, seed=threads)
     lens = torch.tensor([400, 90, 0], dtype=torch.int32)
     _, _, kp, vp, table = to_paged(k8, v8, lens.tolist(), 16, seed=threads)

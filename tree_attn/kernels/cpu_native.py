@@ -67,21 +67,33 @@ BUILD_TIMEOUT_S = 180  # per compiler run
 PARTS = (4, 3, 1, 2, 0, -1)
 
 # Threads split the keys of each row into contiguous ranges (each streams its own part of the
-# cache; their states are merged exactly, in C), but only ranges of at least this many tokens:
-# shorter ones cost more in starting a thread (about 55 us on the 2-core development VM) and
-# merging than they save. Measured at MHA 8 x 128 fp32, 65,536 tokens, 2 threads on 2 cores: two
-# token halves 24.8 ms against 39.6 ms on one thread; splitting by KV heads instead (each thread
-# reading 2 KiB of every 4 KiB token) was slower than one thread.
-MIN_TOKENS_PER_THREAD = 2048
+# cache; their states are merged exactly, in C), but only ranges worth at least this much work:
+# smaller ones cost more in starting a thread and merging (~70-100 us on the 2-core development VM)
+# than they save. A range's work is its K and V bytes plus 4 per query row, head element and key
+# (the multiply-adds: a GQA head's rows share each byte read). Fitted on that VM over 75 one-call
+# cases (batch 1 and 4; heads 8/8 and 32/8 x 128, 8/2 and 9/3 x 64; 1K-16K keys; fp32, bf16, fp8),
+# then checked with 1 and 2 threads interleaved call by call (RESULTS.md, "Threads per call"): the
+# faster count in 18 of 22 cases, the misses within 13%, where the rule it replaced (2,048 keys per
+# thread, whatever the heads) picked it in 12 and left 0.63x untaken. Splitting by KV heads
+# instead (each thread reading 2 KiB of every 4 KiB token) was slower than one thread.
+MIN_WORK_PER_THREAD = 8 << 20
 # The most ranges one call splits into (cpu_decode.c's MAX_PARTS): a machine with more threads
 # than this uses this many.
 MAX_PARTS = 64
 
 
-def thread_parts(longest: int) -> int:
-    """Key ranges (threads) for rows of at most ``longest`` keys: one per torch intra-op thread,
-    each at least :data:`MIN_TOKENS_PER_THREAD` tokens, at most :data:`MAX_PARTS`, at least 1."""
-    return max(1, min(torch.get_num_threads(), longest // MIN_TOKENS_PER_THREAD, MAX_PARTS))
+def work_per_key(batch: int, kv_heads: int, rows: int, head_dim: int, itemsize: int) -> int:
+    """The work of one key position in every row (see :data:`MIN_WORK_PER_THREAD`): K and V bytes
+    of ``kv_heads`` heads of ``itemsize``-byte elements, plus 4 per query row (``rows``: of all KV
+    heads, Sq x Hq) and element."""
+    return batch * head_dim * (2 * kv_heads * itemsize + 4 * rows)
+
+
+def thread_parts(longest: int, work: int) -> int:
+    """Key ranges (threads) for rows of at most ``longest`` keys, each key position worth ``work``
+    (:func:`work_per_key`): one per torch intra-op thread, each worth at least
+    :data:`MIN_WORK_PER_THREAD` and at least one key, at most :data:`MAX_PARTS`, at least 1."""
+    return max(1, min(torch.get_num_threads(), longest * work // MIN_WORK_PER_THREAD, longest, MAX_PARTS))
 
 
 # The C enum's codes.
@@ -403,7 +415,7 @@ def decode_native(
         qs = qs * k_scale.view(1, hkv, 1, 1)
     qs = qs.reshape(b, hkv * sq * g, d).contiguous()
     longest = int(lens.max()) if b else 0
-    parts = thread_parts(longest)
+    parts = thread_parts(longest, work_per_key(b, hkv, hkv * sq * g, d, k.element_size()))
     outs = torch.empty(parts, b, hkv * sq * g, d, dtype=torch.float32)
     lses = torch.empty(parts, b, hkv * sq * g, dtype=torch.float32)
     table = None if block_table is None else block_table.to(torch.int64).contiguous()
@@ -447,6 +459,7 @@ class NativeDecodePlan:
         self.lens = torch.empty(b, dtype=torch.int64)
         self.table = torch.empty(b, table_cols, dtype=torch.int64) if table_cols else None
         self._outs = self._lses = None  # the threads' partial states, sized on first use
+        self._work = work_per_key(b, hkv, self.rows, d, torch.empty(0, dtype=kv_dtype).element_size())
         self._head = (_DTYPE_CODES[kv_dtype], self.qs.data_ptr())
         self._mid = (self.lens.data_ptr(), None if self.table is None else self.table.data_ptr(), table_cols,
                      block_size if table_cols else 0, sq, int(causal and sq > 1), b, hkv, sq * g, d)
@@ -473,7 +486,7 @@ class NativeDecodePlan:
         if self.table is not None:
             self.table.copy_(block_table)
         longest = int(self.lens.max()) if b else 0
-        parts = thread_parts(longest)
+        parts = thread_parts(longest, self._work)
         outs, lses = self._buffers(parts)
         args = (*self._head, k.data_ptr(), v.data_ptr(), *self._mid, *k.stride()[:3], *v.stride()[:3])
         self.kernel.run(args, longest, parts, outs, lses)
