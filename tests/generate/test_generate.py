@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,6 +332,43 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.dtype == "float32"
     assert plan_generate(GenerateOptions(dtype="fp32", **small)).spec.dtype == "float32"  # asked for: kept
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, dtype="fp16", **small)).spec.dtype == "float16"
+
+
+def test_a_hub_id_names_its_snapshot_in_the_local_cache(tmp_path, monkeypatch, capsys):
+    """``--model org/name`` (and ``fit --config org/name``): the snapshot of ``main`` already in
+    the local Hugging Face cache, found without the network; the model is labelled by the id; a
+    folder of that relative name wins; an id not in the cache is refused in one line that says
+    nothing is downloaded."""
+    import huggingface_hub.constants as hub_constants
+
+    from tree_attn.cli.app import main
+    from tree_attn.commands.generate.setup import GenerateOptions, plan_generate
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / ("ab" * 20)
+    write_checkpoint(snapshot, "llama", tokenizer=True)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("ab" * 20)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and no network: a look-up would fail, not wait
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    setup = plan_generate(GenerateOptions(model="tiny-org/tiny-llama", device="cpu", world_size=2, prompt="the tree",
+                                          new_tokens=2))
+    assert Path(setup.spec.source.path) == snapshot.resolve() and setup.spec.source.label == "tiny-org/tiny-llama"
+    assert main(["fit", "--config", "tiny-org/tiny-llama", "--device", "cpu", "--memory", "4GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["largest_prompt"] > 0
+    local = tmp_path / "tiny-org" / "tiny-llama"  # a folder of the same relative name is what it names
+    write_checkpoint(local, "llama")
+    setup = plan_generate(GenerateOptions(model="tiny-org/tiny-llama", device="cpu", world_size=2, new_tokens=2,
+                                          prompt_len=8))
+    assert setup.spec.source.path == "tiny-org/tiny-llama" and setup.spec.source.label == "tiny-llama"
+    capsys.readouterr()  # the checkpoints' writing
+    assert main(["generate", "--device", "cpu", "--model", "other-org/absent"]) == 1
+    line = capsys.readouterr().err.strip()
+    assert "no such folder" in line and "hub id in this machine's Hugging Face cache" in line
+    assert "hf download other-org/absent" in line and len(line.splitlines()) == 1
 
 
 def test_generate_help_states_the_dtype_default():

@@ -29,7 +29,8 @@ def fit_command(
     preset: Annotated[str | None, typer.Option(
         "--preset", help=f"A model: {', '.join(MODEL_CONFIGS)}.")] = DEFAULTS.preset,
     config: Annotated[str | None, typer.Option(
-        "--config", help="A model's config.json (or a checkpoint folder with one).")] = DEFAULTS.config,
+        "--config", help="A model's config.json (or a checkpoint folder with one, or a hub id already in the "
+        "local Hugging Face cache).")] = DEFAULTS.config,
     gpu: Annotated[str | None, typer.Option(
         "--gpu", help="A GPU of the device catalogue: rtx4090, h100-sxm, h100-pcie, h100-nvl, h200, a100-sxm-80gb, "
         "a100-40gb, mi300x (case, spaces, - and _ aside: 'RTX 4090' is rtx4090).")] = DEFAULTS.gpu,

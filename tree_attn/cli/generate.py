@@ -15,8 +15,9 @@ DEFAULTS = GenerateOptions()
 HELP = (
     "Greedy decoding of a Llama-family model (Llama, Qwen2, Mistral) with its KV cache paged and "
     "sharded over ranks, every layer's attention by tree attention.\n\n"
-    "--model loads a local checkpoint folder (config.json, *.safetensors, a tokenizer if it has one; "
-    "nothing is downloaded). Without --model a small Llama is built from a config with --seed: random "
+    "--model loads a local checkpoint folder (config.json, *.safetensors, a tokenizer if it has one), "
+    "or a hub id (org/name) already in the local Hugging Face cache; nothing is downloaded. Without "
+    "--model a small Llama is built from a config with --seed: random "
     "weights, so the output is token ids, not text, and the prompt is --prompt-len random ids (or ids "
     "given as --prompt 1,2,3).\n\n"
     "No process holds the whole KV cache. Each rank loads the model and prefills only its part of the "
@@ -38,7 +39,8 @@ HELP = (
 
 def generate_command(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model.")] = DEFAULTS.model,
+        "--model", "-m", help="A local checkpoint folder of a Llama, Qwen2 or Mistral model, or a hub id "
+        "(org/name) already in the local Hugging Face cache.")] = DEFAULTS.model,
     preset: Annotated[str, typer.Option(
         "--preset", help="Without --model: small (a small Llama) or llama-3.1-8b (the 8B's layer shapes with a "
         "32,000-token vocabulary); random weights.")] = DEFAULTS.preset,

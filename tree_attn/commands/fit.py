@@ -20,7 +20,7 @@ from ..dtypes import is_fp8, parse_dtype, parse_kv_dtype
 from ..errors import ConfigError
 from ..sizes import parse_count
 from .defaults import MAX_SEQ
-from .generate.models import read_config_json
+from .generate.models import read_config_json, resolve_model_path
 
 # Real configs (every layer, the real vocabulary: unlike generate's random-weight presets, which
 # keep two layers and a 32,000-token vocabulary so that a CPU can run them). Values from the
@@ -129,7 +129,7 @@ def _model(options: FitOptions) -> tuple[str, dict[str, Any]]:
             raise ConfigError(f"unknown --preset {options.preset!r}; choose from {', '.join(MODEL_CONFIGS)} or give "
                               "--config PATH")
         return options.preset, MODEL_CONFIGS[options.preset]
-    path = Path(options.config)
+    path = Path(resolve_model_path(options.config))
     if path.is_dir():
         path = path / "config.json"
     config = read_config_json(path, unreadable=f"--config {options.config}: not a readable config.json",

@@ -3,7 +3,8 @@ family, or a model built from a preset config with a fixed seed (random weights)
 
 Model code is Hugging Face ``transformers``' own (the ``[models]`` extra); tree-attn only routes
 attention through its hook (see :mod:`.hf_attention`). Nothing here touches the network:
-checkpoints load with ``local_files_only``.
+checkpoints load with ``local_files_only``, and a hub id names a snapshot already in the local
+Hugging Face cache (:func:`resolve_model_path`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ class ModelSource:
     preset: str = DEFAULT_PRESET
     layers: int | None = None
     seed: int = SEED
+    name: str | None = None  # what the user named: a hub id that ``path`` (its cached snapshot) resolves
 
     @property
     def random_weights(self) -> bool:
@@ -70,6 +73,8 @@ class ModelSource:
 
     @property
     def label(self) -> str:
+        if self.name is not None:
+            return self.name
         if self.path is not None:
             return os.path.basename(os.path.normpath(self.path)) or self.path
         layers = f", {self.layers} layers" if self.layers is not None else ""
@@ -109,6 +114,28 @@ def read_config_json(path: Path, *, unreadable: str, not_object: str) -> dict[st
     return config
 
 
+# A Hugging Face hub id: ``org/name`` (letters, digits, '.', '-', '_'), not a path of this machine.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model_path(name: str) -> str:
+    """``--model``'s (or ``fit --config``'s) folder: ``name`` itself when it exists here; else, for a
+    hub id (``org/name``) already in the local Hugging Face cache (``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), its cached snapshot of ``main``; else
+    ``name`` unchanged (the checks that follow say what is missing). Nothing is downloaded."""
+    if os.path.exists(name) or not _HUB_ID.fullmatch(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # fit without the models extra: a path only
+        return name
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError, OSError):  # not cached, or an id the hub refuses
+        return name
+
+
 def check_source(source: ModelSource) -> dict[str, Any]:
     """Check ``source`` before any weight is read; return the model's config as a dict.
 
@@ -128,8 +155,10 @@ def check_source(source: ModelSource) -> dict[str, Any]:
         raise ConfigError("--layers applies to a preset, not to a checkpoint (a checkpoint keeps its layers)")
     folder = Path(source.path)
     if not folder.is_dir():
+        hub = (f", nor a hub id in this machine's Hugging Face cache (nothing is downloaded: "
+               f"`hf download {source.path}` first)") if _HUB_ID.fullmatch(source.path) else ""
         raise ConfigError(f"--model {source.path}: no such folder "
-                          "(a checkpoint folder with config.json and *.safetensors)")
+                          f"(a checkpoint folder with config.json and *.safetensors){hub}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {source.path}: config.json is missing from the folder")

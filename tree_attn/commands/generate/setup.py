@@ -16,7 +16,7 @@ from ...errors import ConfigError
 from ...launch.setup import AnnouncesLaunch, PlanOptions
 from ...validate import check_int, is_int
 from ..defaults import SEED
-from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers
+from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers, resolve_model_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...launch.env import RankEnv
@@ -117,7 +117,9 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     if options.reference not in REFERENCE_MODES:
         raise ConfigError(f"--reference must be one of {', '.join(REFERENCE_MODES)}; got {options.reference!r}")
     require_transformers()
-    source = ModelSource(path=options.model, preset=options.preset, layers=options.layers, seed=options.seed)
+    path = None if options.model is None else resolve_model_path(options.model)
+    source = ModelSource(path=path, preset=options.preset, layers=options.layers, seed=options.seed,
+                         name=options.model if path != options.model else None)
     config = check_source(source)
     shape = ModelShape.from_config(config)
     page = options.page_size
