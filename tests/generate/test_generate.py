@@ -369,6 +369,8 @@ def test_a_hub_id_names_its_snapshot_in_the_local_cache(tmp_path, monkeypatch, c
     line = capsys.readouterr().err.strip()
     assert "no such folder" in line and "hub id in this machine's Hugging Face cache" in line
     assert "hf download other-org/absent" in line and len(line.splitlines()) == 1
+    assert main(["fit", "--config", "other-org/absent", "--device", "cpu", "--memory", "4GiB"]) == 1
+    assert "hf download other-org/absent" in capsys.readouterr().err
 
 
 def test_generate_help_states_the_dtype_default():

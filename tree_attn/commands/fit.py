@@ -20,7 +20,7 @@ from ..dtypes import is_fp8, parse_dtype, parse_kv_dtype
 from ..errors import ConfigError
 from ..sizes import parse_count
 from .defaults import MAX_SEQ
-from .generate.models import read_config_json, resolve_model_path
+from .generate.models import hub_hint, read_config_json, resolve_model_path
 
 # Real configs (every layer, the real vocabulary: unlike generate's random-weight presets, which
 # keep two layers and a 32,000-token vocabulary so that a CPU can run them). Values from the
@@ -132,7 +132,8 @@ def _model(options: FitOptions) -> tuple[str, dict[str, Any]]:
     path = Path(resolve_model_path(options.config))
     if path.is_dir():
         path = path / "config.json"
-    config = read_config_json(path, unreadable=f"--config {options.config}: not a readable config.json",
+    config = read_config_json(path, unreadable=f"--config {options.config}: not a readable config.json"
+                              f"{hub_hint(options.config) if path == Path(options.config) else ''}",
                               not_object=f"--config {options.config}: expected a JSON object (a model's config.json)")
     return str(options.config), config
 

@@ -136,6 +136,14 @@ def resolve_model_path(name: str) -> str:
         return name
 
 
+def hub_hint(name: str) -> str:
+    """For an error about ``name`` not being found: what to do when it is a hub id ("" otherwise)."""
+    if os.path.exists(name) or not _HUB_ID.fullmatch(name):
+        return ""
+    return (f", nor a hub id in this machine's Hugging Face cache (nothing is downloaded: `hf download {name}` "
+            "first)")
+
+
 def check_source(source: ModelSource) -> dict[str, Any]:
     """Check ``source`` before any weight is read; return the model's config as a dict.
 
@@ -155,10 +163,8 @@ def check_source(source: ModelSource) -> dict[str, Any]:
         raise ConfigError("--layers applies to a preset, not to a checkpoint (a checkpoint keeps its layers)")
     folder = Path(source.path)
     if not folder.is_dir():
-        hub = (f", nor a hub id in this machine's Hugging Face cache (nothing is downloaded: "
-               f"`hf download {source.path}` first)") if _HUB_ID.fullmatch(source.path) else ""
         raise ConfigError(f"--model {source.path}: no such folder "
-                          f"(a checkpoint folder with config.json and *.safetensors){hub}")
+                          f"(a checkpoint folder with config.json and *.safetensors){hub_hint(source.path)}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {source.path}: config.json is missing from the folder")
