@@ -246,9 +246,14 @@ def test_the_table_covers_at_least_40_bad_inputs():
 
 def test_debug_shows_the_failing_ranks_traceback(capsys):
     """--debug prints the failing rank's own traceback (issue item 11), still ending in one line."""
-    # A collective timeout of 1 ms: the ranks fail joining each other, after the parent's checks.
-    code = main(["--debug", "run", *CPU, "-w", "2", *SMALL, "--strategy", "tree", "--timeout", "0.001"])
-    err = capsys.readouterr().err
-    assert code == 1
+    # A collective timeout of 1 ms: the ranks fail joining each other or at a collective, after the
+    # parent's checks. Two warm ranks can, rarely, finish a whole small run inside 1 ms waits (seen
+    # once in a few dozen runs): then the run is tried again, at most 5 times.
+    for _ in range(5):
+        code = main(["--debug", "run", *CPU, "-w", "2", *SMALL, "--strategy", "tree,ring", "--timeout", "0.001"])
+        err = capsys.readouterr().err
+        if code != 0:
+            break
+    assert code == 1, "5 runs with a 1 ms timeout all succeeded"
     assert "the failing rank's traceback:" in err and "_child" in err
     assert err.strip().splitlines()[-1].startswith("error: rank ")
