@@ -72,9 +72,11 @@ def _deep_checkpoint(folder: str, seed: int = 0) -> ModelSource:
     return ModelSource(path=folder)
 
 
-def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> dict:
+def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str, device: str = "cuda") -> dict:
     """GPU: the one-rank row's token step (CUDA graph), profiled: per-token wall time (replay and
-    read-back) against the sum of the device time of the kernels a token runs."""
+    read-back) against the sum of the device time of the kernels a token runs. ``device="cpu"``
+    runs the same code eagerly with no kernel time (tests/test_gpu_checks.py: its code paths on
+    a machine without a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tree_attn.commands.generate.decode import ModelShape
@@ -87,7 +89,8 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> di
     from tree_attn.reduce.ring_prefill import plan_ring
     from tree_attn.reduce.zigzag import zigzag
 
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+    on_gpu = device.type == "cuda"
     dtype = torch_dtype(dtype)
     model = build_model(source, dtype=dtype, device=device)
     use_tree_attention(model)
@@ -104,9 +107,10 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str) -> di
             for _ in range(new_tokens // 2):  # warm
                 step()
             walls = []
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
                 for _ in range(new_tokens):
-                    torch.cuda.synchronize(device)
+                    if on_gpu:
+                        torch.cuda.synchronize(device)
                     t0 = time.perf_counter()
                     step()
                     walls.append(time.perf_counter() - t0)

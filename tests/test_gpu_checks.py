@@ -12,7 +12,9 @@ every step of every group is collected, and each command is checked by kind:
 * ``python3 -m pytest ...``: every test file or folder it names exists, and every marker it selects
   is registered in pyproject.toml.
 
-A command of any other kind fails here, so that a new kind gets its check.
+A command of any other kind fails here, so that a new kind gets its check. Two steps' code runs
+here for real as well: ``sass-loop`` (compile-time facts, no GPU needed) and the code behind
+``bench-generate --kernel-time``, eagerly on CPU.
 """
 
 from __future__ import annotations
@@ -170,3 +172,38 @@ def test_a_stale_command_is_caught(tmp_path, broken, expected):
     copy.write_text("".join(lines))
     problems = _problems(copy, tmp_path, only=step)
     assert problems and all(expected in line for line in problems), problems
+
+
+def test_the_sass_loop_step_runs_here(tmp_path):
+    # sass-loop needs no GPU (Triton compiles for sm_90 with its own ptxas; compile-time facts):
+    # its exact command from the script runs to the end here, the extra fp8 configs included.
+    pytest.importorskip("triton")
+    ((_, command),) = [step for step in _steps(SCRIPT, tmp_path, RUNS[:1]) if step[0] == "sass-loop"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled builds, not the interpreter
+    proc = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(Path(command[command.index("--out") + 1]).read_text())["rows"]
+    extra = json.loads(command[command.index("--fp8-configs") + 1])
+    fp8 = [r["config_dict"] for r in rows if r["kv"] == "fp8"]
+    for config in extra:
+        assert any(all(c[key] == value for key, value in config.items()) for c in fp8), (config, fp8)
+    assert all(r["loop"]["total"] > 0 for r in rows)
+
+
+def test_bench_generate_kernel_time_runs_on_cpu():
+    # bench-generate's --kernel-time profiles generate's token step on a GPU; on CPU the same code
+    # runs eagerly with no kernel time, so its calls (model, sharded prefill, token step, profiler)
+    # are checked here, not first on a GPU. What only a GPU shows (the graph, CUDA events) is not.
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from tree_attn.commands.generate.models import ModelSource
+
+    spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "benchmarks" / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompt = [(7 * i + 3) % 4096 for i in range(200)]
+    res = bench._kernel_time(ModelSource(preset="small", layers=1), prompt, 4, "float32", device="cpu")
+    assert res["captured"] is False and res["why_eager"] == "cpu tensors: nothing to capture"
+    assert res["token_median_ms"] > 0 and res["kernels_device_ms"] == 0.0 and res["wall_over_kernels"] is None
