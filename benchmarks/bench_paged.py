@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_paged: --device cuda, but no CUDA or ROCm GPU is visible (--device cpu times the CPU paths)")
     dev = torch.device(args.device)
     if dev.type == "cpu":
         torch.set_num_threads(args.threads)
