@@ -145,6 +145,8 @@ def main() -> int:
                     help="GPUs: profile the one-rank token step (wall vs its kernels' device time)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/generate-<case>.json)")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_generate: --device cuda, but no CUDA or ROCm GPU is visible (--device cpu runs CPU ranks)")
     contexts = args.ctx or [8192]
     worlds = [w for w in (args.worlds or [2, 4]) if w > 0]
     checkpoint = tempfile.mkdtemp(prefix="tree-attn-bench-model-") if args.case == "deep-30" else None

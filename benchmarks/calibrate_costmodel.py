@@ -33,6 +33,9 @@ def main() -> None:
     from tree_attn.cost.calibrate import calibrate_cpu, calibrate_gpu
 
     kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        sys.exit("calibrate_costmodel: --device cuda, but no CUDA or ROCm GPU is visible (--device cpu calibrates "
+                 "CPU ranks)")
     if kind == "cuda":
         cluster = calibrate_gpu(dtype=args.dtype or "bfloat16", repeats=args.repeats)
     else:
