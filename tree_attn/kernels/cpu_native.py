@@ -356,20 +356,21 @@ def _bind(lib: ctypes.CDLL, name: str = "tree_attn_cpu_decode"):
     return fn
 
 
-def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
+def _bind_optional(lib: ctypes.CDLL, name: str, argtypes: list):
+    """``lib``'s function ``name`` returning an int, or None when this build lacks it."""
     fn = getattr(lib, name, None)
     if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.argtypes = argtypes
         fn.restype = ctypes.c_int
     return fn
+
+
+def _bind_widen(lib: ctypes.CDLL, name: str = "tree_attn_cpu_widen"):
+    return _bind_optional(lib, name, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
 
 
 def _bind_switch(lib: ctypes.CDLL, name: str):
-    fn = getattr(lib, name, None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
+    return _bind_optional(lib, name, [ctypes.c_int])
 
 
 def decode_native(
@@ -459,7 +460,7 @@ class NativeDecodePlan:
         self.lens = torch.empty(b, dtype=torch.int64)
         self.table = torch.empty(b, table_cols, dtype=torch.int64) if table_cols else None
         self._outs = self._lses = None  # the threads' partial states, sized on first use
-        self._work = work_per_key(b, hkv, self.rows, d, torch.empty(0, dtype=kv_dtype).element_size())
+        self._work = work_per_key(b, hkv, self.rows, d, kv_dtype.itemsize)
         self._head = (_DTYPE_CODES[kv_dtype], self.qs.data_ptr())
         self._mid = (self.lens.data_ptr(), None if self.table is None else self.table.data_ptr(), table_cols,
                      block_size if table_cols else 0, sq, int(causal and sq > 1), b, hkv, sq * g, d)

@@ -118,12 +118,17 @@ def read_config_json(path: Path, *, unreadable: str, not_object: str) -> dict[st
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` can only mean a hub id: shaped like one and no such path here."""
+    return bool(_HUB_ID.fullmatch(name)) and not os.path.exists(name)
+
+
 def resolve_model_path(name: str) -> str:
     """``--model``'s (or ``fit --config``'s) folder: ``name`` itself when it exists here; else, for a
     hub id (``org/name``) already in the local Hugging Face cache (``$HF_HUB_CACHE``, else
     ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), its cached snapshot of ``main``; else
     ``name`` unchanged (the checks that follow say what is missing). Nothing is downloaded."""
-    if os.path.exists(name) or not _HUB_ID.fullmatch(name):
+    if not _hub_id(name):
         return name
     try:
         from huggingface_hub import snapshot_download
@@ -138,7 +143,7 @@ def resolve_model_path(name: str) -> str:
 
 def hub_hint(name: str) -> str:
     """For an error about ``name`` not being found: what to do when it is a hub id ("" otherwise)."""
-    if os.path.exists(name) or not _HUB_ID.fullmatch(name):
+    if not _hub_id(name):
         return ""
     return (f", nor a hub id in this machine's Hugging Face cache (nothing is downloaded: `hf download {name}` "
             "first)")
