@@ -235,27 +235,3 @@ def test_run_kv_dtype_fp8_table_has_both_error_columns(capsys):
     assert "max err" in out and "quant err" in out
     assert "the dequantized float8_e4m3fn cache" in out and "unquantized float32 cache" in out
     assert "(KV float8_e4m3fn:" in captured.err  # the announcement names the cache and its bytes per rank
-
-
-def test_fp8_on_gpus_without_it_is_refused_before_launch(monkeypatch):
-    """The launch check, with the device facts faked (no GPU here): compute capability 8.0 gets
-    the kernel's own message; a ROCm build refuses e4m3fn (the marked decision in kernels/fp8.py);
-    a torch without CPU fp8 conversions is named."""
-    from tree_attn.commands.run.setup import check_fp8_launch
-    from tree_attn.errors import ConfigError, KernelUnavailableError
-    from tree_attn.kernels import device_info, fp8
-    from tree_attn.launch.setup import LaunchSetup
-
-    launch = LaunchSetup(world_size=2, device_kind="cuda", backend="nccl", dtype="bf16", kv_dtype="fp8")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(device_info, "is_rocm", lambda: False)
-    with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*this one is 8.0"):
-        check_fp8_launch(launch)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    check_fp8_launch(launch)  # Hopper: accepted
-    monkeypatch.setattr(device_info, "is_rocm", lambda: True)
-    with pytest.raises(ConfigError, match="not supported on ROCm GPUs.*float8_e4m3fnuz"):
-        check_fp8_launch(launch)
-    monkeypatch.setattr(fp8, "_conversion_error", lambda dtype: "RuntimeError: no kernel")
-    with pytest.raises(KernelUnavailableError, match="cannot convert torch.float8_e4m3fn on CPU"):
-        check_fp8_launch(LaunchSetup(world_size=1, device_kind="cpu", dtype="fp32", kv_dtype="fp8"))

@@ -395,8 +395,8 @@ def test_no_cuda_graph_reaches_the_spec():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
 def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
-    """On a GPU: the launching process of ``generate`` (and of ``tune``'s kernel search) never
-    initialises CUDA, so it holds no context on GPU 0 beside rank 0's."""
+    """On a GPU: the launching process of ``generate`` (and of ``tune``'s kernel search, and of
+    ``run --kv-dtype fp8``) never initialises CUDA, so it holds no context on GPU 0 beside rank 0's."""
     script = (
         "import json, sys, torch\n"
         "from tree_attn.cli.app import main\n"
@@ -417,6 +417,19 @@ def test_generate_on_gpus_leaves_the_launching_process_without_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["dtype"] == "bfloat16" and result["device"] != "cpu"
+    # run's fp8 launch check asks NVML, not torch, for each rank's compute capability
+    script = (
+        "import torch\n"
+        "from tree_attn.cli.app import main\n"
+        "code = main(['run', '-w', '1', '-n', '4096', '--kv-dtype', 'fp8', '--steps', '2', '--warmup', '1', "
+        "'--strategy', 'tree', '--json'])\n"
+        "assert code == 0, code\n"
+        "assert not torch.cuda.is_initialized(), 'run --kv-dtype fp8 initialised CUDA in the launching process'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["config"]["kv_dtype"] == "float8_e4m3fn"
 
 
 # -- the paged shard ------------------------------------------------------------------------------

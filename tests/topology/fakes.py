@@ -38,6 +38,7 @@ class FakeGpu:
     nvlinks: list[tuple[int, str, bool]] | None = None
     nvlink_version: int | None = None
     mig: list[int] | None = None
+    cc: tuple[int, int] = (9, 0)  # CUDA compute capability
     unsupported: set[str] = field(default_factory=set)  # functions answering NotSupported
 
 
@@ -141,7 +142,15 @@ def make_pynvml(
             raise NVMLError(2)
         return i
 
+    def nvmlDeviceGetHandleByUUID(uuid):
+        need_init()
+        for i, g in enumerate(gpus):
+            if g.uuid == uuid:
+                return i
+        raise NVMLError(6)
+
     fns = {
+        "nvmlDeviceGetHandleByUUID": nvmlDeviceGetHandleByUUID,
         "nvmlInit": nvmlInit,
         "nvmlShutdown": nvmlShutdown,
         "nvmlDeviceGetCount": nvmlDeviceGetCount,
@@ -163,6 +172,7 @@ def make_pynvml(
 
     reg("nvmlDeviceGetAttributes", attrs)
     reg("nvmlDeviceGetArchitecture", lambda g: g.arch)
+    reg("nvmlDeviceGetCudaComputeCapability", lambda g: g.cc)
 
     def mem_aff(g, size, scope):
         words = [0] * size
@@ -275,7 +285,7 @@ def rtx4090_pcie_pynvml() -> types.ModuleType:
     gpus = [
         FakeGpu(name="NVIDIA GeForce RTX 4090", bus=f"00000000:{0x01 + 0x20 * i:02X}:00.0", uuid=f"GPU-4090-{i:04d}",
                 memory=25757220864, sms=None, arch=8, numa=RTX4090_NUMA[i], cpus=_cpus(RTX4090_CPUS[i]), pcie=(4, 16),
-                nvlinks=None, mig=None, unsupported={"nvmlDeviceGetNvLinkVersion"})
+                nvlinks=None, mig=None, cc=(8, 9), unsupported={"nvmlDeviceGetNvLinkVersion"})
         for i in range(8)
     ]
     return make_pynvml(gpus, ancestor=lambda a, b: 50, p2p=lambda a, b, idx: 2,

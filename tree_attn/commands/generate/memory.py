@@ -17,12 +17,12 @@ refuses the job when one does not, ``off`` skips both.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ...cost.capacity import LAUNCHER_BYTES, GiB, ModelDims, RankMemory, largest_prompt, rank_memory, reference_memory
 from ...errors import ConfigError
+from ...launch.gpus import gpu_free_bytes
 from ...reduce.zigzag import zigzag
 
 REFERENCE_MODES = ("auto", "on", "off")
@@ -56,47 +56,6 @@ class Budget:
     def to_dict(self) -> dict[str, Any]:
         return {"device_kind": self.device_kind, "free_per_device": self.per_device, "host_available": self.shared,
                 "source": self.source}
-
-
-def _visible_nvml_handles(pynvml) -> list:
-    """NVML handles of the GPUs CUDA may use (``CUDA_VISIBLE_DEVICES`` by index or UUID)."""
-    count = pynvml.nvmlDeviceGetCount()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    handles = []
-    for item in (v.strip() for v in visible.split(",") if v.strip()):
-        if item.lstrip("-").isdigit():
-            index = int(item)
-            if not 0 <= index < count:
-                break  # CUDA stops at the first invalid entry
-            handles.append(pynvml.nvmlDeviceGetHandleByIndex(index))
-        else:
-            handles.append(pynvml.nvmlDeviceGetHandleByUUID(item))
-    return handles
-
-
-def gpu_free_bytes() -> int | None:
-    """The least free memory among the GPUs visible to CUDA, by NVML (no CUDA context made), or
-    None where NVML cannot answer."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver, no device: unknown
-        return None
-    try:
-        frees = [int(pynvml.nvmlDeviceGetMemoryInfo(h).free) for h in _visible_nvml_handles(pynvml)]
-        return min(frees) if frees else None
-    except Exception:  # noqa: BLE001 - a MIG UUID, an unsupported query: unknown
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001, S110 - shutting down a library that answered is best effort
-            pass
 
 
 def read_budget(device_kind: str) -> Budget:

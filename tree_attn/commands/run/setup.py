@@ -82,21 +82,36 @@ def check_fp8_launch(launch) -> None:
     """Refuse an fp8 cache this launch cannot run, before anything starts: a torch without fp8
     conversions on CPU (every shard is made and quantized there), or GPU ranks whose devices the
     kernel does not take fp8 on (NVIDIA below compute capability 8.9; ROCm: see
-    ``kernels.fp8.ROCM_FP8_DTYPES``). Raises ConfigError or KernelUnavailableError."""
+    ``kernels.fp8.ROCM_FP8_DTYPES``). Raises ConfigError or KernelUnavailableError.
+
+    Spawned GPU ranks' capabilities come from NVML (:func:`launch.gpus.gpu_capabilities`), since
+    this process must make no CUDA context; where NVML cannot say, each rank refuses its own device
+    when it prepares its step. Under torchrun this process is a rank and asks torch."""
     import torch
 
     from ...dtypes import torch_dtype
+    from ...errors import ConfigError
+    from ...kernels.device_info import is_rocm
     from ...kernels.fp8 import check_fp8_backend, check_fp8_support
 
     kv = torch_dtype(launch.kv_dtype)
     check_fp8_support(kv)
-    if launch.device_kind == "cuda":
+    if launch.device_kind != "cuda":
+        return
+    if launch.under_torchrun:
         from ...launch.env import rank_cuda_device
 
-        devices = ([rank_cuda_device(launch.torchrun.local_rank, torch.cuda.device_count())] if launch.under_torchrun
-                   else [f"cuda:{i}" for i in range(launch.world_size)])
-        for device in devices:
-            check_fp8_backend(kv, torch.device(device))
+        check_fp8_backend(kv, torch.device(rank_cuda_device(launch.torchrun.local_rank, torch.cuda.device_count())))
+    elif is_rocm():  # the dtype decides there, no device query
+        check_fp8_backend(kv, torch.device("cuda:0"))
+    else:
+        from ...kernels.triton_launch import fp8_unsupported_reason
+        from ...launch.gpus import gpu_capabilities
+
+        for capability in (gpu_capabilities() or [None])[:launch.world_size]:
+            reason = fp8_unsupported_reason(kv, "cuda", capability)
+            if reason is not None:
+                raise ConfigError(reason)
 
 
 def error_limit(dtype: str, kv_dtype: str | None = None) -> float:
