@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from tree_attn.cost import ClusterSpec, Workload, predict_step, preset
+from tree_attn.files import atomic_write_text
 from tree_attn.reduce.plan import ReductionPlan
 
 # The paper's numbers (arXiv 2408.04093): its headline and Table 1 (Llama-3.1-8B, 8x H100).
@@ -200,8 +201,7 @@ def main() -> None:
         "rows": rows, "paper": paper_predictions(), "runs": runs,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
+    atomic_write_text(args.out, json.dumps(data, indent=1))
     print_table(data)
 
 

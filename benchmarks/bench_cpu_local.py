@@ -58,6 +58,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 import torch
 
 from tree_attn import decode_attention
+from tree_attn.files import atomic_write_text
 from tree_attn.kernels.cpu_decode import decode_attention_cpu
 from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64
@@ -311,7 +312,7 @@ def main() -> int:
         print(peer_note)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    atomic_write_text(out, json.dumps(result, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

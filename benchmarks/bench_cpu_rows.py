@@ -33,6 +33,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 
 import torch
 
+from tree_attn.files import atomic_write_text
 from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu
 from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_float64
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kernel": status.describe(), "native_max_query_rows": NATIVE_MAX_QUERY_ROWS,
                 "repeats": args.repeats, "threads": 1, "dtype": "float32", "causal": True}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        atomic_write_text(args.json, json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

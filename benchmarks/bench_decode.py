@@ -27,6 +27,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tree_attn.commands.run.decode import RunSpec, run_decode
+from tree_attn.files import atomic_write_text
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -88,7 +89,7 @@ def main() -> int:
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    atomic_write_text(out, json.dumps({"machine": machine, "rows": rows}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -51,6 +51,7 @@ from tree_attn.commands.generate.decode import ONE_RANK, REFERENCE, GenerateSpec
 from tree_attn.commands.generate.memory import RowChoice
 from tree_attn.commands.generate.models import PRESETS, ModelSource
 from tree_attn.dtypes import parse_dtype
+from tree_attn.files import atomic_write_text
 from tree_attn.launch.setup import LaunchSetup, default_dtype
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -228,7 +229,7 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
               f"(goal <= 1.1x)")
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,
+    atomic_write_text(out, json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,
                                    when=time.strftime("%Y-%m-%d %H:%M"), records=records,
                                    kernel_time=profiles), indent=2))
     print(f"wrote {out}")

@@ -36,6 +36,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 import torch
 
 from tree_attn import decode_attention
+from tree_attn.files import atomic_write_text
 from tree_attn.kernels.reference import decode_attention_float64
 
 
@@ -145,7 +146,7 @@ def main() -> None:
         rows.append(dict(column=name, median_ms=med, vs_sq1=med / base, max_err=err, times_ms=times[name]))
     if args.out:
         record = dict(device=device_name, args=vars(args), load=[load_before, load_after], rows=rows)
-        Path(args.out).write_text(json.dumps(record, indent=1))
+        atomic_write_text(args.out, json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

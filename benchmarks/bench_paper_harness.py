@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_device": args.tokens_per_device, "repeats": args.repeats,
                 "steady_calls": args.steady_calls, "load_avg": os.getloadavg()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": rows, "headline": headline}, indent=2) + "\n")
+        from tree_attn.files import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"meta": meta, "results": rows, "headline": headline}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -45,6 +45,7 @@ from tree_attn.cost import links
 from tree_attn.cost.capacity import GiB, ModelDims
 from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.cost.prefill import EFFICIENCY, predict_prefill
+from tree_attn.files import atomic_write_text
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -158,7 +159,7 @@ def main() -> int:
                   f"{1e3 * p['exposed_comm_s']:>16.2f} {p['speedup']:>7.2f}x")
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"prefill-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(machine=platform.machine(), cpus=cores, torch=torch.__version__,
+    atomic_write_text(out, json.dumps(dict(machine=platform.machine(), cpus=cores, torch=torch.__version__,
                                    when=time.strftime("%Y-%m-%d %H:%M"), records=records), indent=2))
     print(f"wrote {out}")
     return 0 if all(rec["same_tokens"] for rec in records) else 1

@@ -44,8 +44,9 @@ def main() -> None:
     data["measured"] = {"device": torch.cuda.get_device_name(0) if kind == "cuda" else "cpu",
                         "torch": torch.__version__, "load_average": os.getloadavg()[0]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
+    from tree_attn.files import atomic_write_text
+
+    atomic_write_text(args.out, json.dumps(data, indent=1))
     print(json.dumps(data, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -230,7 +230,9 @@ def main() -> None:
     if args.out:
         meta = dict(triton=triton.__version__, ptxas=ptxas, stages=args.stages, targets=targets,
                     python=platform.python_version(), machine=platform.machine())
-        Path(args.out).write_text(json.dumps(dict(meta=meta, builds=builds), indent=1))
+        from tree_attn.files import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(dict(meta=meta, builds=builds), indent=1))
 
 
 if __name__ == "__main__":
