@@ -302,8 +302,10 @@ def tree_decode(
             last Sq valid keys of the **last rank's** (rank ``world_size - 1``) shard; every
             other rank's keys are in the past of all new tokens. The last rank raises
             :class:`ShapeError` if a row of its shard has fewer than Sq valid keys (checked per
-            call for CPU tensors, when the signature is prepared for GPU tensors); the other
-            ranks then stop at their collective's timeout.
+            call for CPU tensors, when the signature is prepared for GPU tensors). Input errors
+            found when a signature is first prepared reach every rank through the shape exchange
+            (see :func:`exchange_shapes`); one found at a later call on CPU ranks leaves the
+            other ranks to stop at their collective's timeout.
         scale: softmax scale (default ``D ** -0.5``).
         plan: the reduction plan (default :func:`reduce.plan.default_plan`).
         impl, config: passed to :func:`decode_attention` for the local shard.
