@@ -21,6 +21,7 @@ step gives up by freeing those graphs first (:meth:`CapturedStep.wait`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -43,6 +44,22 @@ _DEFERRED: list = []
 # its communicator's kernels is destroyed (ncclCommAbort -> commDestroySync polls until
 # localPersistentRefs is 0), so before an abort they are all freed (see CapturedStep._give_up).
 _COMMUNICATING: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def persistent_buffers():
+    """Build what a prepared object keeps between calls (its buffers, a captured graph) here, as a
+    ``with`` block or a decorator of its constructor.
+
+    Tensors made inside ``torch.inference_mode`` are inference tensors, which torch refuses to
+    update in place outside it ("Inplace update to inference tensor outside InferenceMode"), so an
+    object built there (a ``DecodeStep``, or a cached one that ``decode_attention`` reuses) would
+    fail at its next call outside. Built here, its buffers are normal tensors, which both modes
+    may update; and nothing its construction computes records autograd history. Construction
+    only: no per-call cost.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def wait_for(

@@ -113,7 +113,7 @@ def _step_loop(env, case: MTCase, strategy: str):
 
 def short_last_shard(env):
     """Causal with 4 new tokens, but the last rank's row 0 holds only 3 keys: the last rank must
-    raise (the others then wait in the merge until the run is stopped)."""
+    raise (and the others with it: the shape exchange of the first call tells them)."""
     q = torch.zeros(1, 4, 4, 16)
     n = 3 if env.rank == env.world_size - 1 else 6
     k = torch.zeros(1, n, 2, 16)

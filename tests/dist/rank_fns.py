@@ -379,3 +379,50 @@ def replay_without_peer(env, flag: str, timeout_s: float):
         time.sleep(0.05)
     step.close()
     return captured, None, os.path.exists(flag)
+
+
+REFUSAL_LENS = (3, 0, 5)  # rank r's shard length in refusals_and_modes (world 3, an empty shard)
+
+
+def refusal_inputs():
+    """q [2, 8, 16] and every rank's (k, v) shard for :func:`refusals_and_modes`, identical in every
+    process."""
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(2, 8, 16, generator=g)
+    return q, [(torch.randn(2, n, 2, 16, generator=g), torch.randn(2, n, 2, 16, generator=g)) for n in REFUSAL_LENS]
+
+
+def refusals_and_modes(env):
+    """World 3. First calls of three signatures where rank 1 alone passes inputs its own checks
+    refuse (tree_decode: a float64 q; TreeDecodeStep: an fp8 shard without k_scale; ring_decode:
+    seq_lens beyond its shard), each recorded as (error class, message) per rank: every rank must
+    raise, at once, not wait for rank 1 until the collective timeout. Then results to check against
+    float64: tree_decode with a q that requires grad, and a new signature first met inside
+    torch.inference_mode (tree_decode and a TreeDecodeStep built there), then called outside."""
+    from tree_attn import TreeDecodeStep, quantize_kv
+
+    q, shards = refusal_inputs()
+    k, v = shards[env.rank]
+    bad = env.rank == 1
+    k8, v8, ks, vs = quantize_kv(k, v)
+    calls = {
+        "tree_decode": lambda: tree_decode(q.double() if bad else q, k, v),
+        "TreeDecodeStep": lambda: TreeDecodeStep(q, k8, v8, k_scale=None if bad else ks, v_scale=vs)(),
+        "ring_decode": lambda: ring_decode(q, k, v, seq_lens=torch.tensor([k.shape[1] + 1 if bad else 0, 0])),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+            errors[name] = (type(exc).__name__, str(exc))
+    results = {"grad": tree_decode(q.clone().requires_grad_(), k, v)}
+    q4 = q[:, :4].contiguous()  # a signature no call above used
+    with torch.inference_mode():
+        tree_decode(q4, k, v)
+        step = TreeDecodeStep(q4, k, v)
+    results["after inference mode"] = tree_decode(q4, k, v)
+    results["step built in inference mode"] = tuple(t.clone() for t in step())
+    step.close()
+    return errors, results

@@ -18,11 +18,14 @@ from tests.dist.rank_fns import (
     dies_on_rank_2,
     mismatched_query,
     raises_on_rank_1,
+    refusal_inputs,
+    refusals_and_modes,
     ring_lengths_and_dtype_checks,
     run_cases,
 )
 from tests.tolerances import assert_state_close
 from tree_attn import DistributedError
+from tree_attn.kernels.reference import decode_attention_float64
 from tree_attn.launch.spawn import launch_ranks
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
@@ -117,3 +120,35 @@ def test_a_rank_that_dies_stops_the_others_in_bounded_time():
     with pytest.raises(DistributedError, match="rank"):
         launch_ranks(dies_on_rank_2, 3, timeout_s=15)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_whose_inputs_are_refused_stops_every_rank_at_once():
+    """Rank 1's own checks refuse its first call (a float64 q, an fp8 shard without k_scale,
+    seq_lens beyond its shard): it raises its error and ranks 0 and 2 a DistributedError quoting it,
+    through the shape exchange they all join (they used to wait out the collective timeout, then
+    report a timed-out all_gather). And tree_decode's results hold with a q that requires grad and
+    for a signature first met inside torch.inference_mode."""
+    t0 = time.monotonic()
+    per_rank = launch_ranks(refusals_and_modes, 3, timeout_s=60)
+    assert time.monotonic() - t0 < 60  # far below the 60 s a waiting rank would need to time out
+    own = {"tree_decode": ("ShapeError", "q must be float16, bfloat16 or float32; got torch.float64"),
+           "TreeDecodeStep": ("ConfigError", "needs its dequantization scales: pass k_scale"),
+           "ring_decode": ("ShapeError", "seq_lens must lie in 0..N=0")}
+    for rank, (errors, _) in enumerate(per_rank):
+        for call, (kind, text) in own.items():
+            assert errors[call] is not None, f"rank {rank}, {call}: no error"
+            got_kind, got = errors[call]
+            if rank == 1:
+                assert got_kind == kind and text in got, (rank, call, errors[call])
+            else:
+                assert got_kind == "DistributedError", (rank, call, errors[call])
+                assert "rank 1 refused its inputs" in got and f"{kind}: " in got and text in got, (rank, call, got)
+    q, shards = refusal_inputs()
+    k = torch.cat([s[0] for s in shards], dim=1)
+    v = torch.cat([s[1] for s in shards], dim=1)
+    for name, heads in (("grad", 8), ("after inference mode", 4), ("step built in inference mode", 4)):
+        ref_out, ref_lse = decode_attention_float64(q[:, :heads].contiguous(), k, v)
+        for rank, (_, results) in enumerate(per_rank):
+            out, lse = results[name]
+            assert not out.requires_grad
+            assert_state_close(out, lse, ref_out, ref_lse, torch.float32)

@@ -207,3 +207,28 @@ def test_seq_lens_values_still_checked_on_a_cache_hit():
     decode_attention(q, k, v, seq_lens=torch.tensor([45, 3]))
     with pytest.raises(ShapeError, match="0..N=45"):
         decode_attention(q, k, v, seq_lens=torch.tensor([46, 3]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_objects_built_in_inference_mode_serve_outside_it_and_back(impl, device):
+    """A prepared object first built inside ``torch.inference_mode`` (a server's warm-up) keeps
+    normal tensors, so the same signature serves calls outside it, and a DecodeStep built inside
+    runs outside; and the reverse. (Its buffers were inference tensors: the next call outside
+    raised torch's "Inplace update to inference tensor outside InferenceMode".)"""
+    where = _where(impl, device)
+    clear_cache()
+    q, k, v = _inputs(where, b=2, hq=4, hkv=2, d=24, n=19, seed=11)
+    lens = torch.tensor([19, 5], device=where)
+    ref_out, ref_lse = decode_attention_float64(q, k, v, seq_lens=lens)
+    tol = tol_for(torch.float32, device=where)
+    with torch.inference_mode():
+        inside = decode_attention(q, k, v, seq_lens=lens, impl=impl)
+        step = DecodeStep(q, k, v, lens, impl=impl)
+    for what, (out, lse) in {"call in the mode": inside,
+                             "call outside": decode_attention(q, k, v, seq_lens=lens, impl=impl),
+                             "step outside": step()}.items():
+        assert_decode_close(out, lse, ref_out, ref_lse, tol, what=f"{impl}: {what}")
+    step = DecodeStep(q, k, v, lens, impl=impl)
+    with torch.inference_mode():
+        out, lse = step()
+    assert_decode_close(out, lse, ref_out, ref_lse, tol, what=f"{impl}: step built outside, run inside")

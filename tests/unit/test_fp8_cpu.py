@@ -298,6 +298,12 @@ def _fp8_inputs():
         ("zero", dict(v_scale=torch.tensor([0.0, 1.0])), "got a zero value"),
         ("negative number", dict(v_scale=-1.0), "got a negative value"),
         ("inf number", dict(k_scale=float("inf")), "got an infinite value"),
+        # Checked as the kernels read them, in float32 (a float64 1e39 gave NaN out, 1e-50 zero).
+        ("float64 beyond float32", dict(k_scale=torch.tensor([1.0, 1e39], dtype=torch.float64)),
+         r"got an infinite value \(1e\+39, which is inf in float32\)"),
+        ("float64 below float32", dict(v_scale=torch.tensor(1e-50, dtype=torch.float64)),
+         r"got a zero value \(1e-50, which is 0.0 in float32\)"),
+        ("number beyond float32", dict(v_scale=1e39), r"1e\+39, which is inf in float32"),
         ("bool", dict(k_scale=True), "positive finite number or a float32 tensor"),
         ("list", dict(k_scale=[1.0, 1.0]), "positive finite number or a float32 tensor"),
     ],
@@ -315,6 +321,9 @@ def test_scales_without_fp8_cache_and_fp8_query():
         decode_attention(q, k8.bfloat16(), v8.bfloat16(), k_scale=ks, v_scale=vs)
     with pytest.raises(ConfigError, match="drop the scales"):
         decode_attention(q, k8.float(), v8.float(), v_scale=vs)
+    with pytest.raises(ConfigError, match="this cache is torch.float8_e5m2: quantize"):
+        decode_attention(q, k8.float().to(torch.float8_e5m2), v8.float().to(torch.float8_e5m2), k_scale=ks,
+                         v_scale=vs)
     with pytest.raises(Exception, match="float16, bfloat16 or float32"):
         decode_attention(q.to(FN), k8, v8, k_scale=ks, v_scale=vs)
 

@@ -467,8 +467,9 @@ class NativeDecodePlan:
 
     def _buffers(self, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._outs is None or self._outs.shape[0] < parts:
-            self._outs = torch.empty(parts, self.b, self.rows, self.d, dtype=torch.float32)
-            self._lses = torch.empty(parts, self.b, self.rows, dtype=torch.float32)
+            with torch.inference_mode(False):  # kept for later calls, in or out of inference mode
+                self._outs = torch.empty(parts, self.b, self.rows, self.d, dtype=torch.float32)
+                self._lses = torch.empty(parts, self.b, self.rows, dtype=torch.float32)
         return self._outs, self._lses
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None,

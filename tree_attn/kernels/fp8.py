@@ -228,7 +228,7 @@ def _form(name: str, s: Any, kv_heads: int, device: torch.device) -> tuple:
     if isinstance(s, bool):
         raise ConfigError(f"{name} must be a positive finite number or a float32 tensor (a scalar or [Hkv]); got {s!r}")
     if isinstance(s, (int, float)):
-        check_scale_values(name, torch.tensor([float(s)]))
+        check_scale_values(name, torch.tensor([float(s)], dtype=torch.float64))
         return ("value", float(s))
     if not isinstance(s, torch.Tensor):
         raise ConfigError(f"{name} must be a positive finite number or a float32 tensor (a scalar or [Hkv]); got "
@@ -251,6 +251,9 @@ def scale_form(kv_dtype: torch.dtype, k_scale: Any, v_scale: Any, kv_heads: int,
     :class:`ConfigError`; returns the scales' :class:`ScaleForm`."""
     fp8 = is_fp8(kv_dtype)
     if not fp8:
+        if (k_scale is not None or v_scale is not None) and kv_dtype.is_floating_point and kv_dtype.itemsize == 1:
+            raise ConfigError(f"fp8 caches must be {', '.join(str(t) for t in FP8_DTYPES)}; this cache is {kv_dtype}: "
+                              "quantize the float cache with tree_attn.quantize_kv")
         if k_scale is not None or v_scale is not None:
             raise ConfigError(f"k_scale/v_scale dequantize fp8 caches (torch.float8_e4m3fn); this cache is {kv_dtype}: "
                               "drop the scales, or pass the cache in fp8 (tree_attn.quantize_kv)")
@@ -264,15 +267,20 @@ def scale_form(kv_dtype: torch.dtype, k_scale: Any, v_scale: Any, kv_heads: int,
 
 
 def check_scale_values(name: str, s: torch.Tensor) -> None:
-    """Raise :class:`ConfigError` unless every value of ``s`` is finite and positive (reads the
-    values: a host sync for GPU tensors)."""
-    bad = ~(torch.isfinite(s) & (s > 0))
+    """Raise :class:`ConfigError` unless every value of ``s`` is finite and positive as the kernels
+    read it, in float32 (a float64 scale beyond float32's range becomes inf there, one below its
+    smallest subnormal 0). Reads the values: a host sync for GPU tensors."""
+    as32 = s if s.dtype == torch.float32 else s.to(torch.float32)
+    bad = (~(torch.isfinite(as32) & (as32 > 0))).reshape(-1)
     if bool(bad.any()):
-        value = float(s.reshape(-1)[bad.reshape(-1)][0])
+        value = float(as32.reshape(-1)[bad][0])
+        given = float(s.reshape(-1)[bad][0])
         what = ("a NaN" if math.isnan(value) else "a zero" if value == 0 else "an infinite" if math.isinf(value)
                 else "a negative")
-        raise ConfigError(f"{name} must be positive and finite (a dequantization scale: the cache's amax / 448); got "
-                          f"{what} value ({value})")
+        # A value that is fine as given but not in float32: say both.
+        shown = f"{given:g}, which is {value} in float32" if math.isfinite(given) and given > 0 else f"{given}"
+        raise ConfigError(f"{name} must be positive and finite in float32 (a dequantization scale: the cache's "
+                          f"amax / 448); got {what} value ({shown})")
 
 
 def expand_scale(s: Any, kv_heads: int, device: torch.device) -> torch.Tensor:

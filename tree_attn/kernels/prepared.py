@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ConfigError
-from ..graphs import CapturedStep, StaticStep
+from ..graphs import CapturedStep, StaticStep, persistent_buffers
 from .config import DecodeConfig
 from .fp8 import PreparedScales, ScaleForm, check_fp8_backend, scale_form
 from .impl import resolve_impl, triton_interpreter_enabled
@@ -114,6 +114,7 @@ class PreparedDecode:
     resolved here: a call then only copies q and the lengths in and launches.
     """
 
+    @persistent_buffers()
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, block_table: torch.Tensor | None = None, options: DecodeOptions | None = None, check_values: bool = True,
@@ -341,6 +342,7 @@ class DecodeStep(StaticStep):
     tensors read at every step (update them in place; GPU values are checked once, here).
     """
 
+    @persistent_buffers()
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, impl: str = "auto", config: DecodeConfig | None = None,

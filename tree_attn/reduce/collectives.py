@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .. import dtypes
-from ..errors import DistributedError, ShapeError
-from ..graphs import CapturedStep, StaticStep, free_communicating_graphs
+from ..errors import DistributedError, ShapeError, TreeAttnError
+from ..graphs import CapturedStep, StaticStep, free_communicating_graphs, persistent_buffers
 from ..kernels.dispatch import decode_attention
 from ..kernels.layout import PACKED
 from ..kernels.prepared import DecodeOptions, PreparedDecode, prepared_decode
@@ -46,8 +46,15 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return 1 + dtypes.NAMES.index(dtypes.parse_kv_dtype(dtype))
 
 
+# A shape descriptor's fields on a rank whose own input checks refused its call.
+_REFUSED = -1
+# The longest refusal message passed to the other ranks, in bytes (UTF-8).
+REFUSAL_BYTES = 512
+
+
 def exchange_shapes(
-    q: torch.Tensor, shape: DecodeShape, group, stats: CommStats | None, kv_dtype: torch.dtype, causal: bool = False
+    q: torch.Tensor, shape: DecodeShape | None, group, stats: CommStats | None, kv_dtype: torch.dtype | None,
+    causal: bool = False, refused: TreeAttnError | None = None,
 ) -> list[int]:
     """All-gather every rank's (B, Sq, Hq, Hkv, D, q dtype, KV dtype, causal, N); raise if any
     but N disagree.
@@ -56,15 +63,35 @@ def exchange_shapes(
     baseline needs them). One small collective. A KV dtype that differs between ranks would make
     the ring's receive buffers the wrong type (NCCL would reinterpret the bytes silently), so it
     is checked with the rest.
+
+    ``refused``: the error this rank's own input checks raised (``shape`` and ``kv_dtype`` are
+    then None). The rank still takes part, sending a descriptor that says so; then every rank
+    raises: this one its own error, the others a :class:`DistributedError` that names it and
+    quotes its message (one more small collective, on this failure only). Without this, a rank
+    that raised before the exchange left its peers waiting out the collective timeout (30 min
+    by default) for a message that never came.
     """
     names = ("B", "Sq", "Hq", "Hkv", "D", "q dtype", "KV dtype", "causal")
-    desc = torch.tensor(
-        [shape.batch, shape.q_len, shape.q_heads, shape.kv_heads, shape.head_dim, _dtype_code(q.dtype),
-         _dtype_code(kv_dtype), int(causal), shape.kv_len],
-        dtype=torch.int64,
-        device=q.device,
-    )
+    if refused is None:
+        desc = torch.tensor(
+            [shape.batch, shape.q_len, shape.q_heads, shape.kv_heads, shape.head_dim, _dtype_code(q.dtype),
+             _dtype_code(kv_dtype), int(causal), shape.kv_len],
+            dtype=torch.int64,
+            device=q.device,
+        )
+    else:
+        desc = torch.full((len(names) + 1,), _REFUSED, dtype=torch.int64, device=_exchange_device(group, q))
     every = comm.all_gather(desc, group, stats).cpu()
+    refusing = [r for r, row in enumerate(every) if int(row[0]) == _REFUSED]
+    if refusing:
+        texts = _share_refusals(refused, desc.device, group)
+        if refused is not None:
+            raise refused
+        r = refusing[0]
+        raise DistributedError(
+            f"rank {r} refused its inputs, so no rank can decode them: {texts[r]} "
+            f"(fix rank {r}'s call; every rank passes the same q and a valid KV shard)"
+        )
     mine = every[dist.get_rank(group)]
     fixed = len(names)
     for r, row in enumerate(every):
@@ -80,6 +107,44 @@ def exchange_shapes(
                 "and KV shards with the same B, Hkv, D and dtype"
             )
     return [int(n) for n in every[:, fixed]]
+
+
+def _exchange_device(group, q) -> torch.device:
+    """Where a refusing rank's descriptor goes: q's device, or (q not a tensor) the backend's."""
+    if isinstance(q, torch.Tensor):
+        return q.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _share_refusals(refused: TreeAttnError | None, device: torch.device, group) -> list[str]:
+    """Every rank's refusal message ("" for ranks that refused nothing), by group rank: one
+    all-gather of :data:`REFUSAL_BYTES` bytes per rank."""
+    text = b"" if refused is None else f"{type(refused).__name__}: {refused}".encode()[:REFUSAL_BYTES]
+    buf = torch.zeros(REFUSAL_BYTES, dtype=torch.uint8)
+    buf[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else buf[:0]
+    every = comm.all_gather(buf.to(device), group, None).cpu()
+    return [bytes(row[row != 0].tolist()).decode(errors="replace") for row in every]
+
+
+def checked_inputs(q, k, v, seq_lens, block_table, causal: bool, group, more=None):
+    """This rank's input checks before a shape exchange: ``(shape, None)``, or ``(None, error)``
+    when they refuse the call, for :func:`exchange_shapes` to tell the other ranks.
+
+    Checks shapes, dtypes, devices and (CPU tensors) values (``check_decode_inputs``), on the
+    last rank under ``causal`` that its shard holds the new tokens, and ``more(shape)`` if given
+    (the caller's further checks: building the local kernel checks the fp8 scales, impl, config
+    and scale)."""
+    try:
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
+        if local_causal(causal, group):
+            check_new_tokens(q, k, seq_lens, group)
+        if more is not None:
+            more(shape)
+    except TreeAttnError as exc:
+        return None, exc
+    return shape, None
 
 
 def _describe_field(name: str, value: int) -> str:
@@ -139,6 +204,19 @@ class TreeDecoder:
         return self.out, self.lse
 
 
+def _values(q, k, v) -> tuple:
+    """``q, k, v`` detached when one of them requires grad (a model's forward run outside
+    ``torch.no_grad``): the merge writes states into buffers shared call after call and receives
+    other ranks' states, so tree decoding has no autograd graph; it returns values. Without this,
+    the local kernel's in-place write into those buffers was a RuntimeError deep inside torch
+    ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    try:
+        needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    except AttributeError:  # not tensors: the input checks say so
+        return q, k, v
+    return (q.detach(), k.detach(), v.detach()) if needs_grad else (q, k, v)
+
+
 def _group_and_plan(group, plan: ReductionPlan | None) -> tuple:
     """The process group (default: the world) and the plan (default: :func:`default_plan` for
     its size) of a ``tree_decode`` call; raises unless torch.distributed is initialised."""
@@ -147,9 +225,15 @@ def _group_and_plan(group, plan: ReductionPlan | None) -> tuple:
     return group, plan or default_plan(dist.get_world_size(group))
 
 
-def _new_merge(q, k, shape: DecodeShape, group, plan: ReductionPlan, check_shapes: bool, causal: bool = False):
+def _new_merge(q, k, shape: DecodeShape | None, group, plan: ReductionPlan, check_shapes: bool, causal: bool = False,
+               refused: TreeAttnError | None = None):
+    """The merge for these shapes, after the shape exchange (``check_shapes``); ``refused``: this
+    rank's input checks refused the call (see :func:`checked_inputs`): raised after the exchange,
+    which tells the other ranks."""
     if check_shapes:
-        exchange_shapes(q, shape, group, None, k.dtype, causal)
+        exchange_shapes(q, shape, group, None, None if refused is not None else k.dtype, causal, refused)
+    elif refused is not None:
+        raise refused
     # One state per (row, token, head): the Sq tokens merge as Sq * Hq heads.
     return build_merge(plan, group, shape.batch, shape.q_len * shape.q_heads, shape.head_dim, q.device)
 
@@ -172,20 +256,24 @@ def clear_merge_cache() -> None:
     _MERGES.clear()
 
 
-def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool, block_table=None, causal=False):
+def _cached_merge(q, k, v, seq_lens, group, plan: ReductionPlan, check_shapes: bool, block_table=None, causal=False,
+                  more=None):
     """The cached merge for this call; inputs are checked whenever a merge is built (and on the
-    last rank under ``causal``, that its shard holds the new tokens)."""
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
-    # The group object itself, not None: after destroy_process_group and a new init the default
-    # group is a new object, so a merge (and its shape exchange) is never reused across groups.
-    resolved = group if group is not None else dist.group.WORLD
-    key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream, causal)
-    merge = _MERGES.get(key)
+    last rank under ``causal``, that its shard holds the new tokens; ``more``: see
+    :func:`checked_inputs`), and a refusal is shared with the other ranks by the shape exchange."""
+    try:
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
+        # The group object itself, not None: after destroy_process_group and a new init the default
+        # group is a new object, so a merge (and its shape exchange) is never reused across groups.
+        resolved = group if group is not None else dist.group.WORLD
+        key = (resolved, plan, tuple(q.shape), q.dtype, k.dtype, tuple(k.shape[2:]), q.device, stream, causal)
+    except AttributeError:  # not tensors: the checks below refuse the call (and tell the other ranks)
+        key = None
+    merge = None if key is None else _MERGES.get(key)
     if merge is None:
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
-        if local_causal(causal, group) and q.device.type != "cpu":
-            check_new_tokens(q, k, seq_lens, group)  # GPU: once here; CPU: per call in tree_decode
-        merge = _MERGES[key] = _new_merge(q, k, shape, group, plan, check_shapes, causal)
+        shape, refused = checked_inputs(q, k, v, seq_lens, block_table, causal, group, more)
+        merge = _new_merge(q, k, shape, group, plan, check_shapes, causal, refused)
+        _MERGES[key] = merge
         if len(_MERGES) > MERGE_CACHE_SIZE:
             _MERGES.popitem(last=False)
     else:
@@ -214,8 +302,10 @@ def tree_decode(
             last Sq valid keys of the **last rank's** (rank ``world_size - 1``) shard; every
             other rank's keys are in the past of all new tokens. The last rank raises
             :class:`ShapeError` if a row of its shard has fewer than Sq valid keys (checked per
-            call for CPU tensors, when the signature is prepared for GPU tensors); the other
-            ranks then stop at their collective's timeout.
+            call for CPU tensors, when the signature is prepared for GPU tensors). Input errors
+            found when a signature is first prepared reach every rank through the shape exchange
+            (see :func:`exchange_shapes`); one found at a later call on CPU ranks leaves the
+            other ranks to stop at their collective's timeout.
         scale: softmax scale (default ``D ** -0.5``).
         plan: the reduction plan (default :func:`reduce.plan.default_plan`).
         impl, config: passed to :func:`decode_attention` for the local shard.
@@ -231,13 +321,24 @@ def tree_decode(
         ``out`` in q's dtype and shape (``[B, Hq, D]`` or ``[B, Sq, Hq, D]``) and ``lse`` float32
         (``[B, (Sq,) Hq]``): attention over the union of all ranks' keys, identical on every rank.
         NaN in any rank's q, k or v gives NaN in that row on every rank; an empty shard is the
-        merge's identity.
+        merge's identity. Values only: inputs that require grad are read detached (no autograd
+        graph runs through the merge across ranks).
     """
     group, plan = _group_and_plan(group, plan)
+    q, k, v = _values(q, k, v)
     # No per-call checks: a merge and a local kernel are prepared (and their inputs checked) for
     # each new signature, and a call that hits both caches has a signature already checked.
-    merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes, block_table, causal)
     mine = local_causal(causal, group)
+
+    def local_kernel(shape=None) -> PreparedDecode | None:
+        # Built (and so checked) before a new merge's shape exchange too: a refusal is then shared.
+        if q.numel() == 0:
+            return None
+        return prepared_decode(q, k, v, seq_lens, block_table=block_table,
+                               options=DecodeOptions(scale, impl, config, PACKED, causal=mine), k_scale=k_scale,
+                               v_scale=v_scale)
+
+    merge = _cached_merge(q, k, v, seq_lens, group, plan, check_shapes, block_table, causal, local_kernel)
     if mine and q.device.type == "cpu":
         check_new_tokens(q, k, seq_lens, group)
     if q.numel() == 0:
@@ -245,9 +346,7 @@ def tree_decode(
             q, k, v, seq_lens=seq_lens, scale=scale, impl=impl, config=config, block_table=block_table, causal=mine,
             k_scale=k_scale, v_scale=v_scale,
         )
-    local = prepared_decode(q, k, v, seq_lens, block_table=block_table,
-                            options=DecodeOptions(scale, impl, config, PACKED, causal=mine), k_scale=k_scale,
-                            v_scale=v_scale)
+    local = local_kernel()
     out, lse = TreeDecoder(local, merge)(q, k, v, seq_lens, stats, block_table, k_scale=k_scale, v_scale=v_scale)
     # Fresh outputs: the merge's buffers are reused by the next call.
     return out.to(q.dtype, copy=True, memory_format=torch.contiguous_format), lse.clone()
@@ -279,6 +378,7 @@ class TreeDecodeStep(StaticStep):
     outputs (``out.cpu()``, a later kernel) without ``wait()`` waits without a bound.
     """
 
+    @persistent_buffers()
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, scale: float | None = None, group=None, plan: ReductionPlan | None = None, impl: str = "auto",
@@ -286,17 +386,23 @@ class TreeDecodeStep(StaticStep):
         causal: bool = False, timeout_s: float | None = None, check_values: bool = True, k_scale=None, v_scale=None,
     ) -> None:
         group, plan = _group_and_plan(group, plan)
+        q, k, v = _values(q, k, v)  # views of the caller's tensors: in-place updates are seen
         self.tensors = (q, k, v, seq_lens)
         self.block_table = block_table
         self.scales = (k_scale, v_scale)
-        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
         mine = local_causal(causal, group)
-        if mine:
-            check_new_tokens(q, k, seq_lens, group)  # once, at build (the step replays without syncing)
-        local = PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
-                               options=DecodeOptions(scale, impl, config, PACKED, causal=mine),
-                               k_scale=k_scale, v_scale=v_scale)
-        self.decoder = TreeDecoder(local, _new_merge(q, k, shape, group, plan, check_shapes, causal))
+        built: list[PreparedDecode] = []
+
+        def local_kernel(shape) -> None:
+            built.append(PreparedDecode(q, k, v, seq_lens, block_table=block_table, check_values=check_values,
+                                        options=DecodeOptions(scale, impl, config, PACKED, causal=mine),
+                                        k_scale=k_scale, v_scale=v_scale))
+
+        # Checked once, at build (the step replays without syncing; under causal, the last rank's
+        # lengths too), before the shape exchange, which tells every rank if this one refused.
+        shape, refused = checked_inputs(q, k, v, seq_lens, block_table, causal, group, local_kernel)
+        merge = _new_merge(q, k, shape, group, plan, check_shapes, causal, refused)
+        self.decoder = TreeDecoder(built[0], merge)
         self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         # The graph's function holds the step's parts, not the step (no step -> graph -> step

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from ..graphs import persistent_buffers
 from .comm import PEER_HINT, global_rank, start_batch, transport_text, wait_all
 from .plan import ReductionPlan, ReductionTree
 from .state import merge_states
@@ -170,6 +171,7 @@ class AllReduceMerge:
             raise DistributedError(f"all_reduce failed: {transport_text(exc)} ({PEER_HINT})") from exc
 
 
+@persistent_buffers()  # its buffers are reused call after call, in or out of inference mode
 def build_merge(plan: ReductionPlan, group, batch: int, heads: int, head_dim: int,
                 device) -> TreeMerge | AllReduceMerge:
     """The merge ``plan`` asks for on this rank (no communication: peers come from the plan)."""

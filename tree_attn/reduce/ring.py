@@ -28,8 +28,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError
+from ..errors import DistributedError, TreeAttnError
+from ..graphs import persistent_buffers
 from ..kernels.fp8 import check_scale_values, expand_scale, is_fp8, scale_form
+from ..kernels.impl import resolve_impl
 from ..kernels.layout import FLOAT32
 from ..kernels.paged import gather_pages
 from ..kernels.prepared import DecodeOptions, PreparedDecode, prepared_decode
@@ -64,30 +66,39 @@ def ring_decode(
         ``out`` in q's dtype and shape and ``lse`` float32 (``[B, (Sq,) Hq]``) over all ranks' keys.
     """
     comm.require_initialized()
-    # The local kernel's options, checked before anything is sent: float32 partials (no rounding to
-    # q's dtype before the merge), the causal mask on one block only.
-    plain_opts = DecodeOptions(scale, impl, config, FLOAT32).checked()
-    causal_opts = plain_opts._replace(causal=True)
-    shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
-    scale_form(k.dtype, k_scale, v_scale, shape.kv_heads, k.device)  # raises for missing/unexpected/ill-formed scales
-    fp8 = is_fp8(k.dtype)
-    if fp8:  # this rank's scales as one float32 [2, Hkv] tensor: what travels with its block
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(s, torch.Tensor):
-                check_scale_values(name, s)
-        cur_scales = torch.stack([expand_scale(k_scale, shape.kv_heads, k.device),
-                                  expand_scale(v_scale, shape.kv_heads, k.device)])
-    else:
-        cur_scales = None
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if causal and rank == world - 1 and (lengths is None or q.device.type == "cpu"):
-        # Reads seq_lens on the host: on GPUs only in a call that syncs anyway (the shape
-        # exchange); a loop that passes ``lengths`` checked them in its first call.
-        check_new_tokens(q, k, seq_lens, group)
+    shape = None
+    try:
+        # The local kernel's options, checked before anything is sent: float32 partials (no rounding
+        # to q's dtype before the merge), the causal mask on one block only.
+        plain_opts = DecodeOptions(scale, impl, config, FLOAT32).checked()
+        causal_opts = plain_opts._replace(causal=True)
+        shape = check_decode_inputs(q, k, v, seq_lens, block_table, causal, fp8_kv=True)
+        resolve_impl(impl, q.device)
+        scale_form(k.dtype, k_scale, v_scale, shape.kv_heads, k.device)  # missing/unexpected/ill-formed scales
+        fp8 = is_fp8(k.dtype)
+        if fp8:  # this rank's scales as one float32 [2, Hkv] tensor: what travels with its block
+            for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if isinstance(s, torch.Tensor):
+                    check_scale_values(name, s)
+            cur_scales = torch.stack([expand_scale(k_scale, shape.kv_heads, k.device),
+                                      expand_scale(v_scale, shape.kv_heads, k.device)])
+        else:
+            cur_scales = None
+        if causal and rank == world - 1 and (lengths is None or q.device.type == "cpu"):
+            # Reads seq_lens on the host: on GPUs only in a call that syncs anyway (the shape
+            # exchange); a loop that passes ``lengths`` checked them in its first call.
+            check_new_tokens(q, k, seq_lens, group)
+        refused = None
+    except TreeAttnError as exc:
+        if lengths is not None:  # no exchange to tell the other ranks through
+            raise
+        refused, shape = exc, None
     # Block sizes differ per rank; every rank learns them (and checks the shapes agree) up front.
+    # A rank whose checks refused its call still joins the exchange, so every rank raises.
     if lengths is None:
-        lengths = exchange_shapes(q, shape, group, stats, k.dtype, causal)
+        lengths = exchange_shapes(q, shape, group, stats, None if refused is not None else k.dtype, causal, refused)
     else:
         lengths = [int(n) for n in lengths]
         if len(lengths) != world or lengths[rank] != shape.kv_len:
@@ -178,6 +189,7 @@ class RingDecodeStep:
     Building is local (no collective): every rank must pass the same ``lengths``.
     """
 
+    @persistent_buffers()
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor | None = None,
         *, lengths: Sequence[int], scale: float | None = None, group=None, impl: str = "auto", config=None,
