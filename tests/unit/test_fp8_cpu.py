@@ -9,6 +9,7 @@ library's quantize helper and reference.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,6 +306,7 @@ def _fp8_inputs():
          r"got a zero value \(1e-50, which is 0.0 in float32\)"),
         ("number beyond float32", dict(v_scale=1e39), r"1e\+39, which is inf in float32"),
         ("bool", dict(k_scale=True), "positive finite number or a float32 tensor"),
+        ("numpy negative", dict(v_scale=np.float32(-0.5)), "got a negative value"),
         ("list", dict(k_scale=[1.0, 1.0]), "positive finite number or a float32 tensor"),
     ],
 )

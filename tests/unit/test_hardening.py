@@ -39,6 +39,7 @@ LIBRARY_CASES = [
     ("scale-text", lambda: tree_attn.decode_attention(Q, K, K, scale="a"), ConfigError, "scale must be"),
     ("scale-nan", lambda: tree_attn.decode_attention(Q, K, K, scale=float("nan")), ConfigError, "scale must be"),
     ("scale-inf", lambda: tree_attn.decode_attention(Q, K, K, scale=float("inf")), ConfigError, "scale must be"),
+    ("scale-bool", lambda: tree_attn.decode_attention(Q, K, K, scale=True), ConfigError, "scale must be"),
     ("impl-unknown", lambda: tree_attn.decode_attention(Q, K, K, impl="cuda"), ConfigError, "impl must be one of"),
     ("merge-across-devices",
      lambda: tree_attn.merge_partials(torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, device="meta")),

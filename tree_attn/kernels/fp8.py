@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -227,7 +228,7 @@ NO_SCALES = ScaleForm(None, None)
 def _form(name: str, s: Any, kv_heads: int, device: torch.device) -> tuple:
     if isinstance(s, bool):
         raise ConfigError(f"{name} must be a positive finite number or a float32 tensor (a scalar or [Hkv]); got {s!r}")
-    if isinstance(s, (int, float)):
+    if isinstance(s, numbers.Real):  # Python and NumPy numbers
         check_scale_values(name, torch.tensor([float(s)], dtype=torch.float64))
         return ("value", float(s))
     if not isinstance(s, torch.Tensor):

@@ -237,7 +237,10 @@ def _check_config(config) -> None:
 
 def _check_scale(scale) -> None:
     """A scale that is not a number at all (a string, a list) is a ConfigError, not float()'s
-    ValueError; numbers (and tensors) are range-checked once per signature by PreparedDecode."""
+    ValueError, and so is a bool (``scale=True`` is not a softmax scale of 1); numbers (and
+    tensors) are range-checked once per signature by PreparedDecode."""
+    if isinstance(scale, bool):
+        raise ConfigError(f"scale must be a finite number or None; got {scale!r}")
     if scale is None or isinstance(scale, (int, float, torch.Tensor)):
         return
     try:
