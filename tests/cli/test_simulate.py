@@ -153,7 +153,9 @@ def test_run_sweep_json_and_plot(tmp_path, capsys):
     assert main(["run", "--device", "cpu", "-w", "2", "--sweep", "1000,3001", "--heads", "4", "--kv-heads", "2",
                  "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot",
                  str(png)]) == 0
-    d = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert "note: --device cpu: spawning 2 CPU ranks" in captured.err  # as a run of one length says it
     assert [r["config"]["seq_len"] for r in d["sweep"]] == [1000, 3001]
     for res in d["sweep"]:
         assert {r["strategy"] for r in res["results"]} == {"tree", "ring"}
