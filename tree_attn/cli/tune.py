@@ -24,7 +24,7 @@ HELP = (
     "topology's hierarchical trees) at the decode message size across all ranks, each iteration as slow as "
     "its slowest rank; rank 0 decides and broadcasts the choice. The profile goes to the user's cache "
     "folder, named by the fabric fingerprint, or to --output (an existing file is refused before anything "
-    "is timed, unless --force).\n\n"
+    "is timed, unless --force, and so is a path that cannot be written).\n\n"
     "With a --topology of another machine, nothing can be timed here: the profile is model-derived.\n\n"
     "Under torchrun (one tune per node) the job's ranks time the plans across the nodes; the topology is "
     "--topology FILE (what `probe --measure -o FILE` measured in such a job: its hierarchy follows the "
