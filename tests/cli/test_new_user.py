@@ -242,6 +242,19 @@ def test_profiles_listing_keeps_paths_and_labels_whole_when_piped(tmp_path):
     assert f"    {tmp_path / 'none'}" in empty.stdout.splitlines()
 
 
+def test_profiles_show_takes_the_fingerprint_the_listing_prints(tmp_path, capsys):
+    """The listing printed 8 of a fingerprint's 16 digits, which `profiles show` did not take."""
+    from tree_attn.profiles import load_builtin, profile_path_for, save_profile
+
+    prof = load_builtin("cpu-4-ranks")
+    save_profile(prof, profile_path_for(prof.machine.fingerprint, tmp_path))
+    assert main(["profiles", "--dir", str(tmp_path)]) == 0
+    shown = re.findall(r"fingerprint (\w+)", capsys.readouterr().out)
+    assert shown.count(prof.machine.fingerprint) == 2  # the built-in one and its saved copy
+    assert main(["profiles", "show", prof.machine.fingerprint, "--dir", str(tmp_path)]) == 0
+    assert f"fingerprint {prof.machine.fingerprint}" in capsys.readouterr().out
+
+
 def test_tune_keeps_the_path_and_plan_labels_whole_when_piped(tmp_path):
     from tree_attn.profiles import load_profile
 

@@ -67,7 +67,8 @@ def list_command(json_out: bool = _JSON_OPT, directory: Path | None = _DIR_OPT) 
             continue
         m = p.machine
         say(line((p.name, "bold"), f"  {e.kind}, {p.origin}, created {p.created}"))
-        say(styled(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint[:8]}"))
+        # the whole fingerprint: `profiles show FINGERPRINT` takes it, and run names it so
+        say(styled(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint}"))
         say(line("    plan ", p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by)))
         say(styled(f"    {e.path}"))
     saved = [e for e in entries if e.kind == "saved"]
