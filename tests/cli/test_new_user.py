@@ -157,6 +157,22 @@ def test_check_does_not_call_an_unnamed_h200_dump_as_expected(capsys):
     assert "the links are as expected; the GPU model was not compared" in out and "nvidia-smi -L" in out
 
 
+def test_check_of_unnamed_amd_dumps_names_the_amd_listing(tmp_path, capsys):
+    """An MI300X dump names no GPU either; the advice was NVIDIA's (`nvidia-smi -L`, "a
+    `nvidia-smi topo -m` dump"). The listing it names is one --from reads and that fills the names."""
+    amd_smi, rocm_smi = FIX / "mi300x_8gpu_amd-smi_topology.txt", FIX / "mi300x_8gpu_rocm-smi_showtopo.txt"
+    assert main(["check", "--expect", str(amd_smi), "--from", str(rocm_smi)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nvidia-smi" not in out, out
+    assert "(a `rocm-smi --showtopo` dump names none); add `rocm-smi --showproductname` output" in out
+    listing = tmp_path / "showproductname.txt"
+    listing.write_text("".join(f"GPU[{i}]\t\t: Card Series: \t\tAMD Instinct MI300X\n" for i in range(8)))
+    expected = tmp_path / "expected.yaml"
+    assert main(["probe", "--from", str(amd_smi), "--from", str(listing), "-o", str(expected)]) == 0
+    assert main(["check", "--expect", str(expected), "--from", str(rocm_smi), "--from", str(listing)]) == 0
+    assert "the fabric is as expected" in capsys.readouterr().out
+
+
 def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
     import dataclasses
 

@@ -35,7 +35,7 @@ def check_command(
 ) -> None:
     from ..errors import ConfigError, TopologyError
     from ..topology import compare_topologies, load_dumps, load_expected, probe_topology, write_junit
-    from ..topology.compare import summarize_differences
+    from ..topology.compare import no_names_hint, summarize_differences
 
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..launch.env import check_cpu_ranks
@@ -80,7 +80,7 @@ def check_command(
         elif report.ok:
             # A topo -m dump names no GPU: an H200 box reads as an H100's fabric. Say what was not seen.
             out_console.print("[yellow]the links are as expected; the GPU model was not compared[/yellow] "
-                              "(a dump without names: add `nvidia-smi -L` output as another --from)")
+                              f"(a dump without names: {esc(no_names_hint(expected, actual))})")
         else:
             count = len(report.differences)
             out_console.print(f"[bold red]{count} difference(s) from the expected topology[/bold red]")
