@@ -271,6 +271,18 @@ def test_profiles_show_takes_the_fingerprint_the_listing_prints(tmp_path, capsys
     assert f"fingerprint {prof.machine.fingerprint}" in capsys.readouterr().out
 
 
+def test_a_table_wider_than_80_columns_keeps_every_cell_when_piped():
+    """Piped, rich fits a table to 80 columns by cutting cells ("112.16 …" for a p95 in generate's
+    table, "ran…" for a header here); every result table is printed whole instead."""
+    proc = _cli("fit", "--preset", "llama-3.1-8b", "--memory", "1000TiB", COLUMNS="80")
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout, proc.stdout
+    header = next(ln for ln in proc.stdout.splitlines() if "longest prompt" in ln)
+    assert header.split() == ["ranks", "longest", "prompt", "per", "rank:", "weights", "KV", "activations", "process",
+                              "total", "GiB"] and len(header) > 80
+    assert "23,345.3" in proc.stdout
+
+
 def test_tune_keeps_the_path_and_plan_labels_whole_when_piped(tmp_path):
     from tree_attn.profiles import load_profile
 

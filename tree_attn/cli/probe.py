@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, print_json, report, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, print_json, print_table, report, styled, warn
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -152,7 +152,7 @@ def render_topology(topo) -> None:
             cells.append(styled(l.label, kind_style(l.kind.value)))
         t.add_row(styled(f"{prefix}{i}"), *cells, styled(d.cpu_affinity or ""),
                   styled("" if d.numa_node is None else d.numa_node))
-    out_console.print(t)
+    print_table(t)
     out_console.print()
     from ..topology import UNKNOWN
 

@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from .common import line, out_console, print_json, styled, warn
+from .common import line, out_console, print_json, print_table, styled, warn
 
 CHOSEN_STYLE = {"measured": "green", "model": "yellow", "default": "dim"}
 
@@ -151,7 +151,7 @@ def render_profile(prof) -> None:
                 styled(b.config.describe()), _chosen(b.chosen_by), _us(b.time_us), _us(b.gbps), _us(b.predicted_us),
                 "-" if b.candidates_tried is None else str(b.candidates_tried),
             )
-        out_console.print(t)
+        print_table(t)
     else:
         out_console.print("kernel configs: none (the launch heuristic decides every shape)", markup=False)
 
@@ -168,6 +168,6 @@ def render_profile(prof) -> None:
         for c in red.candidates:
             t.add_row(styled("*", "bold green") if c.selected else "", styled(c.label), _chosen(c.chosen_by),
                       _us(c.median_us), _us(c.p95_us), _us(c.predicted_us))
-        out_console.print(t)
+        print_table(t)
     for n in prof.notes:
         out_console.print(f"note: {n}", markup=False)
