@@ -225,6 +225,9 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(capsys, t
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
     assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(locked / "x.png")]) == 1
     assert "cannot be written" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")  # was told "the folder .../a-file does not exist"
+    assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(tmp_path / "a-file" / "x.png")]) == 1
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_a_plot_is_drawn_after_the_results_and_a_failed_write_is_one_line(capsys, tmp_path, monkeypatch):
