@@ -21,7 +21,9 @@ HELP = "Compare the GPU fabric with an expected topology, device model first; ex
 def check_command(
     expect: Path = typer.Option(..., "--expect", help="Expected topology: a YAML from `tree-attn probe --output`, "
                                 "a profile YAML with a topology section, or a recorded dump."),
-    from_: list[Path] | None = typer.Option(None, "--from", help="Check recorded dump(s) instead of this machine."),
+    from_: list[Path] | None = typer.Option(None, "--from", metavar="DUMP",
+                                                help="Check recorded dump(s) instead of this machine (repeat to "
+                                                "combine dumps of one machine)."),
     measure: bool = typer.Option(False, "--measure",
                                  help="Measure bandwidths and check them against the expected ones."),
     min_bandwidth_ratio: float | None = typer.Option(

@@ -21,9 +21,9 @@ HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hi
 
 def probe_command(
     from_: list[Path] | None = typer.Option(
-        None, "--from", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo -m / -p2p, "
-        "nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo / --showproductname. Repeat to combine dumps "
-        "of one machine."),
+        None, "--from", metavar="DUMP", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo "
+        "-m / -p2p, nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo / --showproductname. Repeat to "
+        "combine dumps of one machine."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); "
                                                                     "an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
