@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import err_console, esc, notice, out_console, print_json
+from .options import CPU_RANKS_HELP
 
 # Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
 # a healthy link reaches well over half its nominal rate in a large device-to-device copy.
@@ -32,7 +33,7 @@ def check_command(
     junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report (one testcase per check)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host."),
-    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement."),
 ) -> None:
     from ..errors import ConfigError, TopologyError

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from .common import check_plot, err_console, line, notice, out_console, print_json, print_table, report, styled, warn
+from .options import CPU_RANKS_HELP
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -33,7 +34,7 @@ def probe_command(
         "every pair of the job's ranks is measured across the nodes, and the hierarchy follows the measured costs "
         "where they disagree with the node layout (--json: hierarchy_source).")),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
-    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
     plot: str | None = typer.Option(None, "--plot", help=(
         "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
