@@ -74,6 +74,20 @@ def _umask() -> int:
     return mask
 
 
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why :func:`atomic_write_bytes` could not write ``path``, or None: said before long work
+    (a tune), not after. Missing folders are created there, so the nearest existing one above
+    ``path`` decides: a file where a folder should be, or a folder this user cannot write in."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} cannot be written"
+    return None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str, *, replace: bool = True) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write_bytes`)."""
     atomic_write_bytes(path, text.encode("utf-8"), replace=replace)

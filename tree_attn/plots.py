@@ -42,6 +42,8 @@ def check_png_path(path: str) -> None:
     if os.path.isdir(path):
         raise ConfigError(f"--plot {path} is a folder; give a file name ending in .png")
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path}: {folder} is a file, not a folder")
     if not os.path.isdir(folder):
         raise ConfigError(f"--plot {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):

@@ -157,6 +157,8 @@ CASES = [
     ("tune-output-exists", ["tune", *CPU, "-w", "2", "--quick", "--output", "{d}/existing.yaml"], {}, 1,
      "pass --force"),
     ("tune-output-folder", ["tune", *CPU, "-w", "2", "--output", "{d}/a-folder"], {}, 1, "is a folder"),
+    ("tune-output-under-a-file", ["tune", *CPU, "-w", "2", "--quick", "--output", "{d}/existing.yaml/tuned.yaml"],
+     {}, 1, "existing.yaml is a file, not a folder"),
     ("tune-world-100000", ["tune", *CPU, "-w", "100000"], {}, 1, "at most"),
     ("tune-world-0", ["tune", *CPU, "-w", "0"], {}, 1, "must be an integer >= 1"),
     ("tune-timeout-0", ["tune", *CPU, "--timeout", "0"], {}, 1, "--timeout must be"),

@@ -25,6 +25,7 @@ def test_help_has_no_value_placeholder_on_flags(cmd, capsys):
     assert main([*cmd, "--help"]) == 0
     out = capsys.readouterr().out
     assert "<bool>" not in out and "--help" in out
+    assert "<list[" not in out  # a Python type, not a value a user types (--from DUMP)
 
 
 def test_help_texts_have_no_hard_line_breaks_inside_paragraphs():

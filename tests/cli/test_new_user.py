@@ -157,6 +157,22 @@ def test_check_does_not_call_an_unnamed_h200_dump_as_expected(capsys):
     assert "the links are as expected; the GPU model was not compared" in out and "nvidia-smi -L" in out
 
 
+def test_check_of_unnamed_amd_dumps_names_the_amd_listing(tmp_path, capsys):
+    """An MI300X dump names no GPU either; the advice was NVIDIA's (`nvidia-smi -L`, "a
+    `nvidia-smi topo -m` dump"). The listing it names is one --from reads and that fills the names."""
+    amd_smi, rocm_smi = FIX / "mi300x_8gpu_amd-smi_topology.txt", FIX / "mi300x_8gpu_rocm-smi_showtopo.txt"
+    assert main(["check", "--expect", str(amd_smi), "--from", str(rocm_smi)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nvidia-smi" not in out, out
+    assert "(a `rocm-smi --showtopo` dump names none); add `rocm-smi --showproductname` output" in out
+    listing = tmp_path / "showproductname.txt"
+    listing.write_text("".join(f"GPU[{i}]\t\t: Card Series: \t\tAMD Instinct MI300X\n" for i in range(8)))
+    expected = tmp_path / "expected.yaml"
+    assert main(["probe", "--from", str(amd_smi), "--from", str(listing), "-o", str(expected)]) == 0
+    assert main(["check", "--expect", str(expected), "--from", str(rocm_smi), "--from", str(listing)]) == 0
+    assert "the fabric is as expected" in capsys.readouterr().out
+
+
 def test_check_with_names_says_different_gpu_model(tmp_path, capsys):
     import dataclasses
 
@@ -240,6 +256,31 @@ def test_profiles_listing_keeps_paths_and_labels_whole_when_piped(tmp_path):
         assert len(ln) <= 80 or "/" in ln, ln
     empty = _cli("profiles", "--dir", str(tmp_path / "none"), COLUMNS="80")
     assert f"    {tmp_path / 'none'}" in empty.stdout.splitlines()
+
+
+def test_profiles_show_takes_the_fingerprint_the_listing_prints(tmp_path, capsys):
+    """The listing printed 8 of a fingerprint's 16 digits, which `profiles show` did not take."""
+    from tree_attn.profiles import load_builtin, profile_path_for, save_profile
+
+    prof = load_builtin("cpu-4-ranks")
+    save_profile(prof, profile_path_for(prof.machine.fingerprint, tmp_path))
+    assert main(["profiles", "--dir", str(tmp_path)]) == 0
+    shown = re.findall(r"fingerprint (\w+)", capsys.readouterr().out)
+    assert shown.count(prof.machine.fingerprint) == 2  # the built-in one and its saved copy
+    assert main(["profiles", "show", prof.machine.fingerprint, "--dir", str(tmp_path)]) == 0
+    assert f"fingerprint {prof.machine.fingerprint}" in capsys.readouterr().out
+
+
+def test_a_table_wider_than_80_columns_keeps_every_cell_when_piped():
+    """Piped, rich fits a table to 80 columns by cutting cells ("112.16 …" for a p95 in generate's
+    table, "ran…" for a header here); every result table is printed whole instead."""
+    proc = _cli("fit", "--preset", "llama-3.1-8b", "--memory", "1000TiB", COLUMNS="80")
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout, proc.stdout
+    header = next(ln for ln in proc.stdout.splitlines() if "longest prompt" in ln)
+    assert header.split() == ["ranks", "longest", "prompt", "per", "rank:", "weights", "KV", "activations", "process",
+                              "total", "GiB"] and len(header) > 80
+    assert "23,345.3" in proc.stdout
 
 
 def test_tune_keeps_the_path_and_plan_labels_whole_when_piped(tmp_path):

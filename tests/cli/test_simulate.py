@@ -153,7 +153,9 @@ def test_run_sweep_json_and_plot(tmp_path, capsys):
     assert main(["run", "--device", "cpu", "-w", "2", "--sweep", "1000,3001", "--heads", "4", "--kv-heads", "2",
                  "--head-dim", "16", "--steps", "1", "--warmup", "0", "-s", "tree,ring", "--json", "--plot",
                  str(png)]) == 0
-    d = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert "note: --device cpu: spawning 2 CPU ranks" in captured.err  # as a run of one length says it
     assert [r["config"]["seq_len"] for r in d["sweep"]] == [1000, 3001]
     for res in d["sweep"]:
         assert {r["strategy"] for r in res["results"]} == {"tree", "ring"}
@@ -223,6 +225,9 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(capsys, t
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
     assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(locked / "x.png")]) == 1
     assert "cannot be written" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")  # was told "the folder .../a-file does not exist"
+    assert main(["simulate", "-w", "8", "-n", "32K", "--plot", str(tmp_path / "a-file" / "x.png")]) == 1
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_a_plot_is_drawn_after_the_results_and_a_failed_write_is_one_line(capsys, tmp_path, monkeypatch):

@@ -112,6 +112,38 @@ def test_sigterm_to_run_stops_the_ranks_and_exits_143(tmp_path):
         assert list(run.tmpdir.iterdir()) == []  # the rendezvous folder is removed
 
 
+def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C signals the terminal's whole foreground group, the ranks included, maybe while they
+    still import torch (before any code of ours runs in them). Here the ranks are signalled first,
+    then the parent (an order the terminal's delivery may take): no rank prints a KeyboardInterrupt
+    traceback (each printed one, then died, and the run said "rank 0 died"), the run ends with
+    one line and 130, and no rank remains."""
+    run = _Run(tmp_path)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2:
+            assert run.proc.poll() is None and time.monotonic() < deadline, "\n".join(run.lines)
+            time.sleep(0.02)
+            ranks = _ranks_of(run.proc.pid)
+        assert not any(ln.startswith("[rank 0]") for ln in run.lines)  # still starting
+        for pid in ranks:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)  # the parent gives a dead rank 2 s to report before it fails the run
+        run.proc.send_signal(signal.SIGINT)
+        code = run.proc.wait(timeout=30)
+        time.sleep(0.2)  # the reader thread takes the last line
+        assert not any("Traceback" in ln or "KeyboardInterrupt" in ln for ln in run.lines), "\n".join(run.lines)
+        assert code == 128 + signal.SIGINT and run.lines[-1] == "error: interrupted", run.lines[-3:]
+        assert gone(ranks, within=5), [p for p in ranks if alive(p)]
+        assert list(run.tmpdir.iterdir()) == []
+    finally:
+        for pid in ranks:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.stop()
+
+
 def test_a_stopped_rank_ends_the_run_with_an_error_within_the_timeout(tmp_path):
     with _endless_run(tmp_path) as (run, ranks):
         stopped = max(ranks)  # rank 1 (spawned second)

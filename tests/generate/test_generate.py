@@ -488,6 +488,8 @@ def test_cli_generates_text_from_a_llama_checkpoint(tmp_path):
         [("eager", "cpu tensors: nothing to capture")] * (len(result["rows"]) - 1))
     assert result["profile"]["chosen_by"] in ("default", "builtin", "saved")
     assert "[rank 0]" in proc.stderr and "prefill" in proc.stderr and "FutureWarning" not in proc.stderr
+    # the one-rank row's prefill reads as one rank's (was "over 1 rank (zig-zag, 143-143 each)")
+    assert f"prefill: {n:,} tokens on one rank" in proc.stderr and "over 1 rank" not in proc.stderr
     # no progress bar of transformers' per process, and none of the multiprocessing lock it leaves
     # behind (Python's "leaked semaphore objects" warning at exit)
     assert "Loading weights" not in proc.stderr and "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]

@@ -149,6 +149,17 @@ def test_fit_answers_4_rtx_4090_for_llama_3_1_8b(capsys):
     assert "longest prompt" in table and f"{rows[0]['largest_prompt']:,}" in table and "RTX 4090" in table
 
 
+def test_fit_says_why_nothing_fits(capsys):
+    """The 70B's weights (131 GiB) on 24 GiB GPUs: every row 'none', which said no why."""
+    assert main(["fit", "--preset", "llama-3.1-70b", "--gpu", "rtx4090", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["largest_prompt"] for r in d["rows"]] == [0, 0, 0]
+    assert any("every rank holds the whole model (131.4 GiB of weights), so more GPUs do not help" in n
+               for n in d["notes"]), d["notes"]
+    assert main(["fit", "--preset", "llama-3.1-8b", "--gpu", "rtx4090"]) == 0
+    assert "none:" not in capsys.readouterr().out  # only where a row is none
+
+
 def test_fit_on_cpu_ranks_and_a_config_file(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(TINY, model_type="llama")))
@@ -166,6 +177,7 @@ def test_fit_on_cpu_ranks_and_a_config_file(tmp_path, capsys):
     (["fit", "--preset", "llama-3.1-8b"], "give --gpu NAME"),
     (["fit", "--preset", "llama-3.1-8b", "--memory", "24XB"], "--memory '24XB'"),
     (["fit", "--preset", "llama-3.1-8b", "--memory", "-3GiB"], "expected a size"),
+    (["fit", "--preset", "llama-3.1-8b", "--memory", "1e30GiB"], "more than 1,024 TiB"),
     (["fit", "--preset", "llama-3.1-8b", "--gpu", "rtx4090", "-g", "0"], "--gpus/-g must be"),
     (["fit", "--preset", "llama-3.1-8b", "--gpu", "rtx4090", "--dtype", "float8_e4m3fn"], "KV-cache dtype"),
     (["fit", "--preset", "llama-3.1-8b", "--gpu", "rtx4090", "--dtype", "int3"], "dtype must be one of"),

@@ -13,7 +13,7 @@ import torch
 
 import tree_attn
 from tree_attn.errors import ConfigError, ShapeError, TreeAttnError
-from tree_attn.files import YAMLAliasError, atomic_write_text, load_yaml
+from tree_attn.files import YAMLAliasError, atomic_write_text, load_yaml, unwritable
 from tree_attn.launch import env as launch
 from tree_attn.launch import spawn
 from tree_attn.topology import host_topology
@@ -160,6 +160,17 @@ def test_replacing_writes_through_a_symlink_and_refuses_what_is_not_a_file(tmp_p
     with pytest.raises(IsADirectoryError):
         atomic_write_text(tmp_path / "dotfiles", "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dotfiles", "fifo.yaml", "profile.yaml"]
+
+
+def test_unwritable_names_the_folder_that_decides(tmp_path, monkeypatch):
+    """What ``tune`` checks before it times anything: missing folders will be created, so the
+    nearest existing one decides (a file there, or a folder this user cannot write in)."""
+    (tmp_path / "a-file").write_text("x")
+    assert unwritable(tmp_path / "new" / "deeper" / "p.yaml") is None
+    assert unwritable(tmp_path / "a-file" / "p.yaml") == f"{tmp_path / 'a-file'} is a file, not a folder"
+    # root may write anywhere, so a read-only folder is the answer of os.access here
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path))
+    assert unwritable(tmp_path / "new" / "p.yaml") == f"the folder {tmp_path} cannot be written"
 
 
 def test_cpu_rank_cap(monkeypatch):

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import err_console, esc, notice, out_console, print_json
+from .options import CPU_RANKS_HELP
 
 # Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
 # a healthy link reaches well over half its nominal rate in a large device-to-device copy.
@@ -21,7 +22,9 @@ HELP = "Compare the GPU fabric with an expected topology, device model first; ex
 def check_command(
     expect: Path = typer.Option(..., "--expect", help="Expected topology: a YAML from `tree-attn probe --output`, "
                                 "a profile YAML with a topology section, or a recorded dump."),
-    from_: list[Path] | None = typer.Option(None, "--from", help="Check recorded dump(s) instead of this machine."),
+    from_: list[Path] | None = typer.Option(None, "--from", metavar="DUMP",
+                                                help="Check recorded dump(s) instead of this machine (repeat to "
+                                                "combine dumps of one machine)."),
     measure: bool = typer.Option(False, "--measure",
                                  help="Measure bandwidths and check them against the expected ones."),
     min_bandwidth_ratio: float | None = typer.Option(
@@ -30,12 +33,12 @@ def check_command(
     junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report (one testcase per check)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host."),
-    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement."),
 ) -> None:
     from ..errors import ConfigError, TopologyError
     from ..topology import compare_topologies, load_dumps, load_expected, probe_topology, write_junit
-    from ..topology.compare import summarize_differences
+    from ..topology.compare import no_names_hint, summarize_differences
 
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..launch.env import check_cpu_ranks
@@ -80,7 +83,7 @@ def check_command(
         elif report.ok:
             # A topo -m dump names no GPU: an H200 box reads as an H100's fabric. Say what was not seen.
             out_console.print("[yellow]the links are as expected; the GPU model was not compared[/yellow] "
-                              "(a dump without names: add `nvidia-smi -L` output as another --from)")
+                              f"(a dump without names: {esc(no_names_hint(expected, actual))})")
         else:
             count = len(report.differences)
             out_console.print(f"[bold red]{count} difference(s) from the expected topology[/bold red]")

@@ -93,6 +93,19 @@ def announce_setup(setup: Any, summary: str) -> None:
     err_console.print(summary, markup=False)
 
 
+def print_table(table: Any) -> None:
+    """A result table on stdout with every cell whole. Rich shrinks a table wider than the console
+    (80 columns when stdout is a pipe or a file) by cutting cells: a p95 of "112.16 ms" read
+    "112.16 …". A table that does not fit is printed at its own width instead, uncropped (a
+    terminal wraps a long line itself, and a file keeps it)."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(out_console, out_console.options.update_width(1 << 16), table).maximum
+    if natural > out_console.width and table.width is None:
+        table.width = natural
+    out_console.print(table, crop=False)
+
+
 def error(message: str) -> None:
     """The one red error line on stderr (a message that spans lines is joined into one)."""
     message = " ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ..commands.fit import MODEL_CONFIGS, FitOptions
-from .common import out_console, report, styled
+from .common import out_console, print_table, report, styled
 from .options import Json, count_option
 
 DEFAULTS = FitOptions()
@@ -78,7 +78,7 @@ def render(result) -> None:
         tokens = f"{r.tokens:,}" + ("*" if r.capped else "")
         table.add_row(str(r.ranks), tokens, _gib(m.weights), _gib(m.kv), _gib(m.activations), _gib(m.overhead),
                       _gib(m.total))
-    out_console.print(table)
+    print_table(table)
     out_console.print(f"{d.layers} layers, {d.params() / 1e9:,.2f}B params in {result.dtype}; KV in {result.kv_dtype}: "
                       f"{d.kv_bytes_per_token(result.kv_dtype):,} bytes per token", style="dim")
     out_console.print(f"per rank: the busiest rank at that prompt (GiB); {result.new_tokens} new tokens on the last "

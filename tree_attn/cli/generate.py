@@ -7,7 +7,19 @@ from typing import Annotated
 import typer
 
 from ..commands.generate.setup import GenerateOptions
-from .common import announce_setup, err_console, error, fmt_bytes, line, out_console, plan_name, ranks, report, styled
+from .common import (
+    announce_setup,
+    err_console,
+    error,
+    fmt_bytes,
+    line,
+    out_console,
+    plan_name,
+    print_table,
+    ranks,
+    report,
+    styled,
+)
 from .options import Backend, Device, Fanout, Json, Plan, Profile, Strategy, Timeout, WorldSize, count_option
 
 DEFAULTS = GenerateOptions()
@@ -143,7 +155,7 @@ def render_generate(result) -> None:
                       f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
                       styled(same, None if same != "DIFFER" else "bold red"))
-    out_console.print(table)
+    print_table(table)
     for r in result.rows:
         if not r.ran:
             out_console.print(line((r.name, "bold"), f": {r.skipped}"))

@@ -21,6 +21,12 @@ import typer
 
 from ..errors import ConfigError
 from ..sizes import parse_count, parse_count_list
+from ..topology.host import DEFAULT_CPU_RANKS
+
+# The host fallback's rank count for probe and check (what run and tune spawn without a GPU).
+CPU_RANKS_HELP = (f"Number of CPU ranks of the host fallback (without a GPU, or --backend host); default "
+                  f"{DEFAULT_CPU_RANKS}, as run and tune use.")
+
 
 # -- counts ------------------------------------------------------------------------------------------
 

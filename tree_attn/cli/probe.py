@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, print_json, report, styled, warn
+from .common import check_plot, err_console, line, notice, out_console, print_json, print_table, report, styled, warn
+from .options import CPU_RANKS_HELP
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -21,8 +22,9 @@ HELP = "Discover the GPU fabric (NVLink, PCIe, xGMI) and print its matrix and hi
 
 def probe_command(
     from_: list[Path] | None = typer.Option(
-        None, "--from", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo -m / -p2p, "
-        "nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo. Repeat to combine dumps of one machine."),
+        None, "--from", metavar="DUMP", help="Build from recorded dump(s) instead of this machine: nvidia-smi topo "
+        "-m / -p2p, nvidia-smi -L, amd-smi topology / xgmi, rocm-smi --showtopo / --showproductname. Repeat to "
+        "combine dumps of one machine."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the topology as YAML (atomically); "
                                                                     "an existing file is refused unless --force."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --output file."),
@@ -32,7 +34,7 @@ def probe_command(
         "every pair of the job's ranks is measured across the nodes, and the hierarchy follows the measured costs "
         "where they disagree with the node layout (--json: hierarchy_source).")),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
-    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help="Number of CPU ranks of the host fallback."),
+    cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
     iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
     plot: str | None = typer.Option(None, "--plot", help=(
         "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
@@ -151,7 +153,7 @@ def render_topology(topo) -> None:
             cells.append(styled(l.label, kind_style(l.kind.value)))
         t.add_row(styled(f"{prefix}{i}"), *cells, styled(d.cpu_affinity or ""),
                   styled("" if d.numa_node is None else d.numa_node))
-    out_console.print(t)
+    print_table(t)
     out_console.print()
     from ..topology import UNKNOWN
 

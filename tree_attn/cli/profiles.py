@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from .common import line, out_console, print_json, styled, warn
+from .common import line, out_console, print_json, print_table, styled, warn
 
 CHOSEN_STYLE = {"measured": "green", "model": "yellow", "default": "dim"}
 
@@ -67,7 +67,8 @@ def list_command(json_out: bool = _JSON_OPT, directory: Path | None = _DIR_OPT) 
             continue
         m = p.machine
         say(line((p.name, "bold"), f"  {e.kind}, {p.origin}, created {p.created}"))
-        say(styled(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint[:8]}"))
+        # the whole fingerprint: `profiles show FINGERPRINT` takes it, and run names it so
+        say(styled(f"    {m.world_size}x {m.device_name} ({m.device_kind}), fingerprint {m.fingerprint}"))
         say(line("    plan ", p.plan.label, " ", _chosen(f"({p.reduction.chosen_by})", p.reduction.chosen_by)))
         say(styled(f"    {e.path}"))
     saved = [e for e in entries if e.kind == "saved"]
@@ -150,7 +151,7 @@ def render_profile(prof) -> None:
                 styled(b.config.describe()), _chosen(b.chosen_by), _us(b.time_us), _us(b.gbps), _us(b.predicted_us),
                 "-" if b.candidates_tried is None else str(b.candidates_tried),
             )
-        out_console.print(t)
+        print_table(t)
     else:
         out_console.print("kernel configs: none (the launch heuristic decides every shape)", markup=False)
 
@@ -167,6 +168,6 @@ def render_profile(prof) -> None:
         for c in red.candidates:
             t.add_row(styled("*", "bold green") if c.selected else "", styled(c.label), _chosen(c.chosen_by),
                       _us(c.median_us), _us(c.p95_us), _us(c.predicted_us))
-        out_console.print(t)
+        print_table(t)
     for n in prof.notes:
         out_console.print(f"note: {n}", markup=False)

@@ -18,6 +18,7 @@ from .common import (
     out_console,
     plan_name,
     print_json,
+    print_table,
     ranks,
     report,
     styled,
@@ -179,7 +180,7 @@ def render_sweep(results) -> None:
                           f"{r.step_ms_median:.1f}", f"{r.step_ms_p95:.1f}",
                           fmt_bytes(r.bytes_sent_per_step), fmt_bytes(r.peak_mem_bytes), f"{r.max_abs_err:.1e}",
                           f"{ring / r.step_ms_median:.1f}" if ring else "-")
-    out_console.print(table)
+    print_table(table)
     out_console.print("per decode step, as `tree-attn run` (median / p95 of the slowest rank; bytes each rank sends; "
                       "peak memory of a rank); ring/x = ring's median step divided by this row's median step, at the "
                       "same length (above 1: this row is faster than ring)", style="dim")
@@ -233,7 +234,7 @@ def render_run(result) -> None:
         if gpu:
             cells.append(f"{r.device_ms_median:.3f} ms" if r.device_ms_median is not None else "-")
         table.add_row(*cells)
-    out_console.print(table)
+    print_table(table)
     out_console.print(
         ("per decode step: graph = the step replayed as one CUDA graph, eager = issued op by op; " if show_step
          else "per decode step (every step eager: issued op by op); ") + "median / p95 "

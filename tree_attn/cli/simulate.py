@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ..commands.simulate import SimulateOptions
-from .common import check_plot, fmt_bytes, out_console, report, styled
+from .common import check_plot, fmt_bytes, out_console, print_table, report, styled
 from .options import Batch, HeadDim, Heads, Json, KvHeads, count_list_option, int_list_option
 
 DEFAULTS = SimulateOptions()
@@ -105,7 +105,7 @@ def render(result) -> None:
         table.add_row(f"{r.world_size}={r.nodes}x{r.ranks_per_node}", f"{r.seq_len:,}", _ms(r.tree.time_us),
                       _ms(r.allreduce.time_us), _ms(r.ring.time_us), f"{r.speedup:,.1f}x",
                       fmt_bytes(r.tree.bytes_per_rank), fmt_bytes(r.ring.bytes_per_rank))
-    out_console.print(table)
+    print_table(table)
     plans = sorted({r.tree.plan for r in result.rows})
     # The source (it may name a file) and the plan labels on lines of their own, never wrapped.
     out_console.print(f"parameters: {result.source}", style="dim", markup=False, soft_wrap=True)

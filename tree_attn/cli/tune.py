@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..commands.tune.setup import TuneRequest
-from .common import err_console, line, notice, out_console, print_json, styled, warn
+from .common import err_console, line, notice, out_console, print_json, print_table, styled, warn
 from .options import Backend, Batch, Device, HeadDim, Heads, KvHeads, Timeout
 
 DEFAULTS = TuneRequest()
@@ -24,7 +24,7 @@ HELP = (
     "topology's hierarchical trees) at the decode message size across all ranks, each iteration as slow as "
     "its slowest rank; rank 0 decides and broadcasts the choice. The profile goes to the user's cache "
     "folder, named by the fabric fingerprint, or to --output (an existing file is refused before anything "
-    "is timed, unless --force).\n\n"
+    "is timed, unless --force, and so is a path that cannot be written).\n\n"
     "With a --topology of another machine, nothing can be timed here: the profile is model-derived.\n\n"
     "Under torchrun (one tune per node) the job's ranks time the plans across the nodes; the topology is "
     "--topology FILE (what `probe --measure -o FILE` measured in such a job: its hierarchy follows the "
@@ -129,7 +129,7 @@ def _render(profile, path: str) -> None:
     for c in sorted(red.candidates, key=lambda c: (c.median_us if c.median_us is not None else c.predicted_us or 0)):
         table.add_row(styled("*", "bold green") if c.selected else "", styled(c.label), us(c.median_us), us(c.p95_us),
                       us(c.predicted_us))
-    out_console.print(table)
+    print_table(table)
     if profile.kernel.buckets:
         kt = Table(title="kernel configs per shard bucket (measured)", title_justify="left")
         for col in ("bucket", "config", "time", "GB/s", "tried"):
@@ -138,7 +138,7 @@ def _render(profile, path: str) -> None:
             kt.add_row(styled(f"{b.dtype} D={b.head_dim} G={b.group} N<={b.max_shard_len:,}"),
                        styled(b.config.describe()),
                        us(b.time_us), f"{b.gbps:,.0f}" if b.gbps else "-", str(b.candidates_tried))
-        out_console.print(kt)
+        print_table(kt)
     for note in profile.notes:
         if "not measured" in note:
             warn(note)

@@ -43,6 +43,7 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 DEVICE_KINDS = ("cuda", "cpu")
+MAX_MEMORY = 2**50  # 1 PiB: far beyond any one GPU or host
 FACTORS = (1, 2, 4)  # the world size asked, and with 2x and 4x the ranks
 
 
@@ -59,6 +60,9 @@ def parse_memory(text: str | int) -> int:
         value = -1.0
     if unit not in units or not value > 0:
         raise ConfigError(f"--memory {text!r}: expected a size such as 24GiB, 80GB or 512MiB")
+    if value * units[unit] > MAX_MEMORY:  # 1e30GiB is a typo, and its table would be unreadable
+        raise ConfigError(f"--memory {text!r}: more than 1,024 TiB; give one GPU's memory (or the host's), "
+                          "such as 80GB")
     return int(value * units[unit])
 
 
@@ -202,12 +206,12 @@ def fit(options: FitOptions) -> FitResult:
     cpu = options.device == "cpu"
     limit = MAX_SEQ - new
 
+    def estimate(world: int, tokens: int) -> GenerateEstimate:
+        return GenerateEstimate(shape.ranks(tokens, world), shape.ranks(1, 1)[0], shape.ranks(1, 1)[0],
+                                _budget(options.device, memory), world if cpu else 1, spawned=True)
+
     def fits_on(world: int):
-        def fits(tokens: int) -> bool:
-            est = GenerateEstimate(shape.ranks(tokens, world), shape.ranks(1, 1)[0], shape.ranks(1, 1)[0],
-                                   _budget(options.device, memory), world if cpu else 1, spawned=True)
-            return est.job_bytes() <= memory
-        return fits
+        return lambda tokens: estimate(world, tokens).job_bytes() <= memory
 
     rows = []
     for factor in FACTORS:
@@ -225,6 +229,17 @@ def fit(options: FitOptions) -> FitResult:
     if any(r.capped for r in rows):
         notes.append(f"the model attends over at most {dims.max_positions:,} positions (max_position_embeddings): "
                      "a longer prompt fits in memory but not in the model")
+    empty = [r.ranks for r in rows if not r.tokens]
+    if empty:  # say why "none": the weights, which every rank holds whole, whatever the prompt
+        least = estimate(empty[0], 1)
+        weights = max(r.weights for r in least.ranks) / GiB
+        notes.append(
+            f"none: with a 1-token prompt each rank needs {least.job_bytes() / GiB:,.1f} GiB, more than a GPU's "
+            f"{memory / GiB:,.1f} GiB; every rank holds the whole model ({weights:,.1f} GiB of weights), so more GPUs "
+            "do not help" if not cpu else
+            f"none on {empty[0]} ranks: with a 1-token prompt they need {least.job_bytes() / GiB:,.1f} GiB together, "
+            f"more than the host's {memory / GiB:,.1f} GiB (each rank holds the whole model, {weights:,.1f} GiB of "
+            "weights)")
     if cpu:
         notes.append(f"CPU ranks share one host's {memory / GiB:,.1f} GiB: each rank holds a copy of the weights, so "
                      "more ranks on the same host hold less")

@@ -27,10 +27,14 @@ Faults, and how each ends:
   its ``finally`` kills every rank (SIGKILL: a rank blocked in a collective or on a full result
   pipe cannot run a handler) and removes the folder. Until then it keeps draining the result
   queue, so no rank blocks writing a large result.
+- Ctrl-C at a terminal signals the ranks too (the whole foreground group): a rank never answers
+  with a traceback of its own. It starts with SIGINT blocked (it may still be importing torch)
+  and then takes the signal's default action, a quiet exit; the parent says "interrupted".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -127,6 +131,38 @@ def _watch_parent(parent_pid: int, rdzv_dir: str) -> None:
         _orphaned(rdzv_dir)
 
 
+@contextlib.contextmanager
+def _ranks_start_deaf_to_sigint():
+    """Start the ranks with SIGINT blocked (a signal mask is inherited across fork and exec).
+
+    Ctrl-C at a terminal signals every process of the foreground group, the ranks included. The
+    parent answers it (one line, exit 130, every rank killed); a rank starting up, still
+    importing torch before any code of ours runs, would print a KeyboardInterrupt traceback of
+    its own. Blocked, the signal waits for :func:`_quiet_on_sigint`. In the parent a SIGINT that
+    comes meanwhile is delivered when the mask is restored (or at once to another thread of the
+    parent, whose handler then interrupts the start: the ranks started so far are killed).
+    """
+    mask = getattr(signal, "pthread_sigmask", None)  # POSIX only
+    if mask is None:
+        yield
+        return
+    previous = mask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, previous)
+
+
+def _quiet_on_sigint() -> None:
+    """In a rank: SIGINT ends it at once, quietly (the default action, not a KeyboardInterrupt
+    and its traceback); the parent reports the interruption. Unblocking delivers a SIGINT that
+    came while the rank was starting. A compiler the rank runs (the C kernel's build) keeps the
+    default action too, so Ctrl-C stops it as well."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _heartbeat(rank: int, beats, parent_pid: int, rdzv_dir: str) -> None:
     """Beat every HEARTBEAT_S into ``beats[rank]`` (monotonic seconds) and check the parent."""
     while True:
@@ -151,6 +187,7 @@ def _child(
 ) -> None:
     rdzv_dir = os.path.dirname(init_file)
     ok = False  # fn returned and its result went out: teardown may wait for the peers
+    _quiet_on_sigint()
     _watch_parent(parent_pid, rdzv_dir)
     beats[rank] = time.monotonic()  # started: from now on the silence limit applies
     threading.Thread(target=_heartbeat, args=(rank, beats, parent_pid, rdzv_dir), name="tree-attn-heartbeat",
@@ -262,8 +299,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *, backend: str, device
     ]
     try:
         started = time.monotonic()
-        for p in procs:
-            p.start()
+        with _ranks_start_deaf_to_sigint():
+            for p in procs:
+                p.start()
         return _collect(procs, results, world_size, beats, started, silence_s=timeout_s + SILENCE_MARGIN_S)
     finally:
         _stop(procs)

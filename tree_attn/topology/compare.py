@@ -91,7 +91,25 @@ FULL_NVLINK_SETS = {
     12: "A100, H100 NVL pairs",
     18: "H100, H200, B200 SXM",
 }
-NO_NAMES = "add `nvidia-smi -L` output as another --from to compare the names"
+# Where a machine's GPU names come from, for a dump that has none: the listing of its vendor.
+NAME_LISTINGS = {"nvidia": "nvidia-smi -L", "amd": "rocm-smi --showproductname"}
+
+
+def no_names_hint(*topologies: Topology) -> str:
+    """What to add so that the names can be compared: the listing of the GPUs' vendor (an AMD
+    dump is not helped by ``nvidia-smi -L``)."""
+    vendors = {d.vendor for t in topologies for d in t.devices} & set(NAME_LISTINGS)
+    listings = " or ".join(f"`{NAME_LISTINGS[v]}`" for v in sorted(vendors, reverse=True)) or "`nvidia-smi -L`"
+    return f"add {listings} output as another --from to compare the names"
+
+
+def _no_names_dump(topo: Topology) -> str:
+    """The dump's own words: ``a `nvidia-smi topo -m` dump`` (its source ``dump:nvidia-smi-topo-m``)."""
+    kind = topo.source.removeprefix("dump:") if topo.source.startswith("dump:") else ""
+    commands = {"nvidia-smi-topo-m": "nvidia-smi topo -m", "nvidia-smi-topo-p2p": "nvidia-smi topo -p2p",
+                "amd-smi-topology": "amd-smi topology", "amd-smi-xgmi": "amd-smi xgmi",
+                "rocm-smi-showtopo": "rocm-smi --showtopo"}
+    return f"a `{commands[kind]}` dump names none" if kind in commands else "a topology dump names none"
 
 
 def _model_words(topo: Topology) -> str:
@@ -161,12 +179,13 @@ def _compare_models(expected: Topology, actual: Topology) -> CheckResult:
         return CheckResult(name, "failed", "different GPU model (by its NVLinks)", [
             (f"different GPU model: every GPU pair has NV{a_nv} where NV{e_nv} was expected; a count the same on every "
              f"pair is a model's full set of NVLinks (NV{a_nv}: {FULL_NVLINK_SETS[a_nv]}; NV{e_nv}: "
-             f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {NO_NAMES}")])
-    side = ("neither side names its GPUs" if all(d.name == UNKNOWN for d in expected.devices)
-            and all(d.name == UNKNOWN for d in actual.devices)
-            else "the expected topology names no GPU" if all(d.name == UNKNOWN for d in expected.devices)
+             f"{FULL_NVLINK_SETS[e_nv]}), not NVLinks down. The names are unknown: {no_names_hint(expected, actual)}")])
+    unnamed = [t for t in (actual, expected) if all(d.name == UNKNOWN for d in t.devices)]
+    side = ("neither side names its GPUs" if len(unnamed) == 2
+            else "the expected topology names no GPU" if unnamed[0] is expected
             else "the checked topology names no GPU")
-    return CheckResult(name, "skipped", f"not compared: {side} (a `nvidia-smi topo -m` dump names none); {NO_NAMES}")
+    return CheckResult(name, "skipped", f"not compared: {side} ({_no_names_dump(unnamed[0])}); "
+                                        f"{no_names_hint(expected, actual)}")
 
 
 def compare_topologies(

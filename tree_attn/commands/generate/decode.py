@@ -403,8 +403,9 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
                                       shape.kv_heads, shape.head_dim, dtype=torch_dtype(spec.kv_dtype), device=device,
                                       page_size=spec.page_size, seed=spec.seed + env.rank)
     sizes = plan.sizes
-    say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} rank"
-                       f"{'s' if env.world_size != 1 else ''} (zig-zag, {min(sizes):,}-{max(sizes):,} each)")
+    share = f"{min(sizes):,}" if min(sizes) == max(sizes) else f"{min(sizes):,}-{max(sizes):,}"
+    say_on_rank_0(env, f"prefill: {spec.prefill_tokens:,} tokens on one rank" if env.world_size == 1 else
+                  f"prefill: {spec.prefill_tokens:,} tokens over {env.world_size} ranks (zig-zag, {share} each)")
     if env.world_size > 1:
         import torch.distributed as dist
 

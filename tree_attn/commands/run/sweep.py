@@ -41,7 +41,7 @@ def run_sweep(options, sweep: str | None, progress: Callable[[str], None] = lamb
         spec = setup.spec
         if i == 0:
             for n in setup.notices:
-                progress(n)
+                progress(f"note: {n}")  # as a run of one length says them
             for w in setup.warnings:
                 progress(f"warning: {w}")
             progress(setup.profile.text)

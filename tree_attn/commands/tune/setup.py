@@ -123,9 +123,15 @@ def _topology(request: TuneRequest, device_kind: str) -> Topology:
 
 
 def check_output_free(path: str, force: bool) -> None:
-    """Refuse to tune into an existing file without ``force`` (before any timing, not after)."""
+    """Refuse to tune into an existing file without ``force``, or into a path that cannot be
+    written (before any timing, not after)."""
+    from ...files import unwritable
+
     if os.path.isdir(path):
         raise ProfileError(f"{path} is a folder; give a file name with --output FILE")
+    problem = unwritable(path)
+    if problem:
+        raise ProfileError(f"cannot write the profile {path}: {problem}; give another --output FILE")
     if os.path.exists(path) and not force:
         raise ProfileError(f"{path} already exists; pass --force to overwrite it (or write elsewhere with "
                            "--output FILE)")
