@@ -341,6 +341,13 @@ def test_plot_without_sweep_is_refused(tmp_path, capsys):
     assert not png.exists()
 
 
+def test_seq_len_beside_sweep_is_refused(capsys):
+    """--sweep replaces --seq-len: a -n given beside it is refused, not dropped unseen."""
+    assert main(["run", "--device", "cpu", "-n", "8K", "--sweep", "1K,2K"]) == 1
+    err = capsys.readouterr().err
+    assert "--seq-len 8,192 and --sweep both give the lengths" in err
+
+
 def test_sweep_footnote_says_what_ring_over_x_is(capsys):
     from tree_attn.cli.run import render_sweep
     from tree_attn.commands.run.decode import RunResult, StrategyResult

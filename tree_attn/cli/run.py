@@ -58,6 +58,7 @@ HELP = (
 
 
 def run_command(
+    ctx: typer.Context,
     world_size: WorldSize = DEFAULTS.world_size,
     seq_len: Annotated[int, count_option(
         "--seq-len", "-n", help="Total KV tokens, split over the ranks (at least 1).")] = DEFAULTS.seq_len,
@@ -97,6 +98,10 @@ def run_command(
     from ..commands.run.setup import plan_run, strategies_beyond_tolerance
     from ..errors import ConfigError
 
+    if sweep is not None and _given(ctx, "seq_len"):
+        # The sweep's lengths replace --seq-len: a -n given beside it would be dropped unseen.
+        raise ConfigError(f"--seq-len {seq_len:,} and --sweep both give the lengths: drop one (--sweep runs each of "
+                          "its lengths in turn; add this one to its list)")
     if sweep is None and seq_len < 1:
         # The library takes an empty shard, but a benchmark of an empty cache times nothing and
         # compares nothing ("max err 0.0e+00" of no keys).
@@ -135,6 +140,12 @@ def run_command(
     if strategies_beyond_tolerance(result, spec.dtype, spec.kv_dtype):
         error("a strategy's result differs from the reference beyond tolerance")
         raise typer.Exit(1)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (not left at its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _run_sweep(options, sweep: str | None, plot: str | None, json_out: bool) -> None:
