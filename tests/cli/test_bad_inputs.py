@@ -213,6 +213,8 @@ CASES = [
     ("profiles-show-missing", ["profiles", "show", "no-such-profile"], {}, 1, "no-such-profile"),
     ("profiles-show-alias-bomb", ["profiles", "show", "{d}/profile-bomb.yaml"], {}, 1, "anchor &l0 is not accepted"),
     ("profiles-show-broken-yaml", ["profiles", "show", "{d}/broken.yaml"], {}, 1, "not valid YAML"),
+    ("profiles-list-dir-is-a-file", ["profiles", "list", "--dir", "{d}/broken.yaml"], {}, 1,
+     "is a file: --dir (or TREE_ATTN_PROFILE_DIR) names the folder"),
 ]
 
 TIME_BOUND_S = 15.0  # the slowest case waits 2 s for a torchrun peer

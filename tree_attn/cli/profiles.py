@@ -48,6 +48,11 @@ def list_command(json_out: bool = _JSON_OPT, directory: Path | None = _DIR_OPT) 
     from ..profiles.store import default_profile_dir, list_saved_profiles
 
     folder = directory if directory is not None else default_profile_dir()
+    if folder.exists() and not folder.is_dir():  # else listed as "no saved profiles"
+        from ..errors import ConfigError
+
+        raise ConfigError(f"the profile folder {folder} is a file: --dir (or TREE_ATTN_PROFILE_DIR) names the folder "
+                          f"of saved profiles; `tree-attn profiles show {folder}` prints one profile file")
     entries = builtin_entries() + list_saved_profiles(folder)
     if json_out:
         print_json({"profile_dir": str(folder), "profiles": [e.to_dict() for e in entries]})
