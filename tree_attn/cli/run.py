@@ -51,9 +51,9 @@ HELP = (
     "bytes each rank sends per step, peak memory per rank, and the max abs error against a float64 "
     "reference. Defaults: Llama-3.1-8B attention (32 query heads, 8 KV heads, head dim 128), batch 1, "
     "65,536 tokens, 4 ranks on CPU.\n\n"
-    "Sizes are checked before anything is allocated: at most 4 CPU ranks per core (64 in all), and a KV "
-    "cache that fits in memory. --timeout bounds how long a rank may wait for a peer (or stay silent), not "
-    "how long the run takes."
+    "Sizes are checked before anything is allocated: at most 4 CPU ranks per core (at least 8, at most 64 in "
+    "all), and a KV cache that fits in memory. --timeout bounds how long a rank may wait for a peer (or stay "
+    "silent), not how long the run takes."
 )
 
 
