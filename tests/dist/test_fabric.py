@@ -81,6 +81,10 @@ def test_fabric_links_shaping_and_teardown():
         state = fab.exec(2, ["cat", "/sys/class/net/fab0/operstate"], capture_output=True, text=True).stdout
         assert state.strip() == "down"
         sleeper = fab.popen(1, ["sleep", "600"])
+        # `ip netns exec` enters the namespace only once it runs: under load, after popen returns
+        deadline = time.monotonic() + 10
+        while namespace_pids(fab.nodes[1].ns) != [sleeper.pid] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert namespace_pids(fab.nodes[1].ns) == [sleeper.pid]
     assert not set(names) & set(list_namespaces())
     assert not _alive(sleeper.pid)
