@@ -14,8 +14,16 @@ import pytest
 from tree_attn.cli.app import main
 from tree_attn.commands.fit import MODEL_CONFIGS, FitOptions, catalogue_key, fit, parse_memory
 from tree_attn.commands.generate.memory import Budget, JobShape, check_job_fits, choose_rows, estimate_generate
-from tree_attn.cost.capacity import (GiB, MiB, ModelDims, decode_activation_bytes, largest_prompt,
-                                     prefill_activation_bytes, rank_memory, reference_memory)
+from tree_attn.cost.capacity import (
+    GiB,
+    MiB,
+    ModelDims,
+    decode_activation_bytes,
+    largest_prompt,
+    prefill_activation_bytes,
+    rank_memory,
+    reference_memory,
+)
 from tree_attn.errors import ConfigError
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
