@@ -181,6 +181,9 @@ def test_gather_pages_roundtrip_and_unread_pages_are_zero():
         assert torch.equal(got[row, :n], k[row, :n])
         pages = -(-n // 6)
         assert torch.all(got[row, pages * 6 :] == 0)  # entries past the row's pages (-1) are not read
+    # A pool with no pages yet (every row empty, its table all -1): zeros, no index into the pool.
+    empty = gather_pages(kp[:0], torch.full((2, 3), -1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    assert empty.shape == (2, 18, 2, 8) and torch.all(empty == 0)
 
 
 def test_decode_step_follows_block_table_and_lengths():

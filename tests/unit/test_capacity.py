@@ -7,13 +7,23 @@ counts build the models on torch's meta device)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from tree_attn.cli.app import main
 from tree_attn.commands.fit import MODEL_CONFIGS, FitOptions, catalogue_key, fit, parse_memory
 from tree_attn.commands.generate.memory import Budget, JobShape, check_job_fits, choose_rows, estimate_generate
-from tree_attn.cost.capacity import GiB, MiB, ModelDims, largest_prompt, rank_memory
+from tree_attn.cost.capacity import (
+    GiB,
+    MiB,
+    ModelDims,
+    decode_activation_bytes,
+    largest_prompt,
+    prefill_activation_bytes,
+    rank_memory,
+    reference_memory,
+)
 from tree_attn.errors import ConfigError
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -21,11 +31,12 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_atte
 
 
 @pytest.mark.parametrize("model_type, extra", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
+                                               ("llama", {"head_dim": 32}),  # head_dim != hidden / heads
                                                ("qwen2", {}), ("mistral", {"sliding_window": None})])
 def test_params_equal_the_models_own_count(model_type, extra):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     counted = sum(p.numel() for p in model.parameters())
@@ -37,6 +48,13 @@ def test_llama_3_1_8b_has_its_published_size_and_kv_per_token():
     assert dims.params() == 8_030_261_248  # the model card's 8.03B
     assert dims.kv_bytes_per_token("bf16") == 32 * 2 * 8 * 128 * 2 == 128 * 1024
     assert dims.kv_bytes_per_token("float8_e4m3fn") == 64 * 1024  # a 1-byte KV dtype from the dtype table
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 0), ("hidden_size", -64), ("vocab_size", True),
+                                        ("num_key_value_heads", 2.0), ("intermediate_size", None)])
+def test_config_sizes_must_be_positive_integers(key, value):
+    with pytest.raises(ConfigError, match=f"config.json: {key} must be a positive integer"):
+        ModelDims.from_config({**TINY, key: value})
 
 
 def test_largest_prompt_finds_the_boundary():
@@ -53,6 +71,95 @@ def test_kv_share_follows_the_zigzag_and_the_new_tokens_go_to_the_last_rank():
                         device_kind="cpu", page_size=1, preset=False, ring_decode=False) for r in range(3)]
     assert [m.tokens for m in mems] == [3, 3, 2 + 5 + 1]
     assert [m.kv for m in mems] == [t * dims.kv_bytes_per_token("float32") for t in (3, 3, 8)]
+
+
+def _prefill_inventory(d: ModelDims, s: int, e: int, block: int, rows: int, cuda: bool) -> tuple[int, str]:
+    """The prefill's activations listed tensor by tensor, as ``prefill_activation_bytes`` documents
+    them: (elements, bytes per element) per tensor, summed per phase; the largest phase wins."""
+    h, i, hq, dh = d.hidden, d.intermediate, d.q_heads, d.head_dim
+    a, k = hq * dh, d.kv_heads * dh
+    kept = [(s * h if d.layers > 1 else 0, e), (s * dh, e), (s * dh, e)]  # inputs_embeds, RoPE cos, sin
+    phases = {
+        "attention": [(s * h, e), (s * h, e), (s * a, e), (s * k, e), (s * k, e),  # input, normed, q, k, v
+                      (s * 2 * k, e), (block * 2 * k, e),  # the ring's own packed block, the arriving one
+                      (s * a, 4), (s * hq, 4), (s * a, e),  # float32 running out and lse, out in the dtype
+                      (6 * min(s, 1024) * a, 4)]  # the merge's float32 temporaries, MERGE_ROWS rows
+        + ([(s * a, 4), (block * k, 4), (block * k, 4), (3 * hq * min(s, 64) * block, 4)] if cuda else []),
+        "rope": [(s * h, e), (s * h, e), (s * a, e), (s * k, e), (s * k, e), (3 * s * a, e)],
+        "mlp": [(3 * s * h, e), (s * h if s > rows else 0, e), (3 * min(s, rows) * i, e)],
+        "norm": [(2 * s * h, e), (2 * s * h, 4), (s * h if e != 4 else 0, 4)],
+    }
+    size = {name: sum(n * b for n, b in ts) for name, ts in phases.items()}
+    top = max(size, key=size.get)
+    return sum(n * b for n, b in kept) + size[top], top
+
+
+def test_prefill_activations_equal_their_tensor_inventory():
+    """Random model shapes, prompt shares, dtypes, chunk sizes and devices, so that each phase is the
+    largest in some cases: every term of every phase is checked against the listed tensors."""
+    rng = random.Random(3)
+    won = set()
+    for _ in range(400):
+        kv_heads = rng.choice([1, 2, 4, 8])
+        d = ModelDims(layers=rng.choice([1, 2, 32]), hidden=rng.choice([64, 512, 4096]),
+                      intermediate=rng.choice([128, 1408, 14336, 30000]), q_heads=kv_heads * rng.choice([1, 2, 4, 8]),
+                      kv_heads=kv_heads, head_dim=rng.choice([16, 64, 128]), vocab=1000)
+        s = rng.choice([1, 63, 64, 700, 1024, 1500, 4096, 4097, 20000])
+        block = rng.choice([None, s, s + rng.randint(1, 5000)])
+        rows = rng.choice([512, 4096])
+        dtype = rng.choice(["float32", "bfloat16", "float16"])
+        kind = rng.choice(["cpu", "cuda"])
+        want, top = _prefill_inventory(d, s, 4 if dtype == "float32" else 2, s if block is None else block, rows,
+                                       kind == "cuda")
+        got = prefill_activation_bytes(d, s, dtype, largest_block=block, mlp_rows=rows, device_kind=kind)
+        assert got == want, (d, s, block, rows, dtype, kind, top)
+        won.add(top)
+    assert won == {"attention", "rope", "mlp", "norm"}  # every phase's terms were decisive somewhere
+    assert prefill_activation_bytes(ModelDims.from_config(TINY), 0, "float32", largest_block=500) == 0
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("preset", [False, True])
+@pytest.mark.parametrize("ring", [False, True])
+def test_rank_memory_parts(kind, preset, ring):
+    """Shares 5, 0, 3 in pages of 4, 6 new tokens: KV in whole pages (an empty share still one page),
+    activations the larger of the prefill (its own share against the largest arriving block) and
+    ring decode's three layer shards, a preset built in float32 on CPU ranks, the process's part."""
+    d = ModelDims.from_config(TINY)
+    per_token = d.layers * 2 * d.kv_heads * d.head_dim * 2  # bfloat16 KV
+    for r, (tokens, paged) in enumerate([(5, 8), (0, 4), (3 + 6 + 1, 12)]):
+        m = rank_memory(d, shares=[5, 0, 3], rank=r, new_tokens=6, dtype="float16", kv_dtype="bfloat16",
+                        device_kind=kind, page_size=4, preset=preset, ring_decode=ring)
+        assert m.tokens == tokens and m.kv == paged * per_token
+        assert m.weights == 2 * d.params()
+        decode = 3 * (5 + 6 + 1) * 2 * d.kv_heads * d.head_dim * 2 if ring else 0
+        assert decode_activation_bytes(d, 5 + 6 + 1, "bfloat16", ring) == decode
+        prefill = _prefill_inventory(d, [5, 0, 3][r], 2, 5, 4096, kind == "cuda")[0] if r != 1 else 0
+        assert m.activations == max(prefill, decode)
+        assert m.load == (4 * d.params() if preset and kind == "cpu" else m.weights)
+        assert m.overhead == (1024 * MiB if kind == "cuda" else 500 * MiB)
+        assert m.total == max(m.weights + m.kv + m.activations, m.load) + m.overhead
+        if preset and kind == "cpu":
+            assert m.load > m.weights + m.kv + m.activations  # the float32 build is the peak here
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("prompt", [1, 2, 10, 5000])
+def test_reference_memory_parts(kind, prompt):
+    """transformers alone: the whole KV in the dtype plus one layer's K and V again (the cache grows
+    by concatenation), and its largest forward, min(chunk, prompt - 1) tokens (the last prompt token
+    goes in with the first decode step), at least one: the MLP and hidden states per token and the
+    mask of the forward over the context (float32 scores too on CPU, sdpa's math path)."""
+    d = ModelDims.from_config(TINY)
+    m = reference_memory(d, prompt_tokens=prompt, new_tokens=3, dtype="bfloat16", device_kind=kind, preset=False)
+    total = prompt + 3
+    layer_kv = 2 * d.kv_heads * d.head_dim * 2
+    assert m.kv == total * d.layers * layer_kv + total * layer_kv and m.tokens == total
+    rows = min(4096, max(prompt - 1, 1))
+    per_pair = 1 + (4 * d.q_heads if kind == "cpu" else 0)
+    assert m.activations == rows * (3 * d.intermediate * 2 + 6 * d.hidden * 2) + rows * total * per_pair
+    assert m.weights == m.load == 2 * d.params()
+    assert m.overhead == (1024 * MiB if kind == "cuda" else 500 * MiB)
 
 
 def _shape(device_kind="cuda", dtype="bfloat16"):

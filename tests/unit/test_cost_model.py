@@ -176,6 +176,88 @@ def test_awkward_shapes_world_sizes_3_5_6_and_one_rank():
     assert predict_step(cluster(g=5), dataclasses.replace(W, seq_len=3), "tree").time_us > 0
 
 
+def test_an_uneven_split_costs_its_largest_shard_and_each_strategy_its_buffers():
+    """1,001 tokens on 4 ranks: the local attention and the peak memory are the 251-token shard's;
+    beside it the tree holds its local, merged and downward states and one per child (the binary
+    root has 2), the all-reduce 3 packed states, the ring two blocks in flight."""
+    c, w = cluster(g=4), dataclasses.replace(W, seq_len=1001)
+    shard = 2 * 1 * 251 * 2 * 64 * 2
+    msg = 4 * 1 * 8 * (64 + 1)
+    for strategy, extra in (("tree", (3 + 2) * msg), ("allreduce", 3 * msg), ("ring", 2 * shard)):
+        pred = predict_step(c, w, strategy, ReductionPlan("tree", 2) if strategy == "tree" else None)
+        assert pred.local_us == pytest.approx(3.0 + shard / (1000.0 * 0.5 * 1e3)), strategy
+        assert (pred.extra_mem_bytes, pred.peak_mem_bytes) == (extra, shard + extra), strategy
+
+
+@pytest.mark.parametrize("world, seq_len", [(3, 1001), (5, 3), (6, 4), (5, 0), (2, 1)])
+def test_ring_bytes_and_messages_by_brute_force(world, seq_len):
+    """The ring simulated round by round: in round s rank r forwards the block of rank r - s (its
+    own first), p - 1 rounds, so never its successor's; a block is its K and V (3 messages with its
+    lengths) or, when empty, its lengths alone (1 message). Empty shards included."""
+    w = dataclasses.replace(W, seq_len=seq_len, batch=2)
+    sizes = [seq_len // world + (1 if r < seq_len % world else 0) for r in range(world)]
+    per_token = 2 * 2 * 2 * 64 * 2
+    sent, msgs = [0] * world, [0] * world
+    for s in range(world - 1):
+        for r in range(world):
+            n = sizes[(r - s) % world]
+            sent[r] += n * per_token + 4 * 2
+            msgs[r] += 3 if n else 1
+    pred = predict_step(cluster(g=world), w, "ring")
+    assert (pred.bytes_per_rank, pred.messages) == (max(sent), max(msgs))
+
+
+def _cpu_fabric(**kw) -> ClusterSpec:
+    """Two "nodes" of 2 CPU ranks each on one host of 2 cores (4 ranks share them: each runs at
+    half speed), joined by a network link; no overlap of communication and compute."""
+    dev = dataclasses.replace(DEV, shared_cores=2, overlap=False)
+    return ClusterSpec("fabric", dev, ranks_per_node=2, nodes=2, intra=LINK, network=NET, step_overhead_us=7.0,
+                       ranks_per_host=4, **kw)
+
+
+def test_tree_on_cpu_ranks_across_nodes_by_hand():
+    """Binary tree 0 <- {1, 2}, 1 <- {3}; 1-3 and 0-2 cross the network. A message's alpha is core
+    work (x2), its bytes on the host link too (x2), on the network not (the wire is no core's)."""
+    c = _cpu_fabric()
+    msg = W.message_bytes
+    share = 2.0
+
+    def hop(link, queued=1):
+        return share * link.p2p_latency_us + (share if link is LINK else 1.0) * queued * msg / (link.p2p_gbps * 1e3)
+
+    merge = share * 2.0
+    ready1 = hop(NET) + merge
+    ready0 = max(ready1 + hop(LINK), hop(NET)) + msg / (NET.p2p_gbps * 1e3) + merge  # 2's bytes queue behind
+    have1, have2 = ready0 + hop(LINK), ready0 + hop(NET, queued=2)
+    have3 = have1 + hop(NET)
+    pred = predict_step(c, W, "tree", ReductionPlan("tree", 2))
+    assert pred.comm_us == pytest.approx(max(have1, have2, have3))
+    assert pred.local_us == pytest.approx(share * (3.0 + W.shard_bytes(4) / (1000.0 * 0.5 * 1e3)))
+
+
+def test_tree_over_shared_network_links_by_hand():
+    """3 nodes of one GPU, each node's rank behind one shared link; the flat tree 0 <- {1, 2}. Up:
+    1's and 2's states leave at once but 0's link in takes one after the other (the second
+    arrives a wire time later); 0 merges; down: 0's link out sends to 1, then to 2."""
+    c = ClusterSpec("nic", DEV, ranks_per_node=1, nodes=3, network=NET, step_overhead_us=7.0, shared_nic=True)
+    wire, lat, merge = W.message_bytes / (NET.p2p_gbps * 1e3), NET.p2p_latency_us, DEV.merge_us
+    top = 2 * wire + lat + merge
+    pred = predict_step(c, W, "tree", ReductionPlan("tree", 2))
+    assert pred.comm_us == pytest.approx(top + 2 * wire + lat)
+
+
+def test_allreduce_on_cpu_ranks_across_nodes_by_hand():
+    """gloo across nodes: one ring over all 4 ranks at the network's step (its alpha measured with
+    the ranks on the cores: not shared again), 2 (p - 1) steps of 1/p of the payload each."""
+    c = _cpu_fabric()
+
+    def ar(n):
+        return 5.0 + 2 * 3 * 4.0 + 2 * 3 / 4 * n / 9e3
+
+    pred = predict_step(c, W, "allreduce")
+    assert pred.comm_us == pytest.approx(ar(W.lse_bytes) + ar(W.message_bytes) + 2 * 2.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 5])
 def test_predicted_bytes_equal_what_the_library_counts(world):

@@ -186,7 +186,7 @@ def test_fp8_keys_split_over_threads(monkeypatch, threads, c_kernel_path):
     assert_decode_close(out, lse, o64, l64, TOL, what=f"fp8 paged on {threads} threads")
 
 
-@pytest.mark.parametrize("form", ["tensor_hkv", "tensor_scalar", "python_float", "float64_tensor"])
+@pytest.mark.parametrize("form", ["tensor_hkv", "tensor_scalar", "tensor_one", "python_float", "float64_tensor"])
 def test_decode_attention_scale_forms(form):
     """decode_attention takes a scale per KV head, a 0-d tensor, a Python number or another float
     dtype (converted); one scalar scale for every head (quantized with per_head=False)."""
@@ -195,6 +195,8 @@ def test_decode_attention_scale_forms(form):
     q, k8, v8, ks, vs, k64, v64 = _case(2, 1, 8, 4, 64, 100, seed=3, per_head=per_head, gains=gains)
     if form == "tensor_scalar":
         ks, vs = ks[0].clone(), vs[0].clone()
+    elif form == "tensor_one":  # shape [1], as a scalar
+        ks, vs = ks[:1].clone(), vs[:1].clone()
     elif form == "python_float":
         ks, vs = float(ks[0]), float(vs[0])
     elif form == "float64_tensor":
@@ -270,6 +272,67 @@ def test_quantize_kv_and_the_store_leave_their_inputs_alone(dtype):
     assert torch.equal(dequantize(vv, store.v_scale[0]).sign(), v[0].double().sign())
 
 
+def test_quantize_kv_leaves_nan_and_inf_out_of_the_scales():
+    """NaN and infinities in the cache become NaN codes; the scales come from the finite values."""
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(3, 5, 2, 8, generator=g)
+    v = torch.randn(3, 5, 2, 8, generator=g)
+    finite_amax = k.abs().amax(dim=(0, 1, 3))
+    bad = [(0, 1, 0, 2, float("inf")), (1, 4, 1, 0, float("nan")), (2, 0, 0, 7, float("-inf"))]
+    for b, t, h, d, x in bad:
+        k[b, t, h, d] = x
+    k8, _, ks, _ = quantize_kv(k, v)
+    assert torch.equal(ks, finite_amax / 448)
+    nan = torch.isnan(k8.float())
+    assert [tuple(i) for i in nan.nonzero().tolist()] == [b[:4] for b in bad]
+
+
+@pytest.mark.parametrize("fmt", [FN, FNUZ], ids=["e4m3fn", "e4m3fnuz"])
+def test_quantize_saturates_at_the_formats_largest_value(fmt):
+    """A value beyond what the scale can store (a new token larger than the prefill's maximum) is
+    stored as +-max, never NaN, in both formats (e4m3fnuz's own conversion gives NaN there)."""
+    from tree_attn.kernels.fp8 import quantize
+
+    top = FP8_MAX[fmt]
+    x = torch.tensor([1.0, -1.0, top + 20, -(top + 20), 1e4, -1e30]).reshape(1, 2, 3)
+    stored = quantize(x, torch.tensor([1.0, 0.5]), fmt).float().reshape(-1)
+    assert stored.tolist() == [1.0, -1.0, top, -top, top, -top]
+
+
+def test_quantize_kv_in_chunks_equals_one_pass(monkeypatch):
+    """Chunked conversion (bounded memory) changes nothing: chunks of 3 rows over 22 rows (the
+    last chunk short), and of one row, give the same scales and bytes as one chunk; the head's
+    maximum sits in the last row. The library's dequantize is the independent one, per head."""
+    from tree_attn.kernels import fp8
+
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(2, 11, 3, 8, generator=g)
+    v = torch.randn(2, 11, 3, 8, generator=g).bfloat16()
+    k[1, 10, 2, 5] = 50.0
+    whole = quantize_kv(k, v)
+    for rows in (3, 1):
+        monkeypatch.setattr(fp8, "QUANTIZE_CHUNK_ELEMENTS", rows * 3 * 8)
+        chunked = quantize_kv(k, v)
+        assert torch.equal(chunked[2], whole[2]) and torch.equal(chunked[3], whole[3])
+        assert torch.equal(chunked[0].view(torch.uint8), whole[0].view(torch.uint8))
+        assert torch.equal(chunked[1].view(torch.uint8), whole[1].view(torch.uint8))
+    assert torch.equal(whole[2][2], torch.tensor(50.0) / 448)  # the last row counted
+    k8, ks = whole[0], whole[2]
+    assert len(set(ks.tolist())) == 3 and torch.equal(fp8.dequantize(k8, ks, torch.float64), dequantize(k8, ks))
+
+
+def test_fp8_support_check_names_what_came_back():
+    """The check that this torch converts an fp8 dtype on CPU compares values: a dtype that does
+    not round-trip 1.5 and -0.25 is refused (int8 stands in for a build without fp8 conversions)."""
+    from tree_attn.errors import KernelUnavailableError
+    from tree_attn.kernels.fp8 import check_fp8_support
+
+    check_fp8_support(FN)
+    check_fp8_support(FNUZ)
+    with pytest.raises(KernelUnavailableError, match=r"came back as \[1.0, 0.0\]"):
+        check_fp8_support(torch.int8)
+
+
 def test_quantize_kv_bad_inputs():
     k = torch.randn(1, 4, 2, 8)
     with pytest.raises(ConfigError, match="k and v must have the same KV heads"):
@@ -308,6 +371,7 @@ def _fp8_inputs():
         ("bool", dict(k_scale=True), "positive finite number or a float32 tensor"),
         ("numpy negative", dict(v_scale=np.float32(-0.5)), "got a negative value"),
         ("list", dict(k_scale=[1.0, 1.0]), "positive finite number or a float32 tensor"),
+        ("other device", dict(k_scale=torch.ones(2, device="meta")), "must be on the cache's device cpu; got meta"),
     ],
 )
 def test_bad_scales(what, kwargs, message):

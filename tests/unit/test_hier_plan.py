@@ -105,3 +105,39 @@ def test_non_nested_hierarchy_is_refused():
         hierarchical_parents([("pix", [[0, 1], [2, 3]]), ("pxb", [[0, 2], [1, 3]]), ("sys", [[0, 1, 2, 3]])])
     with pytest.raises(ConfigError, match="one group of all"):
         hierarchical_parents([("pix", [[0, 1], [2, 3]])])
+
+
+def test_bad_hierarchies_and_fanouts_are_refused():
+    two = [("pix", [[0, 1], [2, 3]]), ("sys", [[0, 1, 2, 3]])]
+    with pytest.raises(ConfigError, match="last level must cover ranks 0..n-1"):
+        hierarchical_parents([("sys", [[0, 2]])])
+    # a faster level that leaves a rank out, or holds one twice, is not a partition
+    with pytest.raises(ConfigError, match="'pix' is not a partition"):
+        hierarchical_parents([("pix", [[0, 1]]), ("sys", [[0, 1, 2]])])
+    with pytest.raises(ConfigError, match="'pix' is not a partition"):
+        hierarchical_parents([("pix", [[0, 1], [1, 2]]), ("sys", [[0, 1, 2]])])
+    with pytest.raises(ConfigError, match="1 fan-outs given for 2 hierarchy levels"):
+        hierarchical_parents(two, [2])
+    with pytest.raises(ConfigError, match="fan-out must be an integer >= 2; got 1"):
+        hierarchical_parents(two, [2, 1])
+
+
+def test_per_level_fanouts_apply_fastest_first():
+    """Fan-out 3 inside the four-rank groups, 2 among the three group leaders."""
+    levels = [("nvlink", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), ("sys", [list(range(12))])]
+    plan = hierarchical_plan(levels, [3, 2])
+    assert plan.parents == (-1, 0, 0, 0, 0, 4, 4, 4, 0, 8, 8, 8)
+    assert plan.fanout == 3 and plan.label == "hier nvlink>sys k=3/2"
+
+
+def test_label_leaves_out_levels_that_join_nothing():
+    levels = [("self", [[r] for r in range(4)]), ("pix", [[0, 1], [2, 3]]), ("sys", [[0, 1, 2, 3]])]
+    assert hierarchical_plan(levels, 2).label == "hier pix>sys k=2"
+
+
+def test_candidates_of_a_two_level_box_of_16():
+    """Every k-ary tree (2, 4, 8, the flat 16) and every hierarchical one (2, 4, 16) tune times."""
+    levels = [("nvlink", [list(range(8)), list(range(8, 16))]), ("sys", [list(range(16))])]
+    labels = [p.label for p in candidate_plans(16, levels)]
+    assert labels == ["allreduce", "tree k=2", "tree k=4", "tree k=8", "tree k=16",
+                      "hier nvlink>sys k=2", "hier nvlink>sys k=4", "hier nvlink>sys k=16"]

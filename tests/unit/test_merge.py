@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.tolerances import assert_state_close, random_decode_inputs
 from tree_attn import ShapeError, merge_partials
 from tree_attn.kernels.reference import decode_attention_float64
-from tree_attn.reduce.state import merge_two
+from tree_attn.reduce.state import empty_state, merge_states, merge_two
 
 
 def _split_states(q, k, v, cuts):
@@ -72,6 +72,51 @@ def test_large_lse_does_not_overflow():
     assert abs(lse.item() - (1e4 + math.log(4.0))) < 1e-2
 
 
+def test_lse_spread_far_beyond_exp_range_with_empty_states():
+    """Scale-free: lses hundreds apart (exp of the spread overflows float32) beside empty states,
+    against the float64 merge written out: the shift must be the largest lse, not any other."""
+    g = torch.Generator().manual_seed(5)
+    outs = torch.randn(5, 3, 4, 8, generator=g)
+    lses = torch.randn(5, 3, 4, generator=g) * 200
+    lses[1, 0] = float("-inf")  # one empty state in every head of row 0
+    lses[:4, 2, 1] = float("-inf")  # one state alone
+    out, lse = merge_partials(outs, lses)
+    ref_lse = torch.logsumexp(lses.double(), dim=0)
+    w = torch.exp(lses.double() - ref_lse)
+    ref_out = (w.unsqueeze(-1) * outs.double()).sum(dim=0)
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=0)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[2, 1], outs[4, 2, 1]) and lse[2, 1] == lses[4, 2, 1]
+
+
+def test_own_states_with_nan_or_inf_lse_poison_their_row_only():
+    """States our kernels made: a NaN or +inf lse in either state (from NaN/inf data) makes that
+    row's out and lse NaN, as torch SDPA gives; the other rows merge as usual."""
+    g = torch.Generator().manual_seed(6)
+    oa, ob = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    la, lb = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    la[0], lb[1], la[2] = float("nan"), float("inf"), float("-inf")
+    out, lse = merge_two(oa, la, ob, lb)
+    assert torch.isnan(out[:2]).all() and torch.isnan(lse[:2]).all()
+    assert torch.equal(out[2], ob[2]) and lse[2] == lb[2]  # an empty state is not a faulty one
+    clean_out, clean_lse = merge_partials(torch.stack([oa[3:], ob[3:]]), torch.stack([la[3:], lb[3:]]))
+    assert torch.equal(out[3:], clean_out) and torch.equal(lse[3:], clean_lse)
+
+
+def test_float64_merge_keeps_float64_precision():
+    """The float64 merge (what ``tree-attn run``'s reference is merged with) computes in float64
+    throughout: split float64 states merge to the unsplit float64 truth to ~1e-13, far below
+    what a float32 step anywhere in it would leave (~1e-7)."""
+    q, k, v = random_decode_inputs(2, 8, 2, 16, 57, seed=7)
+    cuts = [0, 9, 9, 30, 57]
+    parts = [decode_attention_float64(q, k[:, a:b], v[:, a:b]) for a, b in itertools.pairwise(cuts)]
+    out, lse = merge_states(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]), dtype=torch.float64)
+    ref_out, ref_lse = decode_attention_float64(q, k, v)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    assert (out - ref_out).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+
+
 def test_shape_errors_name_the_shapes():
     with pytest.raises(ShapeError, match=r"outs \(3, 2, 4\).*lses \(2, 2\)"):
         merge_partials(torch.zeros(3, 2, 4), torch.zeros(2, 2))
@@ -115,6 +160,6 @@ def test_merge_is_commutative(a, b):
 @settings(max_examples=150, deadline=None)
 @given(_state())
 def test_empty_state_is_identity(a):
-    empty = (torch.zeros(3, 4), torch.full((3,), float("-inf")))
-    _close(merge_two(*a, *empty), a)
-    _close(merge_two(*empty, *a), a)
+    for empty in ((torch.zeros(3, 4), torch.full((3,), float("-inf"))), empty_state((3,), 4)):
+        _close(merge_two(*a, *empty), a)
+        _close(merge_two(*empty, *a), a)

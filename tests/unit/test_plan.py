@@ -34,6 +34,13 @@ def test_from_parents_rejects_cycles_and_two_roots():
         ReductionTree.from_parents([-1, 2, 1])
     with pytest.raises(ConfigError, match="not a valid parent"):
         ReductionTree.from_parents([-1, 7])
+    # the edges of the range: a parent one past the last rank, a rank its own parent, no root at all
+    for parents, text in (([-1, 2], "not a valid parent"), ([-1, 1], "not a valid parent"),
+                          ([1, 0], "exactly one root"), ([1, 2, 0], "exactly one root")):
+        with pytest.raises(ConfigError, match=text):
+            ReductionTree.from_parents(parents)
+    with pytest.raises(ConfigError, match="fan-out must be at least 2; got 1"):
+        kary_tree([0, 1, 2], 1)
 
 
 def test_plan_validation():
@@ -45,11 +52,23 @@ def test_plan_validation():
         ReductionPlan("tree", 2, rank_order=(0, 1, 1, 3)).check(4)
     with pytest.raises(ConfigError, match="3 entries for 4 ranks"):
         ReductionPlan("tree", parents=(-1, 0, 0)).check(4)
+    # the same refusals from tree() called alone, and from check() of a plan that builds no tree
+    with pytest.raises(ConfigError, match="3 entries for 4 ranks"):
+        ReductionPlan("tree", parents=(-1, 0, 0)).tree(4)
+    with pytest.raises(ConfigError, match="permutation of 0..3"):
+        ReductionPlan("tree", 2, rank_order=(0, 2, 1)).tree(4)
+    with pytest.raises(ConfigError, match="3 entries for 4 ranks"):
+        ReductionPlan("allreduce", parents=(-1, 0, 0)).check(4)
+    with pytest.raises(ConfigError, match="permutation of 0..3"):
+        ReductionPlan("allreduce", rank_order=(0, 1, 1, 3)).check(4)
 
 
 def test_plan_round_trip_and_labels():
     p = ReductionPlan("tree", 4, rank_order=(1, 0, 2, 3))
     assert ReductionPlan.from_dict(p.to_dict()) == p
+    explicit = ReductionPlan("tree", 2, parents=(2, 2, -1, 0), label="hier pix>sys k=2")
+    back = ReductionPlan.from_dict(explicit.to_dict())  # what a saved profile keeps of its tree
+    assert back == explicit and back.tree(4).parent == (2, 2, -1, 0)
     assert p.label == "tree k=4" and ReductionPlan("allreduce").label == "allreduce"
     with pytest.raises(ConfigError, match="unknown plan keys: colour"):
         ReductionPlan.from_dict({"strategy": "tree", "colour": "red"})

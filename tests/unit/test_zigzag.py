@@ -58,6 +58,12 @@ def test_causal_work_balanced_where_contiguous_is_not(n, world):
     assert max(cont) / mean > 0.99 * (2 * world - 1) / world  # the last contiguous shard: (2p - 1)/p of the mean
 
 
+def test_to_dict_lists_each_ranks_runs_as_start_stop():
+    """The assignment as ``generate --json`` reports it: stop is exclusive, empty ranks hold []."""
+    assert zigzag(7, 2).to_dict() == {"scheme": "zigzag", "tokens": 7, "runs": [[[0, 2], [5, 7]], [[2, 3], [3, 5]]]}
+    assert contiguous(2, 3).to_dict() == {"scheme": "contiguous", "tokens": 2, "runs": [[[0, 1]], [[1, 2]], []]}
+
+
 def test_shards_reject_gaps_overlaps_and_unsorted_runs():
     with pytest.raises(ConfigError, match="position 2 is missing"):
         SequenceShards(4, ((Run(0, 2),), (Run(3, 4),)))
@@ -70,7 +76,7 @@ def test_shards_reject_gaps_overlaps_and_unsorted_runs():
     for bad in [(-1, 2), (3, 3)]:
         with pytest.raises(ConfigError):
             Run(*bad)
-    for args in [(-1, 2), (4, 0), (4, True)]:
+    for args in [(-1, 2), (4, 0), (4, True), (True, 2)]:
         with pytest.raises(ConfigError):
             zigzag(*args)
 
