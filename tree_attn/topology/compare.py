@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from .dumps import FORMAT_COMMANDS
 from .io import atomic_write_text
 from .model import UNKNOWN, Link, LinkKind, P2PStatus, Topology, format_ranges
 
@@ -106,10 +107,8 @@ def no_names_hint(*topologies: Topology) -> str:
 def _no_names_dump(topo: Topology) -> str:
     """The dump's own words: ``a `nvidia-smi topo -m` dump`` (its source ``dump:nvidia-smi-topo-m``)."""
     kind = topo.source.removeprefix("dump:") if topo.source.startswith("dump:") else ""
-    commands = {"nvidia-smi-topo-m": "nvidia-smi topo -m", "nvidia-smi-topo-p2p": "nvidia-smi topo -p2p",
-                "amd-smi-topology": "amd-smi topology", "amd-smi-xgmi": "amd-smi xgmi",
-                "rocm-smi-showtopo": "rocm-smi --showtopo"}
-    return f"a `{commands[kind]}` dump names none" if kind in commands else "a topology dump names none"
+    command = FORMAT_COMMANDS.get(kind)
+    return f"a `{command}` dump names none" if command else "a topology dump names none"
 
 
 def _model_words(topo: Topology) -> str:

@@ -539,6 +539,16 @@ FORMATS: dict[str, Callable[[str], Topology]] = {
     "rocm-smi-showtopo": parse_rocm_smi_showtopo,
 }
 
+# The command whose output each format is (for messages).
+FORMAT_COMMANDS: dict[str, str] = {
+    "nvidia-smi-topo-m": "nvidia-smi topo -m",
+    "nvidia-smi-topo-p2p": "nvidia-smi topo -p2p",
+    "device-list": "nvidia-smi -L",
+    "amd-smi-topology": "amd-smi topology",
+    "amd-smi-xgmi": "amd-smi xgmi",
+    "rocm-smi-showtopo": "rocm-smi --showtopo",
+}
+
 
 def detect_format(text: str) -> str:
     """Name of the dump format (a key of :data:`FORMATS`)."""
