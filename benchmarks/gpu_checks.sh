@@ -15,8 +15,8 @@
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
 #          generate-refused, fit, calibrate-costmodel, simulate-calibrated
 #   short  what fits one 10-minute call on a fresh machine (--quick is implied): gpu-tests, then short
-#          rows of bench-kernel-fp8 (bf16 and fp8 at 64K and 256K), bench-generate (8K, one GPU, graph
-#          vs eager, kernel time), run and generate, then cpu-suite (the rest of the README's tests,
+#          rows of bench-kernel-fp8 (bf16 and fp8 at 64K and 256K), bench-generate (8K, the one-process
+#          rows, graph vs eager, kernel time), run and generate, then cpu-suite (the rest of the README's tests,
 #          over the CPU cores by pytest-xdist when installed) with what time is left. Run side by
 #          side, the two test steps slowed each other past their limits on an H200 (2026-11-26).
 #   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), sass-loop (the tile
@@ -133,17 +133,20 @@ else
     --fp8-configs "$fp8_alt" --out "$out/bench_kernel_fp8.json"
   step bench-step 900 python3 benchmarks/bench_step.py --out "$out/bench_step.json"
 fi
-step bench-kernel-short 140 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 64k,256k \
+step bench-kernel-short 90 python3 benchmarks/bench_kernel.py --no-sdpa --kv-dtypes bf16,fp8 --batches 1,8 --lens 64k,256k \
   --fp8-configs '[{"block_n": 64, "num_warps": 4, "num_stages": 2}]' --out "$out/bench_kernel_short.json"
 step bench-host 60 python3 benchmarks/bench_host.py --out "$out/bench_host.json"
 step bench-paged 100 python3 benchmarks/bench_paged.py --device cuda --tokens 65536 --dtype bf16 --out "$out/bench_paged.json"
 # generate's token step: each row with CUDA graphs and eagerly (--no-cuda-graph), the one-rank row
 # against transformers' sdpa, and the one-rank token profiled: wall per token vs the sum of its
-# kernels' device time (goal <= 1.1x). Written without a GPU at hand: unverified until run on one.
-step bench-generate 300 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --ctx 32768 \
+# kernels' device time (goal <= 1.1x). On one H100 (2026-11-26) the short step's graph and eager
+# rows ran (a rank's spawn, load and prefill take 10-20 s each, eight of them with --worlds 1), but
+# its 110 s limit ended it before the profile; the short step now decodes the one-process rows only
+# (--worlds 0: the reference and the one-rank row, the one profiled) within a longer limit.
+step bench-generate 420 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --ctx 32768 \
   --worlds "$(python3 -c 'import torch; print(min(2, torch.cuda.device_count()))')" --new-tokens 32 --compare-eager \
   --kernel-time --out "$out/bench_generate.json"
-step bench-generate-short 110 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --worlds 1 \
+step bench-generate-short 150 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --worlds 0 \
   --new-tokens 16 --compare-eager --kernel-time --out "$out/bench_generate_short.json"
 step probe 30 "${cli[@]}" probe
 step probe-measure 60 "${cli[@]}" probe --measure --json

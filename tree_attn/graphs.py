@@ -132,6 +132,30 @@ def _free_deferred() -> None:
         graph.reset()
 
 
+def _settle_rng_after_failed_capture(device: torch.device) -> str:
+    """Take the device's random-number state out of capture after a capture that failed.
+
+    torch puts the default CUDA generator of the capturing device into capture mode when a
+    capture begins, and takes it out only when ending the capture succeeds (torch 2.11's
+    ``CUDAGraph::capture_end`` raises before the generator's epilogue when the capture was
+    invalidated, e.g. by a sync). Left so, every later random op on the device (``torch.randn``)
+    and every replay of any graph captured before fails with "Offset increment outside graph
+    capture encountered unexpectedly" (seen on an H100, torch 2.11). A capture that succeeds
+    runs the epilogue on the same shared state: one of a 1-cycle kernel, freed at once.
+
+    Returns "" when settled, else a clause saying what may now fail (appended to the reason).
+    """
+    try:
+        settle = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(settle, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+            torch.cuda._sleep(1)
+        settle.reset()
+        return ""
+    except Exception as exc:  # noqa: BLE001 - any failure: the step still runs eagerly, and its reason says this
+        return (f"; random numbers on {device} may fail from now on (settling the generator after the failed "
+                f"capture failed too: {type(exc).__name__}: {exc})")
+
+
 class CapturedStep:
     """Run ``fn()`` as a CUDA graph replay on ``device`` (eagerly on CPU, or when asked not to).
 
@@ -160,7 +184,8 @@ class CapturedStep:
     ``why_eager`` why not. A step that communicates (``communicates=True``) does not fall back:
     a capture that failed inside an NCCL group call can leave the group open, and later calls on
     that process group would then hang or misbehave; the error is raised, with the way around it.
-    Either way the stream that was current before is current again.
+    Either way the stream that was current before is current again, and the device's random-number
+    generator is out of capture mode (torch leaves it in when ending a capture fails).
 
     A call only issues the step; :meth:`wait` waits for it, at most ``timeout_s``. Call
     :meth:`close` (or use the owning step as a context manager) when done: NCCL's teardown waits
@@ -221,16 +246,17 @@ class CapturedStep:
                 with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                     self.outputs = self.fn()
             except Exception as exc:  # reported, then the step runs eagerly
+                unsettled = _settle_rng_after_failed_capture(self.device)
                 if self.communicates:
                     from .errors import DistributedError
 
                     raise DistributedError(
                         f"capturing the decode step as a CUDA graph failed ({type(exc).__name__}: {exc}); the step "
                         "talks to other ranks, so it is not retried eagerly on the same process group. Run it "
-                        "without graphs (`--no-cuda-graph`, or cuda_graph=False)"
+                        f"without graphs (`--no-cuda-graph`, or cuda_graph=False){unsettled}"
                     ) from exc
                 torch.cuda.synchronize(self.device)
-                self.why_eager = f"capture failed ({type(exc).__name__}: {exc})"
+                self.why_eager = f"capture failed ({type(exc).__name__}: {exc}){unsettled}"
                 warnings.warn(f"CUDA graph {self.why_eager}; running the step eagerly", RuntimeWarning, stacklevel=4)
                 self.outputs = None
                 return

@@ -167,7 +167,15 @@ def fake_cuda(monkeypatch):
     does; "begin": beginning it raises; None: it succeeds)."""
     cuda = graphs.torch.cuda
     default = FakeStream("default")
-    state = {"current": default, "default": default, "fail": None, "syncs": 0, "events": []}
+    state = {"current": default, "default": default, "fail": None, "fail_times": None, "syncs": 0, "events": [],
+             "captures": 0, "sleeps": []}
+
+    def failing(where):  # state["fail_times"]: how many captures fail (None: every one)
+        if state["fail"] != where or state["fail_times"] == 0:
+            return False
+        if state["fail_times"] is not None:
+            state["fail_times"] -= 1
+        return True
 
     def set_stream(s):
         state["current"] = s
@@ -188,11 +196,12 @@ def fake_cuda(monkeypatch):
         def __enter__(self):
             self.prev = state["current"]
             state["current"] = self.stream
-            if state["fail"] == "begin":
+            state["captures"] += 1
+            if failing("begin"):
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
         def __exit__(self, *exc):
-            if state["fail"] == "end":
+            if failing("end"):
                 raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
             state["current"] = self.prev
             return False
@@ -209,6 +218,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda, "graph", Capture)
     monkeypatch.setattr(cuda, "Event", new_event)
+    monkeypatch.setattr(cuda, "_sleep", lambda cycles: state["sleeps"].append(cycles))
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: state.__setitem__("syncs", state["syncs"] + 1))
     FakeGraph.made, FakeGraph.log = [], []
     yield state
@@ -333,6 +343,36 @@ def test_a_failed_capture_leaves_the_stream_that_was_current(fake_cuda, fail, co
             step = graphs.CapturedStep(lambda: 7, CUDA0)
         assert not step.captured and step() == 7
     assert fake_cuda["current"] is fake_cuda["default"], f"{fake_cuda['current']} left current"
+
+
+@pytest.mark.parametrize("fail", ["end", "begin"])
+@pytest.mark.parametrize("communicates", [False, True])
+def test_a_failed_capture_is_followed_by_one_that_takes_the_generator_out_of_capture(fake_cuda, fail, communicates):
+    """torch ends a failed capture without its generator epilogue, which leaves the device's
+    random state in capture mode (every later random op and replay then fails): a second,
+    1-cycle capture that succeeds runs the epilogue, and its graph is freed at once."""
+    fake_cuda["fail"], fake_cuda["fail_times"] = fail, 1
+    if communicates:
+        with pytest.raises(DistributedError) as err:
+            graphs.CapturedStep(lambda: None, CUDA0, communicates=True)
+        assert "may fail" not in str(err.value)
+    else:
+        with pytest.warns(RuntimeWarning, match="capture failed") as warned:
+            step = graphs.CapturedStep(lambda: 7, CUDA0)
+        assert not step.captured and "may fail" not in step.why_eager and "may fail" not in str(warned[0].message)
+    assert fake_cuda["captures"] == 2 and fake_cuda["sleeps"] == [1]
+    assert ("reset", len(FakeGraph.made) - 1) in FakeGraph.log  # the settling graph, freed
+    assert fake_cuda["current"] is fake_cuda["default"]
+
+
+def test_when_the_settling_capture_fails_too_the_reason_says_random_numbers_may_fail(fake_cuda):
+    fake_cuda["fail"] = "end"  # every capture fails
+    with pytest.warns(RuntimeWarning, match=r"random numbers on cuda:0 may fail from now on"):
+        step = graphs.CapturedStep(lambda: 7, CUDA0)
+    assert step.why_eager.startswith("capture failed (RuntimeError: CUDA error: operation failed")
+    assert "settling the generator after the failed capture failed too" in step.why_eager
+    assert fake_cuda["captures"] == 2 and step() == 7
+    assert fake_cuda["current"] is fake_cuda["default"]
 
 
 def test_a_step_dropped_during_another_capture_is_freed_after_it(fake_cuda, monkeypatch):
