@@ -132,7 +132,7 @@ def _free_deferred() -> None:
         graph.reset()
 
 
-def _settle_rng_after_failed_capture(device: torch.device) -> str:
+def settle_rng_after_failed_capture(device: torch.device) -> str:
     """Take the device's random-number state out of capture after a capture that failed.
 
     torch puts the default CUDA generator of the capturing device into capture mode when a
@@ -246,7 +246,7 @@ class CapturedStep:
                 with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                     self.outputs = self.fn()
             except Exception as exc:  # reported, then the step runs eagerly
-                unsettled = _settle_rng_after_failed_capture(self.device)
+                unsettled = settle_rng_after_failed_capture(self.device)
                 if self.communicates:
                     from .errors import DistributedError
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs import settle_rng_after_failed_capture
+
 # At least this many bytes of rotated inputs, in multiples of the L2 cache, so calls stream from DRAM.
 L2_MULTIPLE = 3
 
@@ -187,6 +189,7 @@ def _capture(sequence: Sequence[Callable[[], object]], device: torch.device):
             for fn in sequence:
                 fn()
     except Exception:  # noqa: BLE001 - the caller falls back to eager calls between events
+        settle_rng_after_failed_capture(device)  # else every later random op on the device raises
         torch.cuda.synchronize(device)
         return None
     return graph

@@ -148,3 +148,32 @@ def test_eager_device_time_on_the_gpu(capsys):
     for row in json.loads(captured.out)["results"]:
         assert row["execution"] == "eager" and row["device_time"] == DEVICE_TIME_HELD, row
         assert 0 < row["device_ms_median"] <= row["step_ms_median"], row
+
+
+def test_a_timing_graph_that_cannot_be_captured_settles_the_generator_then_falls_back(monkeypatch):
+    """``timing._capture`` (graph-timed calls) falls back to eager calls when the capture fails;
+    torch then leaves the device's random-number generator in capture mode, which the settling
+    capture of ``graphs`` undoes (stand-in CUDA calls; the real failure is the GPU test of
+    ``tests/dist/test_replay_timeout_gpu.py``)."""
+    from tree_attn import timing
+
+    settled = []
+
+    class FailingCapture:
+        def __init__(self, graph, stream=None, capture_error_mode=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(timing, "settle_rng_after_failed_capture", lambda device: settled.append(device) or "")
+    calls = []
+    assert timing._capture([lambda: calls.append(1)], torch.device("cuda", 0)) is None
+    assert calls == [1] and settled == [torch.device("cuda", 0)]
