@@ -76,8 +76,21 @@ def _umask() -> int:
 
 def unwritable(path: str | os.PathLike) -> str | None:
     """Why :func:`atomic_write_bytes` could not write ``path``, or None: said before long work
-    (a tune), not after. Missing folders are created there, so the nearest existing one above
-    ``path`` decides: a file where a folder should be, or a folder this user cannot write in."""
+    (a tune, a measurement, a sweep), not after. Every option that writes a file asks this first.
+
+    The rule for every such option: missing folders are created (as ``atomic_write_bytes`` does),
+    so the nearest existing folder above ``path`` decides: a file where a folder should be, or a
+    folder this user cannot write in. ``path`` itself must not be a folder or anything but a
+    regular file (a symbolic link is followed, as the write follows it). The reason reads after
+    ``"cannot write PATH: "``."""
+    path = os.fspath(path)
+    if os.path.lexists(path):
+        real = os.path.realpath(path)
+        if os.path.isdir(real):
+            return "it is a folder, not a file"
+        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
+            return "it is not a regular file (only files are written)"
+        path = real
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)

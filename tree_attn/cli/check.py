@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import err_console, esc, notice, out_console, print_json
+from .common import check_output, err_console, esc, notice, out_console, print_json
 from .options import CPU_RANKS_HELP
 
 # Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
@@ -46,6 +46,8 @@ def check_command(
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if min_bandwidth_ratio is not None and not 0 < min_bandwidth_ratio <= 10:
         raise ConfigError(f"--min-bandwidth-ratio: expected a number in (0, 10], got {min_bandwidth_ratio}")
+    if junit is not None:  # before probing or measuring, not after
+        check_output(junit, "--junit")
     expected = load_expected(expect)
     if from_:
         if measure:

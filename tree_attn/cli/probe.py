@@ -7,7 +7,19 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, print_json, print_table, report, styled, warn
+from .common import (
+    check_output,
+    check_plot,
+    err_console,
+    line,
+    notice,
+    out_console,
+    print_json,
+    print_table,
+    report,
+    styled,
+    warn,
+)
 from .options import CPU_RANKS_HELP
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
@@ -51,8 +63,7 @@ def probe_command(
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if output is not None:  # before probing or measuring, not after
-        if output.is_dir():
-            raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
+        check_output(output, "--output")
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it "
                                 "(or write elsewhere with --output FILE)")
