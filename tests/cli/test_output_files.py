@@ -4,6 +4,7 @@ the file is refused in one line, exit 1, before any work, and nothing is left be
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,32 @@ def test_a_path_under_a_file_is_refused_before_any_work(name, argv, tmp_path, ca
     assert f"{blocker} is a file, not a folder" in err and "Traceback" not in err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "x"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux procfs, which refuses new files to anyone")
+@pytest.mark.parametrize("deeper", [False, True], ids=["folder", "missing-folders"])
+@pytest.mark.parametrize("name,argv", WRITERS, ids=[w[0] for w in WRITERS])
+def test_a_folder_that_refuses_new_files_is_refused_before_any_work(name, argv, deeper, capsys, monkeypatch):
+    """procfs refuses a new file to every user, root included, whose permission bits (os.access)
+    say yes: the up-front check asks the file system, so the refusal comes before the work."""
+    from tree_attn import topology
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the command started its work although its output cannot be written")
+
+    for fn in ("load_dumps", "load_expected", "probe_topology"):
+        monkeypatch.setattr(topology, fn, no_work)
+    out = Path("/proc") / ("tree-attn-new" if deeper else "") / _file_name(name)
+    assert main(_argv(argv, out)) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {name.split()[1]} {out}: the folder /proc cannot be written" in err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux procfs, which refuses new files to anyone")
+def test_tune_output_in_a_folder_that_refuses_new_files_is_refused():
+    with pytest.raises(ProfileError, match="the folder /proc cannot be written"):
+        check_output_free("/proc/tree-attn-profile.yaml", force=False)
 
 
 @pytest.mark.parametrize("name,argv", WRITERS, ids=[w[0] for w in WRITERS])
