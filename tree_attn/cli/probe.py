@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..topology.measure import MEASURE_ITERATIONS
 from .common import (
     check_output,
     check_plot,
@@ -20,7 +21,7 @@ from .common import (
     styled,
     warn,
 )
-from .options import CPU_RANKS_HELP
+from .options import CPU_RANKS_HELP, Iterations
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -47,7 +48,7 @@ def probe_command(
         "where they disagree with the node layout (--json: hierarchy_source).")),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
     cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
-    iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
+    iterations: Iterations = MEASURE_ITERATIONS,
     plot: str | None = typer.Option(None, "--plot", help=(
         "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
         "(needs matplotlib).")),
