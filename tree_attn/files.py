@@ -13,6 +13,9 @@ One helper each, used by every reader and writer (topologies, dumps, profiles, J
   file with mode 0600; it is given the mode a plain ``open()`` would (0666 less the umask) before
   the rename, so that a CI uploader running as another user can read a JUnit report written under
   umask 022.
+- :func:`unwritable`: why a path could not be written, asked before long work by every option
+  that writes a file (missing folders are created; the file system is asked by creating and
+  removing an empty file, since permission bits say yes to root everywhere).
 
 Callers turn ``OSError`` and ``yaml.YAMLError`` into their own :class:`TreeAttnError` subclasses.
 Imports nothing of the project.
@@ -74,17 +77,47 @@ def _umask() -> int:
     return mask
 
 
+# The name of the empty file (or folder) unwritable creates and removes at once.
+_PROBE_PREFIX = ".tree-attn-write-check."
+
+
 def unwritable(path: str | os.PathLike) -> str | None:
     """Why :func:`atomic_write_bytes` could not write ``path``, or None: said before long work
-    (a tune), not after. Missing folders are created there, so the nearest existing one above
-    ``path`` decides: a file where a folder should be, or a folder this user cannot write in."""
-    folder = os.path.dirname(os.path.abspath(path))
+    (a tune, a measurement, a sweep), not after. Every option that writes a file asks this first.
+
+    The rule for every such option: missing folders are created (as ``atomic_write_bytes`` does),
+    so the nearest existing folder above ``path`` decides: a file where a folder should be, or a
+    folder this user cannot write in. ``path`` itself must not be a folder or anything but a
+    regular file (a symbolic link is followed, as the write follows it). The reason reads after
+    ``"cannot write PATH: "``.
+
+    Whether the folder can be written is asked of the file system itself: an empty file is
+    created there and removed (a folder, when folders are still to be made). Permission bits
+    (``os.access``) answer yes to root everywhere, also where the write then fails (``/proc``, a
+    read-only bind mount, a file system that refuses new files), and the command would fail only
+    after its long work."""
+    path = os.fspath(path)
+    if os.path.lexists(path):
+        real = os.path.realpath(path)
+        if os.path.isdir(real):
+            return "it is a folder, not a file"
+        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
+            return "it is not a regular file (only files are written)"
+        path = real
+    parent = folder = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         return f"{folder} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"the folder {folder} cannot be written"
+    try:
+        if folder == parent:  # the temporary file of the write is made here
+            fd, probe = tempfile.mkstemp(prefix=_PROBE_PREFIX, dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        else:  # the missing folders are made here
+            os.rmdir(tempfile.mkdtemp(prefix=_PROBE_PREFIX, dir=folder))
+    except OSError as exc:
+        return f"the folder {folder} cannot be written (a test file could not be created: {exc.strerror or exc})"
     return None
 
 

@@ -8,7 +8,6 @@ checkout), imported inside the functions with the non-interactive Agg backend; w
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .errors import ConfigError
@@ -35,19 +34,10 @@ def require_matplotlib():
 
 
 def check_png_path(path: str) -> None:
-    """Refuse a plot path that cannot take the picture (not a .png, a folder, a folder that does
-    not exist or cannot be written), before any work is done."""
+    """Refuse a plot path that does not end in .png. Whether it can be written is the rule of every
+    output option (``cli.common.check_output``)."""
     if not str(path).lower().endswith(".png"):
         raise ConfigError(f"--plot {path}: the picture is written as PNG; give a file name ending in .png")
-    if os.path.isdir(path):
-        raise ConfigError(f"--plot {path} is a folder; give a file name ending in .png")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ConfigError(f"--plot {path}: {folder} is a file, not a folder")
-    if not os.path.isdir(folder):
-        raise ConfigError(f"--plot {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"--plot {path}: the folder {folder} cannot be written")
 
 
 def _save(fig, path: str) -> None:

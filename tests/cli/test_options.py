@@ -67,3 +67,25 @@ def test_the_specs_take_their_defaults_from_the_options():
     gen = {f.name: f.default for f in dataclasses.fields(GenerateSpec)}
     assert (gen["new_tokens"], gen["page_size"], gen["seed"]) == (
         GenerateOptions().new_tokens, GenerateOptions().page_size, GenerateOptions().seed)
+
+
+def test_measurement_iterations_default_is_one_constant(capsys):
+    """``--iterations`` of probe and check, measure_topology and the cost-model calibration share
+    one default (it was written out as 20 in each), and the help shows that value."""
+    import inspect
+
+    from tree_attn.cli.app import main
+    from tree_attn.cost.calibrate import calibrate_cpu, calibrate_gpu
+    from tree_attn.topology.measure import MEASURE_ITERATIONS, measure_topology
+
+    for fn in (measure_topology, calibrate_cpu, calibrate_gpu):
+        assert inspect.signature(fn).parameters["iterations"].default == MEASURE_ITERATIONS, fn.__name__
+    helps = set()
+    for name in ("probe", "check"):
+        (param,) = [p for p in cli_command().commands[name].params if p.name == "iterations"]
+        assert param.default == MEASURE_ITERATIONS, name
+        helps.add(param.help)
+        assert main([name, "--help"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"[default: {MEASURE_ITERATIONS}]" in out.split("--iterations", 1)[1].split("--", 1)[0], name
+    assert len(helps) == 1  # one help text for one option

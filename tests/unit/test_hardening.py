@@ -162,15 +162,29 @@ def test_replacing_writes_through_a_symlink_and_refuses_what_is_not_a_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dotfiles", "fifo.yaml", "profile.yaml"]
 
 
-def test_unwritable_names_the_folder_that_decides(tmp_path, monkeypatch):
-    """What ``tune`` checks before it times anything: missing folders will be created, so the
+def test_unwritable_names_the_folder_that_decides(tmp_path):
+    """What every output option checks before its work: missing folders will be created, so the
     nearest existing one decides (a file there, or a folder this user cannot write in)."""
     (tmp_path / "a-file").write_text("x")
     assert unwritable(tmp_path / "new" / "deeper" / "p.yaml") is None
+    assert unwritable(tmp_path / "p.yaml") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the test file and folder are gone
     assert unwritable(tmp_path / "a-file" / "p.yaml") == f"{tmp_path / 'a-file'} is a file, not a folder"
-    # root may write anywhere, so a read-only folder is the answer of os.access here
-    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path))
-    assert unwritable(tmp_path / "new" / "p.yaml") == f"the folder {tmp_path} cannot be written"
+    assert unwritable(tmp_path) == "it is a folder, not a file"
+    if os.geteuid() != 0:  # permission bits bind every user but root
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert unwritable(locked / "new" / "p.yaml").startswith(f"the folder {locked} cannot be written")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux procfs, which refuses new files to anyone")
+def test_unwritable_asks_the_file_system_not_the_permission_bits():
+    """procfs refuses a new file to every user, root included, though its permission bits say
+    root may write there (``os.access`` is True): the check must say so before the work, not
+    leave the write to fail after a tune or a measurement."""
+    for path in ("/proc/tree-attn-profile.yaml", "/proc/new/deeper/tree-attn-profile.yaml"):
+        problem = unwritable(path)
+        assert problem is not None and problem.startswith("the folder /proc cannot be written"), (path, problem)
 
 
 def test_cpu_rank_cap(monkeypatch):

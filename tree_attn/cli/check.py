@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from .common import err_console, esc, notice, out_console, print_json
-from .options import CPU_RANKS_HELP
+from ..topology.measure import MEASURE_ITERATIONS
+from .common import check_output, err_console, esc, notice, out_console, print_json
+from .options import CPU_RANKS_HELP, Iterations
 
 # Default floor for measured bandwidth when --measure is given without --min-bandwidth-ratio:
 # a healthy link reaches well over half its nominal rate in a large device-to-device copy.
@@ -34,7 +35,7 @@ def check_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host."),
     cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
-    iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement."),
+    iterations: Iterations = MEASURE_ITERATIONS,
 ) -> None:
     from ..errors import ConfigError, TopologyError
     from ..topology import compare_topologies, load_dumps, load_expected, probe_topology, write_junit
@@ -46,6 +47,8 @@ def check_command(
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if min_bandwidth_ratio is not None and not 0 < min_bandwidth_ratio <= 10:
         raise ConfigError(f"--min-bandwidth-ratio: expected a number in (0, 10], got {min_bandwidth_ratio}")
+    if junit is not None:  # before probing or measuring, not after
+        check_output(junit, "--junit")
     expected = load_expected(expect)
     if from_:
         if measure:

@@ -11,6 +11,7 @@ swallowed). Such text goes through :func:`esc` or is printed as a :class:`rich.t
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -135,10 +136,23 @@ def report(result: Any, render: Callable[[Any], None], json_out: bool, plot: str
         notice(f"wrote {plot}")
 
 
+def check_output(path: str | os.PathLike, option: str) -> None:
+    """Before any work: refuse an output file that could not be written, in one line naming the
+    option. The rule is every output option's (:func:`tree_attn.files.unwritable`): missing folders
+    are created, a file where a folder should be or a folder that cannot be written is refused."""
+    from ..errors import ConfigError
+    from ..files import unwritable
+
+    problem = unwritable(path)
+    if problem:
+        raise ConfigError(f"cannot write {option} {os.fspath(path)}: {problem}")
+
+
 def check_plot(path: str | None) -> None:
     """Before any work: a ``--plot`` path that can be written, and matplotlib to draw it."""
     if path:
         from ..plots import check_png_path, require_matplotlib
 
         check_png_path(path)
+        check_output(path, "--plot")
         require_matplotlib()

@@ -114,6 +114,12 @@ KvHeads = Annotated[int, typer.Option("--kv-heads", help="KV heads (heads must b
 HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension.")]
 Batch = Annotated[int, count_option("--batch", "-b", help="Sequences decoded together.")]
 
+# -- measuring the fabric (probe, check) ------------------------------------------------------------
+
+# The default is the library's (topology.measure.MEASURE_ITERATIONS); typer shows it in the help.
+Iterations = Annotated[int, typer.Option(
+    "--iterations", help="Timed iterations per measurement, after a warm-up (the median is kept).")]
+
 # -- output -------------------------------------------------------------------------------------------
 
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]

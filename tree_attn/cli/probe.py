@@ -7,8 +7,21 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .common import check_plot, err_console, line, notice, out_console, print_json, print_table, report, styled, warn
-from .options import CPU_RANKS_HELP
+from ..topology.measure import MEASURE_ITERATIONS
+from .common import (
+    check_output,
+    check_plot,
+    err_console,
+    line,
+    notice,
+    out_console,
+    print_json,
+    print_table,
+    report,
+    styled,
+    warn,
+)
+from .options import CPU_RANKS_HELP, Iterations
 
 # Colours by link class, fastest (green) to slowest (red), like a heat map of the fabric.
 KIND_STYLE = {
@@ -35,7 +48,7 @@ def probe_command(
         "where they disagree with the node layout (--json: hierarchy_source).")),
     backend: str = typer.Option("auto", "--backend", help="auto, nvml, amdsmi or host (CPU ranks)."),
     cpu_ranks: int | None = typer.Option(None, "--cpu-ranks", help=CPU_RANKS_HELP),
-    iterations: int = typer.Option(20, "--iterations", help="Timed iterations per measurement (median reported)."),
+    iterations: Iterations = MEASURE_ITERATIONS,
     plot: str | None = typer.Option(None, "--plot", help=(
         "Draw the topology to FILE.png: devices as nodes, links coloured by class, islands grouped "
         "(needs matplotlib).")),
@@ -51,8 +64,7 @@ def probe_command(
 
         check_cpu_ranks(cpu_ranks, "--cpu-ranks")
     if output is not None:  # before probing or measuring, not after
-        if output.is_dir():
-            raise TopologyError(f"{output} is a folder; give a file name with --output FILE")
+        check_output(output, "--output")
         if output.exists() and not force:
             raise TopologyError(f"{output} already exists; pass --force to overwrite it "
                                 "(or write elsewhere with --output FILE)")

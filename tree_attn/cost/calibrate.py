@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ..dtypes import itemsize
+from ..topology.measure import MEASURE_ITERATIONS
 from .links import LinkParams
 from .params import ClusterSpec, DeviceParams
 from .step import decode_message_bytes
@@ -193,7 +194,7 @@ def line_through(points: dict[int, float], bytes_per_token: int) -> tuple[float,
 
 
 def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: int = REPEATS,
-                  iterations: int = 20) -> ClusterSpec:
+                  iterations: int = MEASURE_ITERATIONS) -> ClusterSpec:
     """Parameters of CPU ranks on this host (one node), from micro-measurements (module doc).
 
     ``ranks`` is how many measure the local attention at once (default: one per usable core).
@@ -261,7 +262,7 @@ def calibrate_cpu(*, ranks: int | None = None, dtype: str = "float32", repeats: 
     )
 
 
-def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations: int = 20,
+def calibrate_gpu(*, dtype: str = "bfloat16", repeats: int = REPEATS, iterations: int = MEASURE_ITERATIONS,
                   long_tokens: int = 262144) -> ClusterSpec:
     """Parameters of this GPU node: its probed topology with ``probe --measure`` numbers, the
     local kernel's fixed cost and achieved bandwidth on GPU 0 (two shard lengths; the fraction of

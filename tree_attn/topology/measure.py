@@ -33,12 +33,15 @@ CPU_COPY_BYTES = 4 * 1024 * 1024
 NET_COPY_BYTES = 1024 * 1024
 LATENCY_BYTES = 8
 WARMUP = 3
+# Timed iterations per measurement, after the warm-up (the median is kept): the default of
+# measure_topology, of probe and check --iterations and of the cost-model calibration.
+MEASURE_ITERATIONS = 20
 
 
 def measure_topology(
     topo: Topology,
     *,
-    iterations: int = 20,
+    iterations: int = MEASURE_ITERATIONS,
     copy_bytes: int | None = None,
     latency_bytes: int = LATENCY_BYTES,
     allreduce_bytes: int = DECODE_MESSAGE_BYTES,

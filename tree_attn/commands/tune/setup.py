@@ -127,8 +127,6 @@ def check_output_free(path: str, force: bool) -> None:
     written (before any timing, not after)."""
     from ...files import unwritable
 
-    if os.path.isdir(path):
-        raise ProfileError(f"{path} is a folder; give a file name with --output FILE")
     problem = unwritable(path)
     if problem:
         raise ProfileError(f"cannot write the profile {path}: {problem}; give another --output FILE")
