@@ -150,6 +150,8 @@ CASES = [
     ("check-expect-broken-yaml", ["check", "--expect", "{d}/broken.yaml", "--from", str(H100)], {}, 1, "broken.yaml"),
     ("check-expect-anchor", ["check", "--expect", "{d}/anchored.yaml"], {}, 1, "anchor &d is not accepted"),
     ("check-ratio-0", ["check", "--expect", str(H100), "--min-bandwidth-ratio", "0"], {}, 1, "--min-bandwidth-ratio"),
+    ("check-measure-iterations-0", ["check", "--expect", str(H100), "--measure", "--iterations", "0"], {}, 1,
+     "--iterations must be an integer >= 1; got 0"),
     ("check-cpu-ranks-100000", ["check", "--expect", str(H100), "--cpu-ranks", "100000"], {}, 1, "at most"),
     ("check-junit-into-a-folder", ["check", "--expect", str(H100), "--from", str(H100), "--junit", "{d}/a-folder"],
      {}, 1, "cannot write"),

@@ -41,6 +41,10 @@ def check_command(
     from ..topology import compare_topologies, load_dumps, load_expected, probe_topology, write_junit
     from ..topology.compare import no_names_hint, summarize_differences
 
+    if measure:
+        from ..validate import check_int
+
+        check_int(iterations, "--iterations", minimum=1, must=True)
     if cpu_ranks is not None:  # before a topology of that many ranks is built
         from ..launch.env import check_cpu_ranks
 
