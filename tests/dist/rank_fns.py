@@ -282,13 +282,25 @@ def own_tcp_addresses(env) -> tuple[str | None, list[str]]:
 # -- step lifetime and teardown (tests/dist/test_teardown.py) --------------------------------------
 
 
-def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
+def _wait_for_file(path: str, limit_s: float) -> bool:
+    """Whether ``path`` exists within ``limit_s`` seconds (polled)."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.path.exists(path)
+
+
+def lifetime_and_teardown(env, second_init: str, entered: str, flag: str, delay_s: float):
     """World 2, CPU ranks (gloo). Returns this rank's findings:
 
     1. a TreeDecodeStep's waits take the group's timeout, and the step (with its CapturedStep)
        is freed the moment its last reference goes, with the garbage collector off;
-    2. ``close_process_group`` after success waits for the peer at a barrier: rank 1 comes
-       ``delay_s`` late, so rank 0's close lasts about that long;
+    2. ``close_process_group`` after success waits for the peer at a barrier: rank 0 writes
+       ``entered`` as it enters its close, rank 1 comes ``delay_s`` after seeing it, so rank 0's
+       close must return after rank 1 arrived (``time.monotonic`` is one clock for every process
+       of the host). Ordered by the file, not by when each rank left the step: nothing bounds
+       that gap (rank 0 sends the step's last message and may be descheduled after it for
+       longer than any margin on a loaded machine);
     3. in a second group rank 1 never reaches teardown: rank 0's close gives up after its 1 s
        timeout, aborts the group with a warning, and returns (rank 1 waits for ``flag``, written
        by rank 0 once its close returned, so that a close that never returns fails the test).
@@ -318,11 +330,18 @@ def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
     finally:
         gc.enable()
 
-    if env.rank == 1:
+    if env.rank == 0:
+        with open(entered, "w"):
+            pass
+        t0 = time.monotonic()
+        close_process_group(clean=True, timeout_s=60.0)
+        found["first_returned_at"] = time.monotonic()
+        found["barrier_waited_s"] = found["first_returned_at"] - t0
+    else:
+        found["saw_entered"] = _wait_for_file(entered, 90)
         time.sleep(delay_s)
-    t0 = time.monotonic()
-    close_process_group(clean=True, timeout_s=60.0)
-    found["barrier_waited_s"] = time.monotonic() - t0
+        found["first_arrived_at"] = time.monotonic()
+        close_process_group(clean=True, timeout_s=60.0)
     found["first_closed"] = not dist.is_initialized()
 
     init_process_group("gloo", "cpu", init_method=f"file://{second_init}", rank=env.rank, world_size=2,
@@ -338,10 +357,7 @@ def lifetime_and_teardown(env, second_init: str, flag: str, delay_s: float):
         with open(flag, "w"):
             pass
     else:
-        deadline = time.monotonic() + 90
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        found["saw_flag"] = os.path.exists(flag)
+        found["saw_flag"] = _wait_for_file(flag, 90)
     return found
 
 
