@@ -66,6 +66,18 @@ def raises_on_rank_1(env):
     return tree_decode(q, k, k)
 
 
+def fails_after_its_sockets_close(env, delay_s: float):
+    """Rank 1 closes its process group (its peers' waits end in "Connection closed by peer"),
+    then reports its own error ``delay_s`` later: the knock-on reaches the launcher first."""
+    import torch.distributed as dist
+
+    if env.rank == 1:
+        dist.destroy_process_group()
+        time.sleep(delay_s)
+        raise ValueError("rank 1's own failure, reported after its sockets closed")
+    dist.recv(torch.zeros(4), src=1)  # never sent: ends when rank 1's sockets close
+
+
 def dies_on_rank_2(env):
     q = torch.randn(1, 4, 8)
     k = torch.randn(1, 3, 2, 8)

@@ -16,6 +16,7 @@ from tests.dist.per_world import each_case
 from tests.dist.rank_fns import (
     Case,
     dies_on_rank_2,
+    fails_after_its_sockets_close,
     mismatched_query,
     raises_on_rank_1,
     refusal_inputs,
@@ -115,9 +116,17 @@ def test_a_rank_that_raises_stops_the_run():
         launch_ranks(raises_on_rank_1, 3, timeout_s=30)
 
 
+def test_the_failing_ranks_own_error_is_reported_not_its_peers_lost_connection():
+    """Rank 0 reports first that its peer went away; rank 1's own error, the cause, comes 0.3 s
+    later and is the one raised (the launcher waits up to PEER_ERROR_GRACE_S for it)."""
+    with pytest.raises(DistributedError) as err:
+        launch_ranks(fails_after_its_sockets_close, 2, args=(0.3,), timeout_s=30)
+    assert str(err.value).startswith("rank 1 failed: ValueError: rank 1's own failure"), str(err.value)
+
+
 def test_a_rank_that_dies_stops_the_others_in_bounded_time():
     t0 = time.monotonic()
-    with pytest.raises(DistributedError, match="rank"):
+    with pytest.raises(DistributedError, match=r"^rank 2 died \(exit code 3\) without reporting; the other ranks"):
         launch_ranks(dies_on_rank_2, 3, timeout_s=15)
     assert time.monotonic() - t0 < 60
 

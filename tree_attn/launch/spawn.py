@@ -336,6 +336,51 @@ def _quiet_ranks(beats, started: float, values: dict, limit: float) -> list[tupl
     return quiet
 
 
+# What a rank's error says when a peer went away first (gloo's "Connection closed by peer" from
+# pair.cc, NCCL's "remote process exited"): that peer's own error is the cause. Which report
+# reaches the launcher first is a race (the failing rank's queue feeder against its sockets
+# closing), so on such an error the launcher waits up to PEER_ERROR_GRACE_S for another rank's
+# own error and reports that one.
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited")
+PEER_ERROR_GRACE_S = 2.0
+
+
+def _peer_gone(msg: tuple) -> bool:
+    return msg[0] != "ok" and any(p in msg[3].lower() for p in PEER_GONE)
+
+
+def _cause(first: tuple, results, grace_s: float = PEER_ERROR_GRACE_S) -> tuple:
+    """The error message to report: ``first``, unless it only says that a peer went away and
+    another rank's own error arrives within ``grace_s`` (then that one)."""
+    if not _peer_gone(first):
+        return first
+    deadline = time.monotonic() + grace_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if msg[0] != "ok" and not _peer_gone(msg):
+            return msg
+    return first
+
+
+def _raise_cause(msg: tuple, procs, results, beats, started: float, values: dict) -> None:
+    """Raise the error that explains a failed run, ``msg`` being the first error to arrive: a
+    peer's own error if one comes (:func:`_cause`); else, if ``msg`` only says a peer went away
+    and a rank died without reporting (a nonzero exit code: ``os._exit``, a signal, the OOM
+    killer), that death."""
+    msg = _cause(msg, results)
+    if _peer_gone(msg):
+        died = [(r, p.exitcode) for r, p in enumerate(procs)
+                if r != msg[1] and r not in values and p.exitcode not in (None, 0)]
+        if died:
+            rank, code = died[0]
+            raise DistributedError(f"rank {rank} died (exit code {code}) without reporting; the other ranks were "
+                                   f"stopped (rank {msg[1]} lost its connection to it)")
+    _raise_rank_error(msg, beats, started, values)
+
+
 def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
     _, rank, _kind, text, tb = msg
     text = " ".join(text.split())  # one line: torch's messages span several
@@ -360,7 +405,7 @@ def _collect(procs, results, world_size: int, beats, started: float, silence_s: 
             msg = None
         if msg is not None:
             if msg[0] != "ok":
-                _raise_rank_error(msg, beats, started, values)
+                _raise_cause(msg, procs, results, beats, started, values)
             values[msg[1]] = pickle.loads(msg[2])
             continue
         dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
@@ -374,7 +419,7 @@ def _collect(procs, results, world_size: int, beats, started: float, silence_s: 
                     "the other ranks were stopped"
                 ) from None
             if msg[0] != "ok":
-                _raise_rank_error(msg, beats, started, values)
+                _raise_cause(msg, procs, results, beats, started, values)
             values[msg[1]] = pickle.loads(msg[2])
             continue
         silent = _quiet_ranks(beats, started, values, silence_s)
