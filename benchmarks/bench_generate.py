@@ -127,6 +127,17 @@ def _kernel_time(source: ModelSource, prompt, new_tokens: int, dtype: str, devic
                 kernels_per_token=len(events) / new_tokens)
 
 
+def _profile_line(p: dict) -> str:
+    """One line of a ``_kernel_time`` result; says so when the profiler saw no kernel (a CUPTI
+    that does not trace inside graph replays would leave the ratio undefined, not 0)."""
+    line = (f"one-rank token step at {p['context']:,}: {'graph' if p['captured'] else 'eager'}, "
+            f"{p['token_median_ms']:.3f} ms per token, kernels {p['kernels_device_ms']:.3f} ms of device time "
+            f"({p['kernels_per_token']:.0f} per token): ")
+    if p["wall_over_kernels"] is None:
+        return line + "wall/kernels not measured: the profiler recorded no kernel time"
+    return line + f"wall/kernels {p['wall_over_kernels']:.2f}x (goal <= 1.1x)"
+
+
 def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
 
@@ -208,6 +219,7 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
             prompt = tuple(torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist())
             print(f"[{args.case}] {ctx:,} tokens: profiling the one-rank token step", file=sys.stderr, flush=True)
             profiles.append(dict(context=ctx, **_kernel_time(source, prompt, args.new_tokens, dtype)))
+            print(f"  {_profile_line(profiles[-1])}", file=sys.stderr, flush=True)  # kept if a limit stops the rest
     print(f"\n{args.case}: {args.new_tokens} tokens per row, {device}, {backend}, {dtype}; per-token latency on rank 0")
     print(f"{'context':>8} {'ranks':>5} {'decode':<10} {'step':<5} {'median ms':>10} {'p95 ms':>9} {'tok/s':>7} "
           f"{'sent/rank/token':>16} {'/reference':>10} {'ring/this':>9} {'same':>5}")
@@ -223,10 +235,7 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
             if rec["step"] != "cuda graph" and rec["name"] != "reference" and rec["why_eager"]:
                 print(f"  {rec['context']} {rec['ranks']} {rec['name']}: eager: {rec['why_eager']}")
     for p in profiles:
-        print(f"one-rank token step at {p['context']:,}: {'graph' if p['captured'] else 'eager'}, "
-              f"{p['token_median_ms']:.3f} ms per token, kernels {p['kernels_device_ms']:.3f} ms of device time "
-              f"({p['kernels_per_token']:.0f} per token): wall/kernels {p['wall_over_kernels'] or float('nan'):.2f}x "
-              f"(goal <= 1.1x)")
+        print(_profile_line(p))
     out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,

@@ -207,3 +207,7 @@ def test_bench_generate_kernel_time_runs_on_cpu():
     res = bench._kernel_time(ModelSource(preset="small", layers=1), prompt, 4, "float32", device="cpu")
     assert res["captured"] is False and res["why_eager"] == "cpu tensors: nothing to capture"
     assert res["token_median_ms"] > 0 and res["kernels_device_ms"] == 0.0 and res["wall_over_kernels"] is None
+    line = bench._profile_line(dict(context=len(prompt), **res))  # printed the moment it is measured
+    assert line.startswith("one-rank token step at 200: eager, ") and line.endswith("recorded no kernel time")
+    measured = dict(res, context=200, captured=True, kernels_device_ms=0.5, wall_over_kernels=1.05)
+    assert bench._profile_line(measured).endswith("wall/kernels 1.05x (goal <= 1.1x)")
