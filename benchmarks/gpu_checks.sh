@@ -7,9 +7,12 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR [--quick] [GROUP|STEP ...]
 #
 # Groups, each sized to finish within about 10 minutes on one H100/H200 with --quick:
-#   tests  replay-timeout (the bounded wait on a hung CUDA-graph replay, on its own so its result
-#          stands out), then the README's test command (the GPU tests are part of it; `gpu-tests`
-#          runs them alone)
+#   tests  the README's tests in two processes, so that they fit one call: replay-timeout (the
+#          bounded wait on a hung CUDA-graph replay, on its own so its result stands out), gpu-tests
+#          (every GPU test, one process: 316 s on an H100), then cpu-suite (the rest, over the CPU
+#          cores by pytest-xdist when installed)
+#   readme the README's test command itself, one process (whole-suite): on a machine without a
+#          10-minute limit per call (the CPU tests alone take ~11 min on 2 cores)
 #   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged, bench-generate (generate's
 #          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time)
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
@@ -18,7 +21,7 @@
 #          short rows of bench-kernel-fp8 (bf16 and fp8 at 64K and 256K; ~25 s on an H100), then
 #          bench-generate (8K, the one-process rows, graph vs eager, kernel time), then gpu-tests (every
 #          GPU test, run and generate included: 316 s on an H100, 2026-11-26). The rest of the README's
-#          tests (whole-suite, in the group `tests`) need a call of their own: side by side with the
+#          tests (cpu-suite, in the group `tests`) need a call of their own: side by side with the
 #          GPU tests both slowed past their limits on an H200.
 #   fp8    fp8-tests (the fp8 kernel and public-API tests, compiled on this GPU), sass-loop (the tile
 #          loop's instructions per iteration, bf16 and fp8 builds, from this Triton's SASS),
@@ -32,7 +35,7 @@
 # that every command parses (a renamed flag would otherwise surface only on a GPU).
 set -u
 dry=${GPU_CHECKS_DRY_RUN:-0}
-usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|fp8|short|STEP ...]"
+usage="usage: gpu_checks.sh OUTDIR [--quick] [tests|bench|cli|fp8|short|readme|STEP ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=$(realpath -m "$1"); shift  # absolute before the cd below
 quick=""
@@ -43,7 +46,7 @@ export PYTHONUNBUFFERED=1 TREE_ATTN_PROFILE_DIR="$out/profiles"
 summary="$out/summary.txt"
 touch "$summary"
 
-all_steps=(gpu-tests replay-timeout whole-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
+all_steps=(gpu-tests replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
            bench-generate-short sass-loop)
@@ -51,13 +54,14 @@ selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
     case $word in
-      tests) selected+=(replay-timeout whole-suite) ;;
+      tests) selected+=(replay-timeout gpu-tests cpu-suite) ;;
+      readme) selected+=(whole-suite) ;;
       bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests sass-loop bench-kernel-fp8 run-fp8 generate-fp8) ;;
       short) quick="--quick"; selected+=(bench-kernel-short bench-generate-short gpu-tests) ;;
-      gpu-tests|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|sass-loop|\
+      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|sass-loop|\
       bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
@@ -100,12 +104,15 @@ cli=(python3 -m tree_attn)
 # fails after 300 s instead of holding the step to its limit.
 pytest_opts=(-rs)
 python3 -c "import pytest_timeout" 2>/dev/null && pytest_opts+=(--timeout 300)
+xdist=()  # cpu-suite's workers: the CPU cores less one, at most 8
+workers=$(( $(nproc) - 1 )); (( workers > 8 )) && workers=8
+python3 -c "import xdist" 2>/dev/null && (( workers > 1 )) && xdist=(-n "$workers")
 # A replay that never finishes must end in one line naming the rank and the step, after the
 # timeout, not hang: on one GPU a captured spin kernel longer than the timeout; on two or more,
 # a replayed tree step whose peer never replays its own (NCCL aborted). Written without a GPU at
 # hand: unverified until this step has passed on one.
 step replay-timeout 120 python3 -m pytest -q "${pytest_opts[@]}" tests/dist/test_replay_timeout_gpu.py
-step whole-suite 560 python3 -m pytest -q "${pytest_opts[@]}"
+step whole-suite 1500 python3 -m pytest -q "${pytest_opts[@]}"
 # fp8 KV: the kernel tests (interpreter-sized shapes and Llama-sized ones), compiled on this GPU;
 # skipped with a reason on GPUs without e4m3 (NVIDIA below sm_89).
 step fp8-tests 300 python3 -m pytest -q "${pytest_opts[@]}" tests/kernels/test_fp8_decode.py tests/kernels/test_fp8_decode_gpu.py \
@@ -152,6 +159,9 @@ step bench-generate-short 150 python3 benchmarks/bench_generate.py --device cuda
 # Every GPU test in one process (316 s on an H100): after the short benchmarks, so that a call
 # stopped at its limit still has their numbers.
 step gpu-tests 380 python3 -m pytest -q -m gpu "${pytest_opts[@]}"
+# The rest of the README's tests (everything not marked gpu), after the GPU tests so that nothing it
+# runs shares the GPU with them: over the CPU cores with pytest-xdist when installed.
+step cpu-suite 300 python3 -m pytest -q -m "not gpu" "${pytest_opts[@]}" "${xdist[@]}"
 step probe 30 "${cli[@]}" probe
 step probe-measure 60 "${cli[@]}" probe --measure --json
 step tune 150 "${cli[@]}" tune --quick --force --json

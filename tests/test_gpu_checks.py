@@ -32,7 +32,7 @@ import typer
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_checks.sh"
 # Every step's variants: --quick and full limits/shapes differ for some, and `short` has its own.
-RUNS = (["--quick", "tests", "bench", "cli", "fp8"], ["bench"], ["short"])
+RUNS = (["--quick", "tests", "bench", "cli", "fp8"], ["bench"], ["short"], ["readme"])
 
 _STOP_AFTER_PARSING = r"""
 import argparse, contextlib, io, json, runpy, sys
