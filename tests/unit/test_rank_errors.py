@@ -21,8 +21,8 @@ def _error(rank: int, text: str) -> tuple:
 def test_a_ranks_own_error_is_reported_at_once():
     own = _error(1, "ValueError: a bad input")
     t0 = time.monotonic()
-    assert spawn._cause(own, queue.Queue(), grace_s=10.0) is own
-    assert time.monotonic() - t0 < 1.0
+    assert spawn._cause(own, queue.Queue(), grace_s=60.0) is own
+    assert time.monotonic() - t0 < 30.0  # did not wait out the grace
 
 
 def test_a_lost_peer_gives_way_to_the_peers_own_error():
@@ -37,7 +37,7 @@ def test_a_lost_peer_alone_is_reported_after_the_grace():
     first = _error(0, GONE)
     t0 = time.monotonic()
     assert spawn._cause(first, queue.Queue(), grace_s=0.3) is first
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 >= 0.3  # waited the grace for a peer's own error
 
 
 def test_what_counts_as_a_lost_peer():

@@ -376,9 +376,12 @@ def _raise_cause(msg: tuple, procs, results, beats, started: float, values: dict
                 if r != msg[1] and r not in values and p.exitcode not in (None, 0)]
         if died:
             rank, code = died[0]
-            raise DistributedError(f"rank {rank} died (exit code {code}) without reporting; the other ranks were "
-                                   f"stopped (rank {msg[1]} lost its connection to it)")
+            raise _died(rank, code, f" (rank {msg[1]} lost its connection to it)")
     _raise_rank_error(msg, beats, started, values)
+
+
+def _died(rank: int, code: int, why: str = "") -> DistributedError:
+    return DistributedError(f"rank {rank} died (exit code {code}) without reporting; the other ranks were stopped{why}")
 
 
 def _raise_rank_error(msg: tuple, beats=None, started: float = 0.0, values: dict | None = None) -> None:
@@ -414,10 +417,7 @@ def _collect(procs, results, world_size: int, beats, started: float, silence_s: 
             try:
                 msg = results.get(timeout=2.0)
             except queue.Empty:
-                raise DistributedError(
-                    f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without reporting; "
-                    "the other ranks were stopped"
-                ) from None
+                raise _died(dead[0], procs[dead[0]].exitcode) from None
             if msg[0] != "ok":
                 _raise_cause(msg, procs, results, beats, started, values)
             values[msg[1]] = pickle.loads(msg[2])
