@@ -211,3 +211,8 @@ def test_bench_generate_kernel_time_runs_on_cpu():
     assert line.startswith("one-rank token step at 200: eager, ") and line.endswith("recorded no kernel time")
     measured = dict(res, context=200, captured=True, kernels_device_ms=0.5, wall_over_kernels=1.05)
     assert bench._profile_line(measured).endswith("wall/kernels 1.05x (goal <= 1.1x)")
+    assert res["eager_kernels_device_ms"] == 0.0 and res["wall_over_eager_kernels"] is None
+    both = dict(measured, eager_kernels_device_ms=0.48, eager_kernels_per_token=61, wall_over_eager_kernels=1.09)
+    assert bench._profile_line(both).endswith(
+        "(goal <= 1.1x); the same token's kernels launched eagerly: 0.480 ms of device time (61 per token), "
+        "wall/those 1.09x")
