@@ -95,6 +95,9 @@ def test_one_rank_row_and_reference_equal_transformers_alone(small_model):
         ref = reference_work(spec, lambda t: None)
     assert one.runs[ONE_RANK].tokens == expected
     assert ref.tokens == expected and len(ref.step_s) == 24 and ref.pid == os.getpid()
+    # each step's best logits, recorded for judging a row that parts from the reference (ties.py)
+    assert len(ref.top) == 24 and [t.ids[0] for t in ref.top] == expected
+    assert all(len(t.ids) == 8 and list(t.logits) == sorted(t.logits, reverse=True) for t in ref.top)
     assert one.prefill.tokens == 300 and one.prefill.runs == [[0, 150], [150, 300]]  # chunks 0 and 1 of 2
     assert one.prefill.timing.stats.bytes_sent == 0 and one.prefill.timing.pairs == 2 * 300 * 301 // 2  # 2 layers
     future = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
@@ -255,6 +258,38 @@ def test_cli_exits_1_when_a_row_differs(monkeypatch, capsys):
     assert "tree k=2: generated tokens differ from the reference's" in err
 
 
+def test_cli_reports_a_near_tie_as_such_and_a_difference_with_its_distance(monkeypatch, capsys):
+    """A bf16 row that parts from the reference at a near-tie of the reference's logits passes, shown
+    as "tie at N" with the gap; one beyond the tie's ulps exits 1 saying where and how far."""
+    from tree_attn.cli.app import main
+    from tree_attn.commands.generate import decode as gen
+    from tree_attn.commands.generate.ties import StepTop
+
+    top = [StepTop((1, 5), (30.0, 20.0)), StepTop((2, 6), (25.0, 20.0)), StepTop((3, 4, 7), (21.5, 20.75, 20.25))]
+
+    def result(tree_tokens):
+        rows = [GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3, top=top), GenerateRow(ONE_RANK, 1, [1, 2, 3], [0.01] * 3),
+                GenerateRow("tree k=2", 2, tree_tokens, [0.01] * 3)]
+        res = _fake_result(rows, gen._check(rows, torch.bfloat16))
+        res.dtype = "bfloat16"
+        return res
+
+    args = ["generate", "--device", "cpu", "-w", "2", "--layers", "1", "--prompt-len", "10", "--new-tokens", "3"]
+    monkeypatch.setattr(gen, "run_generate", lambda spec, progress=None, tokenizer=None: result([1, 2, 4]))
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tie at 3" in out and "at token 3 it chose 4, the reference 3" in out and "6.0 ulps of bfloat16" in out
+    assert "parted from them only at a near-tie" in out
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    tree = data["rows"][2]
+    assert data["all_match"] is True and tree["matches"] is False and tree["near_tie"]["ulps"] == 6.0
+    monkeypatch.setattr(gen, "run_generate", lambda spec, progress=None, tokenizer=None: result([1, 2, 7]))
+    assert main(args) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tree k=2: parts from the reference at token 3: 7 against the reference's 3" in err and "10.0 ulps" in err
+
+
 def test_cli_says_what_the_rows_were_checked_against(monkeypatch, capsys):
     """Without the reference (skipped: it did not fit), the table shows why, the rows are checked
     against each other, and a disagreement still exits 1."""
@@ -328,7 +363,8 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     monkeypatch.setattr(launch, "gpu_count", lambda: 1)
     on_gpu = plan_generate(GenerateOptions(**small))
     assert (on_gpu.spec.device_kind, on_gpu.spec.dtype) == ("cuda", "bfloat16")
-    assert any("bfloat16: rounding may differ" in w for w in on_gpu.warnings)
+    assert any("bfloat16: rounding differs" in n and "within 8 ulps" in n for n in on_gpu.own_notices)
+    assert not any("rounding" in w for w in on_gpu.warnings)
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.dtype == "float32"
     assert plan_generate(GenerateOptions(dtype="fp32", **small)).spec.dtype == "float32"  # asked for: kept
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, dtype="fp16", **small)).spec.dtype == "float16"

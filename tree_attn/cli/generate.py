@@ -77,7 +77,8 @@ def generate_command(
     backend: Backend = DEFAULTS.backend,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or "
-        "bf16; in 16 bits rounding may flip a near-tie between the reference and the ranks.")] = DEFAULTS.dtype,
+        "bf16; in 16 bits rounding may flip a near-tie of the reference's logits: such a row "
+        "passes as 'tie at N' (within 8 ulps), any other difference exits 1.")] = DEFAULTS.dtype,
     kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="KV cache dtype (default: the --dtype): float32, fp16, bf16 or fp8 (float8_e4m3fn: "
         "each rank quantizes K and V as they are written, the prefill and every new token, with per-layer, "
@@ -127,6 +128,14 @@ def generate_command(
         against = "the reference's" if result.checked_against == "reference" else \
             f"the {result.checked_against} row's" if result.checked_against == "one rank" else "each other's"
         error(f"{', '.join(bad)}: generated tokens differ from {against} (or between ranks)")
+        from ..commands.generate.ties import parting
+        from ..dtypes import torch_dtype
+
+        ref = next((r for r in result.rows if r.ran and r.name == "reference"), None)
+        for r in result.rows:
+            if r.ran and not r.ok and ref is not None and r is not ref and not r.matches:
+                where = parting(r.tokens, ref.tokens, ref.top, torch_dtype(result.dtype))
+                err_console.print(f"{r.name}: parts from the reference at {where}", markup=False)
         raise typer.Exit(1)
 
 
@@ -150,7 +159,7 @@ def render_generate(result) -> None:
         if r.name == result.checked_against:
             same = "yardstick" if r.name != "reference" else "reference"
         else:
-            same = "same" if r.ok else "DIFFER"
+            same = "DIFFER" if not r.ok else f"tie at {r.near_tie.step + 1}" if r.near_tie is not None else "same"
         table.add_row(styled(r.name), str(r.ranks), "graph" if r.execution == "cuda graph" else "eager",
                       f"{1e3 * r.median_s:.2f} ms", f"{1e3 * r.p95_s:.2f} ms",
                       f"{r.tokens_per_s:.1f}", fmt_bytes(r.bytes_per_token), str(r.messages_per_token),
@@ -159,6 +168,8 @@ def render_generate(result) -> None:
     for r in result.rows:
         if not r.ran:
             out_console.print(line((r.name, "bold"), f": {r.skipped}"))
+        elif r.near_tie is not None:
+            out_console.print(line((r.name, "bold"), f": {r.near_tie.describe()}"), style="yellow")
     if result.backend == "nccl":  # GPU ranks: say why a row that could have been a graph was not
         for r in result.rows:
             if r.ran and r.name != "reference" and r.execution != "cuda graph" and r.why_eager:
@@ -197,6 +208,11 @@ def render_generate(result) -> None:
     if result.checked_against == "nothing":
         out_console.print("one row ran: its tokens are not checked against anything (--reference off, or it did "
                           "not fit)", style="yellow")
+    elif result.all_match and any(r.near_tie is not None for r in result.rows):
+        ties = sum(r.near_tie is not None for r in result.rows)
+        out_console.print(line(("every row generated the reference's tokens", "bold green"),
+                               f" or parted from them only at a near-tie of the reference's own logits ({ties} "
+                               f"row{'s' if ties > 1 else ''}, above: rounding of {result.dtype}, not an error)"))
     elif result.all_match:
         what = {"reference": "the reference's tokens", "one rank": "the one-rank row's tokens (no reference)"}.get(
             result.checked_against, "the same tokens (no reference: rows checked against each other)")

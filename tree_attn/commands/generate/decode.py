@@ -47,6 +47,7 @@ from .memory import RowChoice
 from .models import ModelSource, build_model
 from .prefill import PrefillReport, ShardedPrefill, chunk_mlp, sharded_prefill
 from .setup import GenerateOptions
+from .ties import NearTie, StepTop, near_tie
 from .token_step import TokenStep
 
 REFERENCE = "reference"
@@ -167,7 +168,9 @@ class GenerateRow:
     the result is checked against (``GenerateResult.checked_against``). ``skipped``: why a
     one-process row did not run (then it has no tokens). ``quantized``: the row read an fp8 KV
     cache (checked as any row: the reference then reads its cache quantized alike).
-    ``same_tokens``: positions equal to the yardstick's."""
+    ``same_tokens``: positions equal to the yardstick's. ``near_tie``: where a 16-bit row first
+    parted from the reference at a near-tie of the reference's logits (:mod:`.ties`; the row then
+    passes, reported as such). ``top``: the reference row's best logits per step."""
 
     name: str
     ranks: int
@@ -183,6 +186,8 @@ class GenerateRow:
     skipped: str | None = None
     quantized: bool = False
     same_tokens: int | None = None
+    near_tie: NearTie | None = None
+    top: list[StepTop] = field(default_factory=list, repr=False)
 
     @property
     def ran(self) -> bool:
@@ -190,8 +195,9 @@ class GenerateRow:
 
     @property
     def ok(self) -> bool:
-        """The row passes: its ranks agree, and its tokens equal the yardstick's."""
-        return self.ranks_agree and self.matches
+        """The row passes: its ranks agree, and its tokens equal the yardstick's or part from the
+        reference's only at a near-tie."""
+        return self.ranks_agree and (self.matches or self.near_tie is not None)
 
     @property
     def median_s(self) -> float:
@@ -213,6 +219,7 @@ class GenerateRow:
             "tokens_per_s": self.tokens_per_s, "bytes_per_rank_per_token": self.bytes_per_token,
             "messages_per_rank_per_token": self.messages_per_token, "ranks_agree": self.ranks_agree,
             "matches": self.matches, "quantized": self.quantized, "same_tokens": self.same_tokens,
+            "near_tie": self.near_tie.to_dict() if self.near_tie is not None else None,
             "tokens": self.tokens, "text": self.text,
             "step_ms": [1e3 * s for s in self.step_s], "execution": self.execution, "why_eager": self.why_eager,
         }
@@ -436,13 +443,16 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False
     )
 
 
-def _check(rows: list[GenerateRow]) -> str:
+def _check(rows: list[GenerateRow], logits_dtype: torch.dtype | None = None) -> str:
     """Mark each row's ``matches`` against the yardstick: the reference when it ran, else the
-    one-rank row, else the first row that ran. Returns what the rows were checked against."""
+    one-rank row, else the first row that ran. Returns what the rows were checked against. Against
+    the reference, a row that parts from it is checked for a near-tie of the reference's logits
+    (of ``logits_dtype``, the model's; None: exact tokens only), :func:`.ties.near_tie`."""
     ran = [r for r in rows if r.ran]
     by_name = {r.name: r for r in ran}
     if REFERENCE in by_name:
         against, yardstick = REFERENCE, by_name[REFERENCE].tokens
+        top = by_name[REFERENCE].top
     elif ONE_RANK in by_name:
         against, yardstick = ONE_RANK, by_name[ONE_RANK].tokens
     elif len(ran) > 1:
@@ -452,6 +462,9 @@ def _check(rows: list[GenerateRow]) -> str:
     for r in ran:
         r.matches = r.tokens == yardstick
         r.same_tokens = sum(a == b for a, b in zip(r.tokens, yardstick, strict=False))
+        r.near_tie = None
+        if against == REFERENCE and not r.matches and logits_dtype is not None:
+            r.near_tie = near_tie(r.tokens, yardstick, top, logits_dtype)
     return against
 
 
@@ -487,14 +500,14 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
             from .reference import reference_in_child
 
             ref = reference_in_child(spec, say)
-    rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER) if ref is not None else
+    rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER, top=ref.top) if ref is not None else
             GenerateRow(REFERENCE, 1, [], [], skipped=spec.reference.reason)]
     fp8 = is_fp8(spec.kv_dtype)
     rows.append(_row(ONE_RANK, 1, [one.runs[ONE_RANK]], fp8) if one is not None else
                 GenerateRow(ONE_RANK, 1, [], [], skipped=spec.one_rank.reason))
     labels = list(reports[0].runs)
     rows += [_row(label, spec.world_size, [rep.runs[label] for rep in reports], fp8) for label in labels]
-    against = _check(rows)
+    against = _check(rows, torch_dtype(spec.dtype))
     if tokenizer is not None:
         for row in rows:
             if row.ran:

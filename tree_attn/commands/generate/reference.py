@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,13 +30,15 @@ from ...kernels.fp8 import is_fp8
 from ...launch.job import device_name
 from ...launch.memory import MemoryMonitor
 from .models import build_model
+from .ties import StepTop, step_top
 
 __all__ = ["FP8_REFERENCE", "FP8CacheAttention", "ReferenceReport", "reference_in_child", "reference_work"]
 
 
 @dataclass
 class ReferenceReport:
-    """The reference's tokens and step times, its prefill time, its process's peak memory."""
+    """The reference's tokens and step times, its prefill time, its process's peak memory, and each
+    step's best logits (``top``: what a row that parts from it there is judged by, :mod:`.ties`)."""
 
     tokens: list[int]
     step_s: list[float]
@@ -45,6 +47,7 @@ class ReferenceReport:
     peak_method: str
     device: str
     pid: int
+    top: list[StepTop] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -69,10 +72,9 @@ def reference_work(spec, say: Callable[[str], None]) -> ReferenceReport:
         prompt = list(spec.prompt_ids)
         n = len(prompt) - 1
 
-        def forward(cache, ids: list[int]) -> int:
-            logits = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
-                           logits_to_keep=1).logits
-            return int(torch.argmax(logits[0, -1]))
+        def forward(cache, ids: list[int]) -> torch.Tensor:  # the last position's logits [vocab]
+            return model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
+                         logits_to_keep=1).logits[0, -1]
 
         cache = DynamicCache(config=model.config)
         t0 = time.perf_counter()
@@ -84,16 +86,18 @@ def reference_work(spec, say: Callable[[str], None]) -> ReferenceReport:
             fp8.decoding = True  # from here on the cache is read as fp8 (scales from the prompt)
         forward(cache, [prompt[-1]])  # warm-up, as the other rows have; its KV is dropped
         cache.crop(-1)
-        token, tokens, steps = prompt[-1], [], []
+        token, tokens, steps, top = prompt[-1], [], [], []
         for _ in range(spec.new_tokens):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
-            token = forward(cache, [token])
+            logits = forward(cache, [token])
+            token = int(torch.argmax(logits))
             steps.append(time.perf_counter() - t1)
             tokens.append(token)
+            top.append(step_top(logits))  # untimed: what a row that parts here is judged by (.ties)
     return ReferenceReport(tokens, steps, prefill_s, mem.result.peak_bytes, mem.method, device_name(str(device)),
-                           os.getpid())
+                           os.getpid(), top)
 
 
 FP8_REFERENCE = "tree_attn_fp8_reference"
