@@ -18,6 +18,7 @@ from tree_attn.commands.generate.hf_attention import CONTEXT_KWARG, DecodeContex
 from tree_attn.commands.generate.kv_store import PagedKVShard
 from tree_attn.commands.generate.models import ModelSource, build_model
 from tree_attn.commands.generate.prefill import ShardedPrefill, sharded_prefill
+from tree_attn.commands.generate.ties import step_top
 from tree_attn.commands.generate.token_step import GRAPHS_OFF, TokenStep, graph_blocker
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.launch.spawn import launch_ranks
@@ -132,12 +133,17 @@ def test_token_step_writes_kv_and_advances_seq_lens_as_host_counted_forwards_do(
     layers = ModelShape.from_config(model.config.to_dict()).layers
     ctx, start = _local_context(model, prompt, NEW, page_size=page_size, seed=1)
     step = TokenStep(model, ctx, prompt[-1], start)
+    tokens, tops = [], []
     try:
-        tokens = [step() for _ in range(NEW)]
+        with pytest.raises(RuntimeError, match="no token has been decoded yet"):
+            step.top()
+        for _ in range(NEW):
+            tokens.append(step())
+            tops.append(step.top())  # the token's best logits, read after it (ties.py)
     finally:
         step.close()
         ctx.close()
-    assert tokens == expected[:NEW]
+    assert tokens == expected[:NEW] and [t.ids[0] for t in tops] == tokens
     assert ctx.store.length == start + NEW
     assert int(ctx.position) == start + NEW and ctx.store.seq_lens.tolist() == [start + NEW]
 
@@ -150,6 +156,8 @@ def test_token_step_writes_kv_and_advances_seq_lens_as_host_counted_forwards_do(
                            logits_to_keep=1, **{CONTEXT_KWARG: host}).logits
             host.end()
             assert int(logits[0, -1].argmax()) == tokens[i]
+            assert step_top(logits[0, -1]).ids == tops[i].ids
+            assert torch.allclose(torch.tensor(step_top(logits[0, -1]).logits), torch.tensor(tops[i].logits))
     host.close()
     assert host.store.length == ctx.store.length
     for layer in range(layers):
@@ -214,15 +222,22 @@ def test_gpu_token_step_is_one_graph_replay_with_the_greedy_tokens():
     prompt = _prompt(PROMPT_LEN)
     want = transformers_greedy(model, prompt, NEW)
     ctx, start = _gpu_context(model, prompt)
-    run = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", timeout_s=60.0)
+    run = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", timeout_s=60.0,
+                        record_top=True)
     assert run.execution == "cuda graph" and run.why_eager is None
     # float32 weights: the paged kernel and sdpa may round differently, so a near-tie could flip;
     # the eager run of the same code must agree exactly with the graph.
     ctx, start = _gpu_context(model, prompt)
-    eager = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", cuda_graph=False)
+    eager = decode_tokens(model, ctx, prompt[-1], start, NEW, lambda t: None, "local", cuda_graph=False,
+                          record_top=True)
     assert eager.execution == "eager" and eager.why_eager == GRAPHS_OFF
     assert run.tokens == eager.tokens
     assert run.tokens == want
+    # each replay's logits, read from the graph's static output after it: those of its own token
+    assert [t.ids[0] for t in run.top] == run.tokens and len(run.top) == NEW
+    assert [t.ids for t in run.top] == [t.ids for t in eager.top]
+    assert all(abs(a - b) < 1e-4 for g, e in zip(run.top, eager.top, strict=True)
+               for a, b in zip(g.logits, e.logits, strict=True))
 
 
 @pytest.mark.gpu

@@ -97,6 +97,9 @@ def test_one_rank_row_and_reference_equal_transformers_alone(small_model):
     assert ref.tokens == expected and len(ref.step_s) == 24 and ref.pid == os.getpid()
     # each step's best logits, recorded for judging a row that parts from the reference (ties.py)
     assert len(ref.top) == 24 and [t.ids[0] for t in ref.top] == expected
+    assert [t.ids[0] for t in one.runs[ONE_RANK].top] == expected  # rank 0 records its own, untimed
+    assert all(abs(a - b) < 1e-3 for r, t in zip(ref.top, one.runs[ONE_RANK].top, strict=True)
+               for a, b in zip(r.logits, t.logits, strict=True))
     assert all(len(t.ids) == 8 and list(t.logits) == sorted(t.logits, reverse=True) for t in ref.top)
     assert one.prefill.tokens == 300 and one.prefill.runs == [[0, 150], [150, 300]]  # chunks 0 and 1 of 2
     assert one.prefill.timing.stats.bytes_sent == 0 and one.prefill.timing.pairs == 2 * 300 * 301 // 2  # 2 layers
@@ -268,7 +271,8 @@ def test_cli_reports_a_near_tie_as_such_and_a_difference_with_its_distance(monke
     top = [StepTop((1, 5), (30.0, 20.0)), StepTop((2, 6), (25.0, 20.0)), StepTop((3, 4, 7), (21.5, 20.75, 20.25))]
 
     def result(tree_tokens):
-        rows = [GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3, top=top), GenerateRow(ONE_RANK, 1, [1, 2, 3], [0.01] * 3),
+        rows = [GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3, top=top),
+                GenerateRow(ONE_RANK, 1, [1, 2, 3], [0.01] * 3),
                 GenerateRow("tree k=2", 2, tree_tokens, [0.01] * 3)]
         res = _fake_result(rows, gen._check(rows, torch.bfloat16))
         res.dtype = "bfloat16"

@@ -33,7 +33,7 @@ def test_ulp_is_the_spacing_of_the_dtype_at_the_value():
 
 def test_a_part_at_a_near_tie_is_one_within_tie_ulps_of_the_reference_logits():
     tie = near_tie([1, 2, 9, 11], REF, TOP, BF16)
-    assert tie == NearTie(step=2, token=9, reference_token=3, gap=0.75, ulps=6.0, dtype="bfloat16")
+    assert tie == NearTie(step=2, token=9, their_token=3, gap=0.75, ulps=6.0, dtype="bfloat16", against="reference")
     assert tie.to_dict()["ulps"] == 6.0
     assert "at token 3 it chose 9, the reference 3" in tie.describe() and "6.0 ulps of bfloat16" in tie.describe()
     assert near_tie([1, 2, 5, 4], REF, TOP, BF16) is None  # 10 ulps: a difference
@@ -71,10 +71,10 @@ def test_check_passes_a_near_tie_as_such_and_nothing_else():
 
     r = rows((ONE_RANK, REF), ("tree k=2", [1, 2, 9, 11]), ("ring", [1, 2, 5, 4]))
     assert _check(r, BF16) == REFERENCE
-    ref, one, tree, ring = r
+    _, one, tree, ring = r
     assert one.ok and one.matches and one.near_tie is None
     assert tree.ok and not tree.matches and tree.near_tie.step == 2 and tree.same_tokens == 2
-    assert tree.to_dict()["near_tie"]["reference_token"] == 3 and tree.to_dict()["matches"] is False
+    assert tree.to_dict()["near_tie"]["their_token"] == 3 and tree.to_dict()["matches"] is False
     assert not ring.ok and ring.near_tie is None and ring.to_dict()["near_tie"] is None
     tree.ranks_agree = False  # a tie with the reference never excuses ranks that disagree
     assert not tree.ok
@@ -83,12 +83,25 @@ def test_check_passes_a_near_tie_as_such_and_nothing_else():
     assert _check(r, torch.float32) == REFERENCE and not r[1].ok
 
 
-def test_ties_are_judged_against_the_reference_only():
-    """Without the reference there are no logits to judge by: rows must match the one-rank row exactly."""
-    one = GenerateRow(ONE_RANK, 1, list(REF), [0.01] * 4, top=TOP)  # even if it carried logits
-    tree = GenerateRow("tree k=2", 2, [1, 2, 9, 11], [0.01] * 4)
+def test_without_the_reference_ties_are_judged_by_the_yardstick_rows_own_logits():
+    """Without the reference, the one-rank row (else the first row) is the yardstick, with the
+    logits its rank 0 recorded; a yardstick without recorded logits allows no tie."""
     skipped = GenerateRow(REFERENCE, 1, [], [], skipped="skipped: x")
-    assert _check([skipped, one, tree], BF16) == ONE_RANK and not tree.ok and tree.near_tie is None
+    one = GenerateRow(ONE_RANK, 1, list(REF), [0.01] * 4, top=TOP)
+    tree = GenerateRow("tree k=2", 2, [1, 2, 9, 11], [0.01] * 4)
+    assert _check([skipped, one, tree], BF16) == ONE_RANK and tree.ok and tree.near_tie.against == ONE_RANK
+    assert "the one rank 3, whose own logits" in tree.near_tie.describe()
+    skipped_one = GenerateRow(ONE_RANK, 1, [], [], skipped="skipped: x")
+    first = GenerateRow("tree k=2", 2, list(REF), [0.01] * 4, top=TOP)
+    ring = GenerateRow("ring", 2, [1, 2, 5, 4], [0.01] * 4)
+    allreduce = GenerateRow("allreduce", 2, [1, 2, 9, 4], [0.01] * 4)
+    assert _check([skipped, skipped_one, first, ring, allreduce], BF16) == "each other"
+    assert not ring.ok and allreduce.ok and allreduce.near_tie.against == "tree k=2"
+    bare = GenerateRow(ONE_RANK, 1, list(REF), [0.01] * 4)  # no logits recorded
+    tree = GenerateRow("tree k=2", 2, [1, 2, 9, 11], [0.01] * 4)
+    assert _check([skipped, bare, tree], BF16) == ONE_RANK and not tree.ok
+    assert parting(tree.tokens, bare.tokens, bare.top, BF16, against=ONE_RANK) == \
+        "token 3: 9 against the one rank's 3 (no logits of the one rank recorded there)"
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])

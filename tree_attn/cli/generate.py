@@ -131,11 +131,11 @@ def generate_command(
         from ..commands.generate.ties import parting
         from ..dtypes import torch_dtype
 
-        ref = next((r for r in result.rows if r.ran and r.name == "reference"), None)
+        yard = result.yardstick
         for r in result.rows:
-            if r.ran and not r.ok and ref is not None and r is not ref and not r.matches:
-                where = parting(r.tokens, ref.tokens, ref.top, torch_dtype(result.dtype))
-                err_console.print(f"{r.name}: parts from the reference at {where}", markup=False)
+            if r.ran and not r.ok and yard is not None and r is not yard and not r.matches:
+                where = parting(r.tokens, yard.tokens, yard.top, torch_dtype(result.dtype), against=yard.name)
+                err_console.print(f"{r.name}: parts from the {yard.name} at {where}", markup=False)
         raise typer.Exit(1)
 
 
@@ -196,9 +196,7 @@ def render_generate(result) -> None:
             f"{fmt_bytes(peak.peak_bytes)} (rank {peak.rank}, {peak.peak_method})"
             + (f"; launching process peak {fmt_bytes(result.launcher_peak_bytes)} (no KV)"
                if result.launcher_peak_bytes else ""), style="dim")
-    yard = next((r for r in result.rows if r.ran and r.name == result.checked_against), None)
-    if yard is None:
-        yard = next((r for r in result.rows if r.ran), None)
+    yard = result.yardstick or next((r for r in result.rows if r.ran), None)
     if yard is not None:
         out_console.print(line("ids: ", styled(", ".join(map(str, yard.tokens)))))
         if yard.text is not None:
@@ -210,8 +208,9 @@ def render_generate(result) -> None:
                           "not fit)", style="yellow")
     elif result.all_match and any(r.near_tie is not None for r in result.rows):
         ties = sum(r.near_tie is not None for r in result.rows)
-        out_console.print(line(("every row generated the reference's tokens", "bold green"),
-                               f" or parted from them only at a near-tie of the reference's own logits ({ties} "
+        name = result.yardstick.name
+        out_console.print(line((f"every row generated the {name}'s tokens", "bold green"),
+                               f" or parted from them only at a near-tie of the {name}'s own logits ({ties} "
                                f"row{'s' if ties > 1 else ''}, above: rounding of {result.dtype}, not an error)"))
     elif result.all_match:
         what = {"reference": "the reference's tokens", "one rank": "the one-rank row's tokens (no reference)"}.get(

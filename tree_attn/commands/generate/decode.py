@@ -132,6 +132,7 @@ class StrategyRun:
     messages_per_step: list[int]
     execution: str = "eager"
     why_eager: str | None = None
+    top: list[StepTop] = field(default_factory=list)  # each token's best logits (rank 0; .ties)
 
 
 @dataclass
@@ -169,8 +170,8 @@ class GenerateRow:
     one-process row did not run (then it has no tokens). ``quantized``: the row read an fp8 KV
     cache (checked as any row: the reference then reads its cache quantized alike).
     ``same_tokens``: positions equal to the yardstick's. ``near_tie``: where a 16-bit row first
-    parted from the reference at a near-tie of the reference's logits (:mod:`.ties`; the row then
-    passes, reported as such). ``top``: the reference row's best logits per step."""
+    parted from the yardstick at a near-tie of the yardstick's logits (:mod:`.ties`; the row then
+    passes, reported as such). ``top``: the row's best logits per step (rank 0's)."""
 
     name: str
     ranks: int
@@ -255,6 +256,14 @@ class GenerateResult:
     def all_match(self) -> bool:
         return all(r.ok for r in self.rows if r.ran)
 
+    @property
+    def yardstick(self) -> GenerateRow | None:
+        """The row the others were checked against (None: one row ran, nothing was checked)."""
+        ran = [r for r in self.rows if r.ran]
+        if self.checked_against in (REFERENCE, ONE_RANK):
+            return next((r for r in ran if r.name == self.checked_against), None)
+        return ran[0] if self.checked_against == "each other" and ran else None
+
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate
         ranks = []
@@ -300,8 +309,10 @@ def _next_token(logits: torch.Tensor) -> int:
 def decode_tokens(model, ctx: DecodeContext, first: int, start: int, steps: int,
                   progress: Callable[[str], None], label: str, *, cuda_graph: bool = True,
                   timeout_s: float | None = None, rank: int | None = None, world_size: int = 1,
-                  abort: Callable[[], str] | None = None) -> StrategyRun:
-    """Greedy decode ``steps`` tokens from input token ``first`` at position ``start``.
+                  abort: Callable[[], str] | None = None, record_top: bool = False) -> StrategyRun:
+    """Greedy decode ``steps`` tokens from input token ``first`` at position ``start``;
+    ``record_top``: also each token's best logits (read after the token's timed span), by which
+    a row that parts from this one is judged (:mod:`.ties`).
 
     One :class:`.token_step.TokenStep`: an untimed warm-up forward builds every layer's prepared
     step (collectively on several ranks; its KV is overwritten), then on GPUs the whole token is
@@ -326,6 +337,8 @@ def decode_tokens(model, ctx: DecodeContext, first: int, start: int, steps: int,
             t0 = time.perf_counter()
             token = step()
             run.step_s.append(time.perf_counter() - t0)
+            if record_top:
+                run.top.append(step.top())
             ctx.stats.add(step.traffic)  # the merges' (a graph replay runs no Python to count them)
             run.tokens.append(token)
             run.bytes_per_step.append(ctx.stats.bytes_sent)
@@ -381,7 +394,7 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, store: PagedKVSha
                            f"{'s' if env.world_size != 1 else ''}")
         runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label,
                                     cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, rank=env.rank,
-                                    world_size=env.world_size, abort=abort_group)
+                                    world_size=env.world_size, abort=abort_group, record_top=env.rank == 0)
         say_on_rank_0(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
     return runs
 
@@ -435,7 +448,7 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
 def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False) -> GenerateRow:
     mine = runs[0]
     return GenerateRow(quantized=quantized,
-        name=name, ranks=ranks, tokens=mine.tokens, step_s=mine.step_s,
+        name=name, ranks=ranks, tokens=mine.tokens, step_s=mine.step_s, top=mine.top,
         bytes_per_token=max(max(r.bytes_per_step, default=0) for r in runs),
         messages_per_token=max(max(r.messages_per_step, default=0) for r in runs),
         ranks_agree=all(r.tokens == mine.tokens for r in runs),
@@ -445,26 +458,25 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False
 
 def _check(rows: list[GenerateRow], logits_dtype: torch.dtype | None = None) -> str:
     """Mark each row's ``matches`` against the yardstick: the reference when it ran, else the
-    one-rank row, else the first row that ran. Returns what the rows were checked against. Against
-    the reference, a row that parts from it is checked for a near-tie of the reference's logits
-    (of ``logits_dtype``, the model's; None: exact tokens only), :func:`.ties.near_tie`."""
+    one-rank row, else the first row that ran. Returns what the rows were checked against. A row
+    that parts from the yardstick is checked for a near-tie of the yardstick's own logits (of
+    ``logits_dtype``, the model's; None: exact tokens only), :func:`.ties.near_tie`."""
     ran = [r for r in rows if r.ran]
     by_name = {r.name: r for r in ran}
     if REFERENCE in by_name:
-        against, yardstick = REFERENCE, by_name[REFERENCE].tokens
-        top = by_name[REFERENCE].top
+        against, yard = REFERENCE, by_name[REFERENCE]
     elif ONE_RANK in by_name:
-        against, yardstick = ONE_RANK, by_name[ONE_RANK].tokens
+        against, yard = ONE_RANK, by_name[ONE_RANK]
     elif len(ran) > 1:
-        against, yardstick = "each other", ran[0].tokens
+        against, yard = "each other", ran[0]
     else:
         return "nothing"
     for r in ran:
-        r.matches = r.tokens == yardstick
-        r.same_tokens = sum(a == b for a, b in zip(r.tokens, yardstick, strict=False))
+        r.matches = r.tokens == yard.tokens
+        r.same_tokens = sum(a == b for a, b in zip(r.tokens, yard.tokens, strict=False))
         r.near_tie = None
-        if against == REFERENCE and not r.matches and logits_dtype is not None:
-            r.near_tie = near_tie(r.tokens, yardstick, top, logits_dtype)
+        if not r.matches and logits_dtype is not None:
+            r.near_tie = near_tie(r.tokens, yard.tokens, yard.top, logits_dtype, against=yard.name)
     return against
 
 
@@ -500,7 +512,8 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
             from .reference import reference_in_child
 
             ref = reference_in_child(spec, say)
-    rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER, top=ref.top) if ref is not None else
+    rows = [GenerateRow(REFERENCE, 1, ref.tokens, ref.step_s, why_eager=REFERENCE_EAGER, top=ref.top)
+            if ref is not None else
             GenerateRow(REFERENCE, 1, [], [], skipped=spec.reference.reason)]
     fp8 = is_fp8(spec.kv_dtype)
     rows.append(_row(ONE_RANK, 1, [one.runs[ONE_RANK]], fp8) if one is not None else

@@ -163,8 +163,8 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     reference, one_rank = choose_rows(options.reference, est)
     if dtype != "float32":
         notices.append(f"{dtype}: rounding differs between the reference and the ranks; a row may part from the "
-                       f"reference's tokens where its two best logits lie within {TIE_ULPS} ulps (shown as 'tie at N', "
-                       "with the gap); any other difference exits 1")
+                       f"reference's tokens (or the row checked against) where its two best logits lie within "
+                       f"{TIE_ULPS} ulps (shown as 'tie at N', with the gap); any other difference exits 1")
     if is_fp8(kv_dtype):
         notices.append(f"KV cache {kv_dtype}: quantized as written, with per-layer, per-KV-head scales from the whole "
                        "prompt (the ranks agree on them at prefill); the reference reads its cache quantized the same "

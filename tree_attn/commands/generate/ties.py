@@ -9,11 +9,13 @@ different tokens and nothing later is comparable. Transformers itself does this:
 where its sdpa on the CPU, and every tree-attn row on the GPU, chose 2213; the reference's logits
 for the two differed by 0.75 at 21.5, 6 bf16 ulps.
 
-So the reference records each step's :data:`TOP_K` best logits, and a row that first parts from
-it at step ``i`` passes as a *near-tie* when its token there is among those and the reference's
-own logits for the two tokens differ by at most :data:`TIE_ULPS` ulps of the reference's best
-logit. The row is reported as such (the step, both tokens, the gap in logits and in ulps), never as
-"same". Anything else, a token outside the reference's best or a wider gap, is a difference.
+So every row records each step's :data:`TOP_K` best logits (the reference in its process, a
+strategy on its rank 0, after each token's timed span), and a row that first parts from the
+yardstick (the reference, else the one-rank row, else the first row) at step ``i`` passes as a
+*near-tie* when its token there is among the yardstick's best and the yardstick's own logits for
+the two tokens differ by at most :data:`TIE_ULPS` ulps of the yardstick's logit for its own token.
+The row is reported as such (the step, both tokens, the gap in logits and in ulps), never as
+"same". Anything else, a token outside the yardstick's best or a wider gap, is a difference.
 """
 
 from __future__ import annotations
@@ -61,53 +63,64 @@ def ulp(x: float, dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class NearTie:
-    """Where a row first parts from the reference at a near-tie. ``step``: 0-based index of the
-    generated token; ``gap``: the reference's best logit minus its logit for the row's token (both
-    float32 values of ``dtype`` logits); ``ulps``: the gap in ulps of ``dtype`` at the best logit."""
+    """Where a row first parts from its yardstick (the row named ``against``) at a near-tie.
+    ``step``: 0-based index of the generated token; ``their_token``: the yardstick's there; ``gap``:
+    the yardstick's logit for its token minus its logit for the row's (float32 values of ``dtype``
+    logits); ``ulps``: the gap in ulps of ``dtype`` at the yardstick's logit."""
 
     step: int
     token: int
-    reference_token: int
+    their_token: int
     gap: float
     ulps: float
     dtype: str
+    against: str = "reference"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"the same tokens up to token {self.step}; at token {self.step + 1} it chose {self.token}, the reference "
-                f"{self.reference_token}, whose own logits for the two differ by {self.gap:.4g} ({self.ulps:.1f} ulps "
-                f"of {self.dtype}, a tie within {TIE_ULPS}); after that the two continue from different tokens")
+        return (f"the same tokens up to token {self.step}; at token {self.step + 1} it chose {self.token}, the "
+                f"{self.against} {self.their_token}, whose own logits for the two differ by {self.gap:.4g} "
+                f"({self.ulps:.1f} ulps of {self.dtype}, a tie within {TIE_ULPS}); after that the two continue "
+                f"from different tokens")
 
 
-def near_tie(tokens: list[int], reference: list[int], top: list[StepTop], dtype: torch.dtype) -> NearTie | None:
-    """The near-tie at which ``tokens`` first part from ``reference`` (the reference's ``top`` per
-    step, its logits of ``dtype``), or None: the same tokens, a part beyond a tie, or no logits."""
-    step = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), None)
-    if step is None or step >= len(top) or len(tokens) != len(reference):
+def _parting_step(tokens: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=False)) if a != b), None)
+
+
+def near_tie(tokens: list[int], theirs: list[int], top: list[StepTop], dtype: torch.dtype,
+             against: str = "reference") -> NearTie | None:
+    """The near-tie at which ``tokens`` first part from ``theirs`` (the yardstick row ``against``,
+    its ``top`` per step, logits of ``dtype``), or None: the same tokens, a parting beyond a tie,
+    or no logits recorded."""
+    step = _parting_step(tokens, theirs)
+    if step is None or step >= len(top) or len(tokens) != len(theirs):
         return None
-    mine, theirs = top[step].logit_of(tokens[step]), top[step].logit_of(reference[step])
-    if mine is None or theirs is None:
+    mine, their = top[step].logit_of(tokens[step]), top[step].logit_of(theirs[step])
+    if mine is None or their is None:
         return None
-    gap = theirs - mine
-    ulps = gap / ulp(theirs, dtype)
+    gap = their - mine
+    ulps = gap / ulp(their, dtype)
     if ulps > TIE_ULPS:
         return None
-    return NearTie(step, tokens[step], reference[step], gap, ulps, str(dtype).removeprefix("torch."))
+    return NearTie(step, tokens[step], theirs[step], gap, ulps, str(dtype).removeprefix("torch."), against)
 
 
-def parting(tokens: list[int], reference: list[int], top: list[StepTop], dtype: torch.dtype) -> str | None:
-    """Where and how far ``tokens`` part from ``reference`` (for an error), or None if they do not."""
-    step = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), None)
+def parting(tokens: list[int], theirs: list[int], top: list[StepTop], dtype: torch.dtype,
+            against: str = "reference") -> str | None:
+    """Where and how far ``tokens`` part from ``theirs`` (the yardstick row ``against``; for an
+    error), or None if they do not."""
+    step = _parting_step(tokens, theirs)
     if step is None:
-        return None if len(tokens) == len(reference) else f"{len(tokens)} tokens against the reference's {len(reference)}"
-    where = f"token {step + 1}: {tokens[step]} against the reference's {reference[step]}"
+        return None if len(tokens) == len(theirs) else f"{len(tokens)} tokens against the {against}'s {len(theirs)}"
+    where = f"token {step + 1}: {tokens[step]} against the {against}'s {theirs[step]}"
     if step >= len(top):
-        return where
-    mine, theirs = top[step].logit_of(tokens[step]), top[step].logit_of(reference[step])
-    if mine is None or theirs is None:
-        return where + f" (not among the reference's {len(top[step].ids)} best logits there)"
-    return where + (f" (the reference's logits for the two differ by {theirs - mine:.4g}, "
-                    f"{(theirs - mine) / ulp(theirs, dtype):.1f} ulps of {str(dtype).removeprefix('torch.')}; "
+        return where + f" (no logits of the {against} recorded there)"
+    mine, their = top[step].logit_of(tokens[step]), top[step].logit_of(theirs[step])
+    if mine is None or their is None:
+        return where + f" (not among the {against}'s {len(top[step].ids)} best logits there)"
+    return where + (f" (the {against}'s logits for the two differ by {their - mine:.4g}, "
+                    f"{(their - mine) / ulp(their, dtype):.1f} ulps of {str(dtype).removeprefix('torch.')}; "
                     f"a tie is within {TIE_ULPS})")

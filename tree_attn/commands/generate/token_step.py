@@ -42,6 +42,7 @@ import torch
 from ...graphs import CapturedStep, StaticStep
 from ...reduce.exchange import Traffic
 from .hf_attention import CONTEXT_KWARG, DecodeContext
+from .ties import StepTop, step_top
 
 # Why the ring baseline stays eager (as in `run`): each of its steps passes whole KV shards around.
 RING_EAGER = "the ring baseline runs eagerly (whole KV shards travel each step)"
@@ -61,18 +62,20 @@ def graph_blocker(model: Any) -> str | None:
 
 
 @torch.inference_mode()
-def _token(model, ctx: DecodeContext, ids: torch.Tensor, positions: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def _token(model, ctx: DecodeContext, ids: torch.Tensor, positions: torch.Tensor,
+           token: torch.Tensor) -> torch.Tensor:
     """One token on static tensors (what the graph captures): place the new token's slot, run the
     model, take the argmax, feed it back and move one position on. Device work only; no autograd
-    (whoever calls it: the C kernel's prepared call takes no tensor that needs a gradient)."""
+    (whoever calls it: the C kernel's prepared call takes no tensor that needs a gradient).
+    Returns the token's logits ``[vocab]`` (in a graph: its static output, rewritten by each replay)."""
     ctx.place_next()
     logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
-                   **{CONTEXT_KWARG: ctx}).logits
-    token.copy_(torch.argmax(logits[0, -1]))
+                   **{CONTEXT_KWARG: ctx}).logits[0, -1]
+    token.copy_(torch.argmax(logits))
     ids.copy_(token.view(1, 1))
     positions.add_(1)
     ctx.advance()
-    return token
+    return logits
 
 
 class TokenStep(StaticStep):
@@ -127,6 +130,7 @@ class TokenStep(StaticStep):
             collectives=sum(s.traffic.collectives for s in steps if s.traffic is not None),
         )
         self.calls = 0
+        self._logits: torch.Tensor | None = None
 
     def _reset(self) -> None:
         """Inputs and device state back to where the first real token starts (after warm-ups)."""
@@ -137,9 +141,17 @@ class TokenStep(StaticStep):
     def __call__(self) -> int:
         """One token: replay (or run) the step, wait for it (bounded), return the token it chose."""
         self.ctx.check_room(1)
-        self.graph()
+        self._logits = self.graph()
         self.graph.wait(f"{self.label} token {self.calls + 1}")
         self.ctx.grew(1)
         self.calls += 1
         return int(self.token)
+
+    def top(self) -> StepTop:
+        """The last token's best logits (:func:`.ties.step_top`), read after the call: what a row
+        that parts from this one there is judged by. A device read and a host sync: outside any
+        timed span."""
+        if self._logits is None:
+            raise RuntimeError("no token has been decoded yet")
+        return step_top(self._logits)
 
