@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from tree_attn.cost import ClusterSpec, Workload, predict_step, preset
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.reduce.plan import ReductionPlan
 
 # The paper's numbers (arXiv 2408.04093): its headline and Table 1 (Llama-3.1-8B, 8x H100).
@@ -166,6 +166,7 @@ def main() -> None:
     if args.paper_only:
         print_paper(paper_predictions())
         return
+    exit_if_unwritable(ap, {"--out": args.out})
     load_before = os.getloadavg()[0]
     from tree_attn.cost.calibrate import calibrate_cpu
 

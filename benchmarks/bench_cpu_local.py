@@ -58,7 +58,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 import torch
 
 from tree_attn import decode_attention
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.kernels.cpu_decode import decode_attention_cpu
 from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_chunked, decode_attention_float64
@@ -271,6 +271,7 @@ def main() -> int:
         print(f"ours: {data.get('ours', 'torch ops (before the C kernel)')}")
         print_table(data["rows"])
         return 0
+    exit_if_unwritable(ap, {"--json": args.json})
     if args.quick:
         args.tokens, args.dtypes, args.repeats = "16384", "fp32", 5
 

@@ -33,7 +33,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 
 import torch
 
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.kernels.cpu_decode import NATIVE_MAX_QUERY_ROWS, decode_attention_cpu
 from tree_attn.kernels.cpu_native import native_status
 from tree_attn.kernels.reference import decode_attention_float64
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sq takes integers, got {args.sq!r}")
     if not sqs or min(sqs) < 1 or args.tokens < max(sqs) or args.repeats < 1:
         ap.error("--sq values must be >= 1 and <= --tokens, and --repeats >= 1")
+    exit_if_unwritable(ap, {"--json": args.json})
     status = native_status()
     if not status.available:
         print(f"the C kernel is not available here: {status.describe()}", file=sys.stderr)

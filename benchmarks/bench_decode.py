@@ -27,7 +27,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from tree_attn.commands.run.decode import RunSpec, run_decode
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -68,6 +68,7 @@ def main() -> int:
         print(f"machine: {data['machine']}")
         print_table(data["rows"])
         return 0
+    exit_if_unwritable(ap, {"--out": args.out})
     seq_lens = [16384, 65536] if args.quick else [int(x) for x in args.seq_lens.split(",")]
     worlds = [2, 4] if args.quick else [int(x) for x in args.world_sizes.split(",")]
     plans = (("tree", ReductionPlan("tree", 2)), ("allreduce", ReductionPlan("allreduce")), ("ring", None))

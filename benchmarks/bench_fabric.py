@@ -66,6 +66,7 @@ if str(_ROOT) not in sys.path:
 
 from tests.fabric import Fabric, FabricError, parse_rate, run_report, unavailable_reason
 from tree_attn.commands.defaults import parse_tokens
+from tree_attn.files import exit_if_unwritable
 
 SCHEMA = 1
 STRATEGIES = ("tree", "flat", "allreduce", "ring")
@@ -275,6 +276,7 @@ def main() -> int:
     if opts.plot_from:
         if not opts.plot:
             ap.error("--plot-from needs --plot FILE.png")
+        exit_if_unwritable(ap, {"--plot": opts.plot})
         parts = [json.loads(Path(f).read_text()) for f in opts.plot_from.split(",") if f.strip()]
         # The model's lines of the first file (each run draws them over every rate from its own
         # calibrations: one set, not several on top of each other).
@@ -282,6 +284,7 @@ def main() -> int:
         plot_rates(merged, opts.plot)
         print(f"wrote {opts.plot}", file=sys.stderr)
         return 0
+    exit_if_unwritable(ap, {"--json": opts.json_out, "--plot": opts.plot})
     reason = unavailable_reason()
     if reason is not None:
         print(f"bench_fabric: {reason}", file=sys.stderr)

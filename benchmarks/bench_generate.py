@@ -52,7 +52,7 @@ from tree_attn.commands.generate.memory import RowChoice
 from tree_attn.commands.generate.models import PRESETS, ModelSource
 from tree_attn.commands.generate.ties import NearTie, near_tie
 from tree_attn.dtypes import parse_dtype, torch_dtype
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.launch.setup import LaunchSetup, default_dtype
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -190,6 +190,8 @@ def main() -> int:
                     help="GPUs: profile the one-rank token step (wall vs its kernels' device time)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/generate-<case>.json)")
     args = ap.parse_args()
+    args.out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
+    exit_if_unwritable(ap, {"--out": args.out})
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_generate: --device cuda, but no CUDA or ROCm GPU is visible (--device cpu runs CPU ranks)")
     contexts = args.ctx or [8192]
@@ -278,7 +280,7 @@ def _run(args, contexts, worlds, source, vocab, graph_modes) -> int:
                 print(f"  {rec['context']} {rec['ranks']} {rec['name']}: eager: {rec['why_eager']}")
     for p in profiles:
         print(_profile_line(p))
-    out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"generate-{args.case}.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(dict(device=device, backend=backend, dtype=dtype, torch=torch.__version__,
                                    when=time.strftime("%Y-%m-%d %H:%M"), records=records,

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=20000, help="calls per sample (5 samples, median)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    from tree_attn.files import atomic_write_text, exit_if_unwritable
+
+    exit_if_unwritable(ap, {"--out": args.out})
 
     import torch
 
@@ -136,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch path, tiny shape (B=1, Hq=8, N=16, D=64): decode_attention {local:.1f} us, "
           f"tree_decode on 1 gloo rank {tree:.1f} us")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_out = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp_out.write_text(json.dumps({"meta": meta, "rows": rows, "wrapper": wrapper}, indent=2) + "\n")
-        tmp_out.replace(args.out)
+        atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows, "wrapper": wrapper}, indent=2) + "\n")
     return 0
 
 

@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                          '\'[{"block_n": 64, "num_stages": 2}, {"block_n": 128, "num_warps": 8}]\' (num_splits: the '
                          "heuristic's unless given); checked against float64 like the default, not judged by the goals")
     args = ap.parse_args(argv)
+    from tree_attn.files import exit_if_unwritable  # no torch at import
+
+    exit_if_unwritable(ap, {"--out": args.out})  # before the GPU check: a path is refused on any machine
     kv_dtypes = [x.strip() for x in args.kv_dtypes.split(",") if x.strip()]
     if not kv_dtypes or any(x not in KV_DTYPES for x in kv_dtypes):
         ap.error(f"--kv-dtypes: a comma list of {', '.join(KV_DTYPES)}; got {args.kv_dtypes!r}")

@@ -36,7 +36,7 @@ if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
 import torch
 
 from tree_attn import decode_attention
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.kernels.reference import decode_attention_float64
 
 
@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    exit_if_unwritable(p, {"--out": args.out})
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_paged: --device cuda, but no CUDA or ROCm GPU is visible (--device cpu times the CPU paths)")
     dev = torch.device(args.device)

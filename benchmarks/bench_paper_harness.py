@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "tree_attn").is_dir() and str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
 HEADS, HEAD_DIM = 16, 128  # the paper's scripts
 
 
@@ -208,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         devices, tokens, strategy, mode = args.child
         print(json.dumps(_child(int(devices), int(tokens), strategy, mode, args.steady_calls)))
         return 0
+    if args.json:  # tree-attn (PyYAML) only where it writes, as below
+        from tree_attn.files import exit_if_unwritable
+
+        exit_if_unwritable(ap, {"--json": args.json})
     try:
         import jax  # only to say early that it is missing
     except ImportError:

@@ -45,7 +45,7 @@ from tree_attn.cost import links
 from tree_attn.cost.capacity import GiB, ModelDims
 from tree_attn.cost.devices import KNOWN_DEVICES
 from tree_attn.cost.prefill import EFFICIENCY, predict_prefill
-from tree_attn.files import atomic_write_text
+from tree_attn.files import atomic_write_text, exit_if_unwritable
 from tree_attn.launch.setup import LaunchSetup
 from tree_attn.reduce.plan import ReductionPlan
 
@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/out/prefill-<preset>.json)")
     args = ap.parse_args()
+    out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"prefill-{args.preset}.json"
+    exit_if_unwritable(ap, {"--out": out})
     records = []
     for ctx in args.ctx or [16384]:
         print(f"[{args.preset} x{args.layers}] {ctx:,} tokens on {args.world} ranks and on one", file=sys.stderr,
@@ -157,7 +159,6 @@ def main() -> int:
         for p in rec["predictions"]:
             print(f"{rec['context']:>8,} {p['gpu']:>9} {p['world']:>4} {1e3 * p['total_s']:>13.2f} "
                   f"{1e3 * p['exposed_comm_s']:>16.2f} {p['speedup']:>7.2f}x")
-    out = Path(args.out) if args.out else _ROOT / "benchmarks" / "out" / f"prefill-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(dict(machine=platform.machine(), cpus=cores, torch=torch.__version__,
                                    when=time.strftime("%Y-%m-%d %H:%M"), records=records), indent=2))

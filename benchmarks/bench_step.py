@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
+    from tree_attn.files import exit_if_unwritable
 
+    exit_if_unwritable(ap, {"--out": args.out})  # before the GPU check: a path is refused on any machine
     import torch
 
     if not torch.cuda.is_available():

@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPU ranks")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
+    from tree_attn.files import exit_if_unwritable
+
+    exit_if_unwritable(ap, {"--out": args.out})
     import torch
 
     from tree_attn.cost.calibrate import calibrate_cpu, calibrate_gpu

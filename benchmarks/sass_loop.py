@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                     help='extra fp8 configs as a JSON list of DecodeConfig dicts, e.g. \'[{"block_n": 128}]\'')
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    from tree_attn.files import exit_if_unwritable
+
+    exit_if_unwritable(ap, {"--out": args.out})  # before the builds (minutes)
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tree-attn-sass-")  # fresh: ptxas runs and logs
     import kernel_aot_compile as aot

@@ -193,7 +193,9 @@ def main() -> None:
             print(f"{path}: triton {meta['triton']}, ptxas {meta['ptxas']}")
             report(data["builds"], meta["triton"])
         return
+    from tree_attn.files import exit_if_unwritable
 
+    exit_if_unwritable(ap, {"--out": args.out})  # before the builds (minutes)
     import triton
 
     from tree_attn.kernels.config import SPILL_PROFILES

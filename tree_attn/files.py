@@ -16,6 +16,8 @@ One helper each, used by every reader and writer (topologies, dumps, profiles, J
 - :func:`unwritable`: why a path could not be written, asked before long work by every option
   that writes a file (missing folders are created; the file system is asked by creating and
   removing an empty file, since permission bits say yes to root everywhere).
+  :func:`cannot_write` puts its answer in the one line every such refusal reads, and
+  :func:`exit_if_unwritable` refuses it for a script that parses its own arguments (benchmarks/).
 
 Callers turn ``OSError`` and ``yaml.YAMLError`` into their own :class:`TreeAttnError` subclasses.
 Imports nothing of the project.
@@ -119,6 +121,26 @@ def unwritable(path: str | os.PathLike) -> str | None:
     except OSError as exc:
         return f"the folder {folder} cannot be written (a test file could not be created: {exc.strerror or exc})"
     return None
+
+
+def cannot_write(path: str | os.PathLike, option: str) -> str | None:
+    """``cannot write OPTION PATH: <why>`` where :func:`unwritable` refuses ``path``, else None: the
+    one line of every refusal, the CLI's (``cli.common.check_output``) and the scripts'."""
+    problem = unwritable(path)
+    return f"cannot write {option} {os.fspath(path)}: {problem}" if problem else None
+
+
+def exit_if_unwritable(parser: Any, outputs: dict[str, str | os.PathLike | None]) -> None:
+    """Before any work, in a script that parses its own arguments (the benchmarks): every output
+    option given, ``{"--out": args.out, "--plot": args.plot}`` (None: not asked for, skipped), by
+    the rule of :func:`unwritable`. The first that could not be written ends the script as argparse
+    ends a usage error, without the usage: exit status 2 and one line on stderr,
+    ``PROG: error: cannot write --out PATH: <why>``. ``parser`` is the script's
+    ``argparse.ArgumentParser`` (its ``prog`` and ``exit``). Nothing is created."""
+    for option, path in outputs.items():
+        line = cannot_write(path, option) if path is not None else None
+        if line:
+            parser.exit(2, f"{parser.prog}: error: {line}\n")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, replace: bool = True) -> None:

@@ -141,11 +141,11 @@ def check_output(path: str | os.PathLike, option: str) -> None:
     option. The rule is every output option's (:func:`tree_attn.files.unwritable`): missing folders
     are created, a file where a folder should be or a folder that cannot be written is refused."""
     from ..errors import ConfigError
-    from ..files import unwritable
+    from ..files import cannot_write
 
-    problem = unwritable(path)
+    problem = cannot_write(path, option)
     if problem:
-        raise ConfigError(f"cannot write {option} {os.fspath(path)}: {problem}")
+        raise ConfigError(problem)
 
 
 def check_plot(path: str | None) -> None:
