@@ -57,6 +57,7 @@ WRITERS = [
     ("bench_prefill.py", [], "--out"),
     ("bench_step.py", [], "--out"),
     ("calibrate_costmodel.py", [], "--out"),
+    ("logit_agreement.py", [], "--out"),
     ("sass_loop.py", [], "--out"),
     ("spill_sweep.py", [], "--out"),
 ]

@@ -154,6 +154,8 @@ def test_sharded_prefill_and_every_strategy_on_4_ranks(small_model):
     for row in result.rows:
         assert row.tokens == expected, row.name
         assert row.matches and row.ranks_agree, row.name
+        # each row's best logits per token came back from its rank 0 (spawned ranks: by pickle)
+        assert [t.ids[0] for t in row.top] == expected, row.name
         assert len(row.step_s) == 24 and all(t > 0 for t in row.step_s)
     assert result.all_match and result.checked_against == REFERENCE
     shards = spec.shards()
@@ -268,7 +270,7 @@ def test_cli_reports_a_near_tie_as_such_and_a_difference_with_its_distance(monke
     from tree_attn.commands.generate import decode as gen
     from tree_attn.commands.generate.ties import StepTop
 
-    top = [StepTop((1, 5), (30.0, 20.0)), StepTop((2, 6), (25.0, 20.0)), StepTop((3, 4, 7), (21.5, 20.75, 20.25))]
+    top = [StepTop((1, 5), (30.0, 20.0)), StepTop((2, 6), (25.0, 20.0)), StepTop((3, 4, 7), (21.5, 20.75, 19.0))]
 
     def result(tree_tokens):
         rows = [GenerateRow(REFERENCE, 1, [1, 2, 3], [0.01] * 3, top=top),
@@ -282,7 +284,7 @@ def test_cli_reports_a_near_tie_as_such_and_a_difference_with_its_distance(monke
     monkeypatch.setattr(gen, "run_generate", lambda spec, progress=None, tokenizer=None: result([1, 2, 4]))
     assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "tie at 3" in out and "at token 3 it chose 4, the reference 3" in out and "6.0 ulps of bfloat16" in out
+    assert "tie at 3" in out and "at token 3 it took 4, the reference 3" in out and "6.0 ulps of bfloat16" in out
     assert "parted from them only at a near-tie" in out
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -291,7 +293,7 @@ def test_cli_reports_a_near_tie_as_such_and_a_difference_with_its_distance(monke
     monkeypatch.setattr(gen, "run_generate", lambda spec, progress=None, tokenizer=None: result([1, 2, 7]))
     assert main(args) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "tree k=2: parts from the reference at token 3: 7 against the reference's 3" in err and "10.0 ulps" in err
+    assert "tree k=2: parts from the reference at token 3: 7 against the reference's 3" in err and "20.0 ulps" in err
 
 
 def test_cli_says_what_the_rows_were_checked_against(monkeypatch, capsys):
@@ -367,7 +369,7 @@ def test_dtype_default_is_bf16_on_gpus_float32_on_cpu(monkeypatch):
     monkeypatch.setattr(launch, "gpu_count", lambda: 1)
     on_gpu = plan_generate(GenerateOptions(**small))
     assert (on_gpu.spec.device_kind, on_gpu.spec.dtype) == ("cuda", "bfloat16")
-    assert any("bfloat16: rounding differs" in n and "within 8 ulps" in n for n in on_gpu.own_notices)
+    assert any("bfloat16: rounding differs" in n and "within 8 x sqrt(layers) ulps" in n for n in on_gpu.own_notices)
     assert not any("rounding" in w for w in on_gpu.warnings)
     assert plan_generate(GenerateOptions(device="cpu", world_size=2, **small)).spec.dtype == "float32"
     assert plan_generate(GenerateOptions(dtype="fp32", **small)).spec.dtype == "float32"  # asked for: kept

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from ..commands.generate.setup import GenerateOptions
+from ..commands.generate.ties import TIE_ULPS_PER_ROOT_LAYER
 from .common import (
     announce_setup,
     err_console,
@@ -78,7 +79,8 @@ def generate_command(
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Weights and KV cache: auto (bf16 on GPUs, float32 on CPU ranks), float32 (fp32), fp16 or "
         "bf16; in 16 bits rounding may flip a near-tie of the reference's logits: such a row "
-        "passes as 'tie at N' (within 8 ulps), any other difference exits 1.")] = DEFAULTS.dtype,
+        f"passes as 'tie at N' (within {TIE_ULPS_PER_ROOT_LAYER} x sqrt(layers) ulps), any other difference "
+        "exits 1.")] = DEFAULTS.dtype,
     kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", help="KV cache dtype (default: the --dtype): float32, fp16, bf16 or fp8 (float8_e4m3fn: "
         "each rank quantizes K and V as they are written, the prefill and every new token, with per-layer, "
@@ -133,8 +135,11 @@ def generate_command(
 
         yard = result.yardstick
         for r in result.rows:
-            if r.ran and not r.ok and yard is not None and r is not yard and not r.matches:
-                where = parting(r.tokens, yard.tokens, yard.top, torch_dtype(result.dtype), against=yard.name)
+            if r.ran and not r.ranks_agree:
+                err_console.print(f"{r.name}: its ranks generated different tokens", markup=False)
+            elif r.ran and not r.ok and yard is not None and r is not yard and not r.matches:
+                where = parting(r.tokens, yard.tokens, yard.top, torch_dtype(result.dtype), layers=result.layers,
+                                against=yard.name, own_top=r.top)
                 err_console.print(f"{r.name}: parts from the {yard.name} at {where}", markup=False)
         raise typer.Exit(1)
 
@@ -168,7 +173,7 @@ def render_generate(result) -> None:
     for r in result.rows:
         if not r.ran:
             out_console.print(line((r.name, "bold"), f": {r.skipped}"))
-        elif r.near_tie is not None:
+        elif r.near_tie is not None and r.ok:
             out_console.print(line((r.name, "bold"), f": {r.near_tie.describe()}"), style="yellow")
     if result.backend == "nccl":  # GPU ranks: say why a row that could have been a graph was not
         for r in result.rows:
@@ -211,7 +216,7 @@ def render_generate(result) -> None:
         name = result.yardstick.name
         out_console.print(line((f"every row generated the {name}'s tokens", "bold green"),
                                f" or parted from them only at a near-tie of the {name}'s own logits ({ties} "
-                               f"row{'s' if ties > 1 else ''}, above: rounding of {result.dtype}, not an error)"))
+                               f"row{'s' if ties > 1 else ''}, above: consistent with rounding of {result.dtype})"))
     elif result.all_match:
         what = {"reference": "the reference's tokens", "one rank": "the one-rank row's tokens (no reference)"}.get(
             result.checked_against, "the same tokens (no reference: rows checked against each other)")

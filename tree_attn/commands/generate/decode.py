@@ -132,7 +132,7 @@ class StrategyRun:
     messages_per_step: list[int]
     execution: str = "eager"
     why_eager: str | None = None
-    top: list[StepTop] = field(default_factory=list)  # each token's best logits (rank 0; .ties)
+    top: list[StepTop] = field(default_factory=list)  # each token's best logits (every rank, untimed; .ties)
 
 
 @dataclass
@@ -150,6 +150,7 @@ class RankReport:
     decode_peak_bytes: int
     peak_method: str
     start_bytes: int = 0
+    layers: int = 0  # the model's (what a near-tie's bound scales with, .ties)
 
     @property
     def peak_bytes(self) -> int:
@@ -196,8 +197,8 @@ class GenerateRow:
 
     @property
     def ok(self) -> bool:
-        """The row passes: its ranks agree, and its tokens equal the yardstick's or part from the
-        reference's only at a near-tie."""
+        """The row passes: its ranks agree, and its tokens equal the yardstick's or part from them
+        only at a near-tie (:mod:`.ties`)."""
         return self.ranks_agree and (self.matches or self.near_tie is not None)
 
     @property
@@ -251,6 +252,7 @@ class GenerateResult:
     launcher_peak_bytes: int | None = None  # the launching process's peak RSS (spawned ranks)
     shards: SequenceShards | None = None
     kv_dtype: str | None = None  # None: the dtype's
+    layers: int = 1  # the model's (a near-tie's bound, .ties)
 
     @property
     def all_match(self) -> bool:
@@ -394,7 +396,7 @@ def decode_strategies(env: RankEnv, spec: GenerateSpec, model, store: PagedKVSha
                            f"{'s' if env.world_size != 1 else ''}")
         runs[label] = decode_tokens(model, ctx, first, start, spec.new_tokens, lambda t: say_on_rank_0(env, t), label,
                                     cuda_graph=spec.cuda_graph, timeout_s=spec.timeout_s, rank=env.rank,
-                                    world_size=env.world_size, abort=abort_group, record_top=env.rank == 0)
+                                    world_size=env.world_size, abort=abort_group, record_top=True)
         say_on_rank_0(env, f"{label}: median token {1e3 * statistics.median(runs[label].step_s):.2f} ms")
     return runs
 
@@ -442,7 +444,7 @@ def generate_rank(env: RankEnv, spec: GenerateSpec, strategies) -> RankReport:
     with MemoryMonitor(env.device) as decode_mem:
         runs = decode_strategies(env, spec, model, store, strategies)
     return RankReport(env.rank, runs, pre, store.nbytes, load.result.peak_bytes, prefill_mem.result.peak_bytes,
-                      decode_mem.result.peak_bytes, load.method, load.result.start_bytes)
+                      decode_mem.result.peak_bytes, load.method, load.result.start_bytes, shape.layers)
 
 
 def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False) -> GenerateRow:
@@ -456,11 +458,12 @@ def _row(name: str, ranks: int, runs: list[StrategyRun], quantized: bool = False
     )
 
 
-def _check(rows: list[GenerateRow], logits_dtype: torch.dtype | None = None) -> str:
+def _check(rows: list[GenerateRow], logits_dtype: torch.dtype | None = None, layers: int = 1) -> str:
     """Mark each row's ``matches`` against the yardstick: the reference when it ran, else the
     one-rank row, else the first row that ran. Returns what the rows were checked against. A row
     that parts from the yardstick is checked for a near-tie of the yardstick's own logits (of
-    ``logits_dtype``, the model's; None: exact tokens only), :func:`.ties.near_tie`."""
+    ``logits_dtype``, the model's, of ``layers`` layers; None: exact tokens only),
+    :func:`.ties.near_tie`."""
     ran = [r for r in rows if r.ran]
     by_name = {r.name: r for r in ran}
     if REFERENCE in by_name:
@@ -476,7 +479,8 @@ def _check(rows: list[GenerateRow], logits_dtype: torch.dtype | None = None) -> 
         r.same_tokens = sum(a == b for a, b in zip(r.tokens, yard.tokens, strict=False))
         r.near_tie = None
         if not r.matches and logits_dtype is not None:
-            r.near_tie = near_tie(r.tokens, yard.tokens, yard.top, logits_dtype, against=yard.name)
+            r.near_tie = near_tie(r.tokens, yard.tokens, yard.top, logits_dtype, layers=layers, against=yard.name,
+                                  own_top=r.top)
     return against
 
 
@@ -520,7 +524,8 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
                 GenerateRow(ONE_RANK, 1, [], [], skipped=spec.one_rank.reason))
     labels = list(reports[0].runs)
     rows += [_row(label, spec.world_size, [rep.runs[label] for rep in reports], fp8) for label in labels]
-    against = _check(rows, torch_dtype(spec.dtype))
+    layers = reports[0].layers
+    against = _check(rows, torch_dtype(spec.dtype), layers)
     if tokenizer is not None:
         for row in rows:
             if row.ran:
@@ -531,6 +536,6 @@ def run_generate(spec: GenerateSpec, progress: Callable[[str], None] | None = No
         backend=torchrun.backend if torchrun is not None else spec.backend, dtype=spec.dtype, kv_dtype=spec.kv_dtype,
         page_size=spec.page_size, prefill_s=max(rep.prefill.wall_s for rep in reports), rows=rows,
         shard_sizes=spec.shard_sizes(), cuda_graph=spec.cuda_graph, checked_against=against, ranks=reports,
-        reference_report=ref, one_rank_report=one, estimate=spec.estimate,
+        reference_report=ref, one_rank_report=one, estimate=spec.estimate, layers=layers,
         launcher_peak_bytes=launcher.result.peak_bytes if torchrun is None else None, shards=spec.shards(),
     )

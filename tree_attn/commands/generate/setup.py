@@ -17,7 +17,7 @@ from ...launch.setup import AnnouncesLaunch, PlanOptions
 from ...validate import check_int, is_int
 from ..defaults import SEED
 from .models import DEFAULT_PRESET, ModelSource, check_source, load_tokenizer, require_transformers, resolve_model_path
-from .ties import TIE_ULPS
+from .ties import TIE_ULPS_PER_ROOT_LAYER
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...launch.env import RankEnv
@@ -163,8 +163,10 @@ def plan_generate(options: GenerateOptions) -> GenerateSetup:
     reference, one_rank = choose_rows(options.reference, est)
     if dtype != "float32":
         notices.append(f"{dtype}: rounding differs between the reference and the ranks; a row may part from the "
-                       f"reference's tokens (or the row checked against) where its two best logits lie within "
-                       f"{TIE_ULPS} ulps (shown as 'tie at N', with the gap); any other difference exits 1")
+                       f"reference's tokens (or the row checked against) at a near-tie: both rows' logits for the "
+                       f"two tokens within {TIE_ULPS_PER_ROOT_LAYER} x sqrt(layers) ulps, and their logits in "
+                       "agreement until then (shown as "
+                       "'tie at N', with the gaps); any other difference exits 1")
     if is_fp8(kv_dtype):
         notices.append(f"KV cache {kv_dtype}: quantized as written, with per-layer, per-KV-head scales from the whole "
                        "prompt (the ranks agree on them at prefill); the reference reads its cache quantized the same "
