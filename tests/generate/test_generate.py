@@ -121,6 +121,25 @@ def test_the_one_rank_row_needs_its_whole_prefill(small_model, monkeypatch):
     assert _one_rank_here(spec).runs[ONE_RANK].tokens != whole
 
 
+def test_a_broken_prefill_in_bf16_is_a_difference_not_a_near_tie(monkeypatch):
+    """The near-tie rule (ties.py) must not excuse a real error: the same negative control in
+    bf16, against the reference's recorded logits, parts at a token the rule refuses."""
+    from tree_attn.commands.generate import prefill
+    from tree_attn.commands.generate.ties import near_tie, parting
+
+    prompt = _prompt(301, 4096)
+    spec = GenerateSpec(SMALL, prompt, LaunchSetup(world_size=1, plans=TREE, dtype="bfloat16"), new_tokens=8)
+    ref = reference_work(spec, lambda t: None)
+    attend = prefill.ShardedPrefill.attend
+    monkeypatch.setattr(prefill.ShardedPrefill, "attend",
+                        lambda self, layer, q, k, v, scale: attend(self, layer, q, k.flip(2), v, scale))
+    broken = _one_rank_here(spec).runs[ONE_RANK]
+    assert broken.tokens != ref.tokens and len(broken.top) == 8
+    assert near_tie(broken.tokens, ref.tokens, ref.top, torch.bfloat16, layers=2, own_top=broken.top) is None
+    assert "a tie is within 11 ulps at 2 layers" in parting(broken.tokens, ref.tokens, ref.top, torch.bfloat16,
+                                                             layers=2, own_top=broken.top)
+
+
 def test_rows_are_checked_against_the_reference_else_one_rank_else_each_other():
     def rows(*named):
         return [GenerateRow(name, 1, list(tokens), [0.01] * len(tokens), skipped=None if tokens is not None else "x")
