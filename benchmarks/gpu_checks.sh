@@ -14,12 +14,14 @@
 #   readme the README's test command itself, one process (whole-suite): on a machine without a
 #          10-minute limit per call (the CPU tests alone take ~11 min on 2 cores)
 #   bench  bench-kernel, bench-kernel-fp8, bench-step, bench-host, bench-paged, bench-generate (generate's
-#          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time)
+#          token as one CUDA graph vs eager, and wall time per token vs its kernels' device time),
+#          logit-agreement
 #   cli    probe, probe-measure, tune, run, run-eager, generate-gpu-tests, generate, generate-eager, generate-long,
 #          generate-refused, fit, calibrate-costmodel, simulate-calibrated
 #   short  what fits one 10-minute call on a fresh machine (--quick is implied), most wanted first:
 #          short rows of bench-kernel-fp8 (bf16 and fp8 at 64K and 256K; ~25 s on an H100), then
-#          bench-generate (8K, the one-process rows, graph vs eager, kernel time), then gpu-tests (every
+#          bench-generate (8K, the one-process rows, graph vs eager, kernel time), logit-agreement
+#          (bf16 logits against transformers' on this GPU, for the near-tie rule), then gpu-tests (every
 #          GPU test, run and generate included: 316 s on an H100, 2026-11-26). The rest of the README's
 #          tests (cpu-suite, in the group `tests`) need a call of their own: side by side with the
 #          GPU tests both slowed past their limits on an H200.
@@ -49,19 +51,19 @@ touch "$summary"
 all_steps=(gpu-tests replay-timeout whole-suite cpu-suite fp8-tests bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged
            bench-generate probe probe-measure tune run run-eager run-fp8 generate-fp8 generate-gpu-tests generate generate-eager
            generate-long generate-refused fit calibrate-costmodel simulate-calibrated bench-kernel-short
-           bench-generate-short sass-loop)
+           bench-generate-short sass-loop logit-agreement)
 selected=()
 for arg in "${@:-tests bench cli fp8}"; do
   for word in $arg; do
     case $word in
       tests) selected+=(replay-timeout gpu-tests cpu-suite) ;;
       readme) selected+=(whole-suite) ;;
-      bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate) ;;
+      bench) selected+=(bench-kernel bench-kernel-fp8 bench-step bench-host bench-paged bench-generate logit-agreement) ;;
       cli) selected+=(probe probe-measure tune run run-eager generate-gpu-tests generate generate-eager
                       generate-long generate-refused fit calibrate-costmodel simulate-calibrated) ;;
       fp8) selected+=(fp8-tests sass-loop bench-kernel-fp8 run-fp8 generate-fp8) ;;
-      short) quick="--quick"; selected+=(bench-kernel-short bench-generate-short gpu-tests) ;;
-      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|sass-loop|\
+      short) quick="--quick"; selected+=(bench-kernel-short bench-generate-short logit-agreement gpu-tests) ;;
+      gpu-tests|cpu-suite|bench-kernel-short|bench-generate-short|replay-timeout|whole-suite|fp8-tests|sass-loop|logit-agreement|\
       bench-kernel|bench-kernel-fp8|bench-step|bench-host|bench-paged|\
       bench-generate|probe|probe-measure|tune|run|run-eager|run-fp8|generate-fp8|generate-gpu-tests|generate|generate-eager|\
       generate-long|generate-refused|fit|calibrate-costmodel|simulate-calibrated)
@@ -155,6 +157,11 @@ step bench-generate 420 python3 benchmarks/bench_generate.py --device cuda --cas
   --kernel-time --out "$out/bench_generate.json"
 step bench-generate-short 150 python3 benchmarks/bench_generate.py --device cuda --case small --ctx 8192 --worlds 0 \
   --new-tokens 16 --compare-eager --kernel-time --out "$out/bench_generate_short.json"
+# How far the one-rank row's bf16 logits drift from transformers' own on this GPU before their
+# tokens part (generate's near-tie rule allows 8 x sqrt(layers) ulps: tree_attn/commands/generate/ties.py;
+# the CPU's numbers in RESULTS.md): the small preset (4 layers) at 8K, four prompts.
+step logit-agreement 120 python3 benchmarks/logit_agreement.py --device cuda --prompt-len 8192 --seeds 4 \
+  --out "$out/logit_agreement.json"
 # Every GPU test in one process (316 s on an H100): after the short benchmarks, so that a call
 # stopped at its limit still has their numbers.
 step gpu-tests 380 python3 -m pytest -q -m gpu "${pytest_opts[@]}"

@@ -88,7 +88,8 @@ def main() -> int:
         spec = GenerateSpec(source, prompt, LaunchSetup(world_size=1, plans=(), device_kind=args.device, dtype=dtype),
                             new_tokens=args.new_tokens)
         say = lambda text: print(f"  [{seed}] {text}", file=sys.stderr, flush=True)  # noqa: B023
-        report = generate_rank(RankEnv(0, 1, "gloo" if args.device == "cpu" else "nccl", args.device, 0), spec, LOCAL)
+        env = RankEnv(0, 1, "gloo", "cpu") if args.device == "cpu" else RankEnv(0, 1, "nccl", "cuda:0")
+        report = generate_rank(env, spec, LOCAL)
         ref = reference_work(spec, say)
         records.append(dict(seed=seed, layers=report.layers,
                             **_row_vs_reference(report.runs[ONE_RANK], ref, torch_dtype(dtype), report.layers)))
