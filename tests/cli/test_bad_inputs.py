@@ -253,14 +253,18 @@ def test_the_table_covers_at_least_40_bad_inputs():
 def test_debug_shows_the_failing_ranks_traceback(capsys):
     """--debug prints the failing rank's own traceback (issue item 11), still ending in one line."""
     # A collective timeout of 1 ms: the ranks fail joining each other or at a collective, after the
-    # parent's checks. Two warm ranks can, rarely, finish a whole small run inside 1 ms waits (seen
-    # once in a few dozen runs): then the run is tried again, at most 5 times.
+    # parent's checks. Two outcomes of chance are tried again, at most 5 times: two warm ranks can,
+    # rarely, finish a whole small run inside 1 ms waits (seen once in a few dozen runs), and gloo
+    # can crash a rank outright on so short a timeout (exit code -11, seen once in a clean-clone
+    # run), which leaves no Python traceback to show (the launcher then says the rank died).
+    seen = []
     for _ in range(5):
         code = main(["--debug", "run", *CPU, "-w", "2", *SMALL, "--strategy", "tree,ring", "--timeout", "0.001"])
         err = capsys.readouterr().err
-        if code != 0:
+        seen.append(code if "died (exit code" not in err else "a rank died without reporting")
+        if code != 0 and "died (exit code" not in err:
             break
     # Each check shows the whole stderr: a failure under load must say which outcome it was.
-    assert code == 1, f"exit code {code} (0: 5 runs with a 1 ms timeout all succeeded); stderr:\n{err}"
+    assert code == 1 and "died (exit code" not in err, f"outcomes {seen}; the last one's stderr:\n{err}"
     assert "the failing rank's traceback:" in err and "_child" in err, err
     assert err.strip().splitlines()[-1].startswith("error: rank "), err
