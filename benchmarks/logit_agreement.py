@@ -29,15 +29,10 @@ from tree_attn.files import atomic_write_text, exit_if_unwritable
 def _row_vs_reference(one, ref, dtype, layers: int) -> dict:
     """One prompt: the parting (0-based step or None), the logits' largest disagreement up to it,
     and the two gaps there, in ulps of ``dtype``."""
-    from tree_attn.commands.generate.ties import near_tie, tie_bound, ulp
+    from tree_attn.commands.generate.ties import agreement_ulps, near_tie, tie_bound, ulp
 
     part = next((i for i, (a, b) in enumerate(zip(one.tokens, ref.tokens, strict=True)) if a != b), None)
-    worst = 0.0
-    for s in range(len(ref.top) if part is None else part + 1):
-        for token, value in zip(ref.top[s].ids, ref.top[s].logits, strict=True):
-            other = one.top[s].logit_of(token)
-            if other is not None:
-                worst = max(worst, abs(other - value) / ulp(max(abs(value), abs(other)), dtype))
+    worst = agreement_ulps(ref.top, one.top, len(ref.top) if part is None else part + 1, dtype)
     rec = dict(parting=part, agree_ulps=worst, reference_gap_ulps=None, own_gap_ulps=None, tie=None,
                tie_bound_ulps=tie_bound(layers))
     if part is not None:

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where used: the CLI reads the bound's scale without it
     import torch
 
-__all__ = ["TIE_ULPS_PER_ROOT_LAYER", "TOP_K", "NearTie", "StepTop", "near_tie", "parting", "step_top", "tie_bound",
-           "ulp"]
+__all__ = ["TIE_ULPS_PER_ROOT_LAYER", "TOP_K", "NearTie", "StepTop", "agreement_ulps", "near_tie", "parting",
+           "step_top", "tie_bound", "ulp"]
 
 TOP_K = 8  # best logits every row records per step
 TIE_ULPS_PER_ROOT_LAYER = 8  # the bound's scale: tie_bound
@@ -123,6 +123,15 @@ class NearTie:
                 f"{self.bound:.0f} ulps count as rounding; after that the two continue from different tokens")
 
 
+def agreement_ulps(top: list[StepTop], other: list[StepTop], steps: int, dtype: torch.dtype) -> float:
+    """The largest difference, in ulps of ``dtype``, between two rows' logits for a token both
+    recorded among their best, over their first ``steps`` steps."""
+    return max((_ulps(value, theirs, dtype)
+                for s in range(steps)
+                for token, value in zip(top[s].ids, top[s].logits, strict=True)
+                if (theirs := other[s].logit_of(token)) is not None), default=0.0)
+
+
 def _assess(tokens: list[int], theirs: list[int], top: list[StepTop], dtype: torch.dtype, against: str,
             own_top: list[StepTop] | None, bound: float) -> tuple[int | None, NearTie | None, str]:
     """``(parting step or None, the near-tie or None, why not a tie)`` for ``tokens`` against
@@ -153,12 +162,7 @@ def _assess(tokens: list[int], theirs: list[int], top: list[StepTop], dtype: tor
         own_ulps = _ulps(mine_own, their_own, dtype)
         if own_ulps > bound:
             return step, None, f"this row's own logits for the two differ by {own_ulps:.1f} ulps of {dt}"
-        agree = 0.0
-        for s in range(step + 1):
-            for token, value in zip(top[s].ids, top[s].logits, strict=True):
-                other = own_top[s].logit_of(token)
-                if other is not None:
-                    agree = max(agree, _ulps(value, other, dtype))
+        agree = agreement_ulps(top, own_top, step + 1, dtype)
         if agree > bound:
             return step, None, f"the two rows' logits differ by up to {agree:.1f} ulps of {dt} by then"
     return step, NearTie(step, tokens[step], theirs[step], gap, ulps, dt, against, own_ulps, agree, bound), ""
